@@ -1,0 +1,97 @@
+"""Fused LoRA ops (SPEC §7). No federated-learning knowledge lives here.
+
+``lora_linear`` is the entry point the adapter layer calls. It dispatches to the fused Triton
+kernels on CUDA tensors (when they are available) and to the pure-PyTorch reference elsewhere.
+
+Dispatch (``FEDLORA_KERNELS`` environment variable, read at every call):
+
+* ``auto`` (default): Triton when X is a CUDA tensor, triton imports, and the call is supported
+  (float32/float16/bfloat16 with one dtype for all operands, no autocast, r + r̃ ≤ ``MAX_RANK``);
+  otherwise the reference. CPU always takes the reference.
+* ``triton``: always the Triton path; unsupported input raises ``ValueError``. On CPU this needs
+  ``TRITON_INTERPRET=1`` set before triton is imported (tests) and float32.
+* ``reference``: always the pure-PyTorch reference.
+
+``FEDLORA_KERNELS_POISON=1`` fills kernel outputs with NaN before each launch (tests).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .lora_linear import (FUSE_MAX_M, HAS_TRITON, MAX_RANK, fold_adapters, interpreter_active,
+                          lora_linear_multi, lora_linear_triton)
+from .reference import check_lora_shapes, lora_linear_reference
+
+__all__ = ["lora_linear", "lora_linear_reference", "check_lora_shapes", "lora_linear_triton",
+           "lora_linear_multi", "fold_adapters", "backend_for", "MAX_RANK", "FUSE_MAX_M", "HAS_TRITON"]
+
+_BACKENDS = ("auto", "triton", "reference")
+
+
+def _mode(backend: str | None) -> str:
+    mode = (backend or os.environ.get("FEDLORA_KERNELS", "auto") or "auto").lower()
+    if mode not in _BACKENDS:
+        raise ValueError(f"kernels: backend / FEDLORA_KERNELS must be one of {_BACKENDS}, got {mode!r}")
+    return mode
+
+
+def _auto_ok(x: torch.Tensor, tensors) -> bool:
+    if not (HAS_TRITON and x.is_cuda) or torch.is_autocast_enabled():
+        return False
+    from .lora_linear import _load_triton
+
+    try:
+        _load_triton()
+    except ValueError:  # broken triton install: stay on the reference
+        return False
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return False
+    return all(t is None or (t.device == x.device and t.dtype == x.dtype) for t in tensors)
+
+
+def _use_triton(x: torch.Tensor, backend: str | None = None, tensors=()) -> bool:
+    mode = _mode(backend)
+    if mode == "reference":
+        return False
+    if mode == "triton":
+        return True
+    return _auto_ok(x, tensors)
+
+
+def backend_for(x: torch.Tensor, *tensors, backend: str | None = None) -> str:
+    """'triton' or 'reference': what ``lora_linear`` would run for these operands."""
+    return "triton" if _use_triton(x, backend, tensors) else "reference"
+
+
+def lora_linear(x, weight, bias, a, b, scale=1.0, c=None, d=None, client_scale=1.0, *,
+                rank_mask=None, client_rank_mask=None, middle=None, middle_phi=None, middle_mask=None,
+                backend=None, precision=None, fuse=None):
+    """Two-level LoRA linear: Y = X W0ᵀ + b + s₁(XAᵀ)Bᵀ + s₂(XCᵀ)Dᵀ (shapes: ``kernels.reference``).
+
+    Keyword-only extras (both backends):
+      rank_mask ([G,] r): LoRA-A² rank mask; ΔW = s₁·B·diag(m)·A (masked ranks contribute nothing
+        and get zero A-row gradients).
+      client_rank_mask ([G,] r̃): the same for the client adapter.
+      middle, middle_phi, middle_mask ([G,] r, r): H²Tune TriLoRA, ΔW = s₁·B·(I + Φ⊙Ω⊙R)·diag(m)·A;
+        gradients of R and Φ vanish off the support Ω.
+      backend: 'auto' | 'triton' | 'reference' (default: env FEDLORA_KERNELS, else 'auto').
+      precision ('ieee' | 'tf32'), fuse (bool): Triton-path knobs, see ``lora_linear_triton``.
+    """
+    extras = (rank_mask, client_rank_mask, middle, middle_phi, middle_mask)
+    if _use_triton(x, backend, (weight, bias, a, b, c, d, middle, middle_phi)):
+        return lora_linear_triton(x, weight, bias, a, b, scale, c, d, client_scale, rank_mask=rank_mask,
+                                  client_rank_mask=client_rank_mask, middle=middle, middle_phi=middle_phi,
+                                  middle_mask=middle_mask, precision=precision, fuse=fuse)
+    if all(e is None for e in extras):
+        return lora_linear_reference(x, weight, bias, a, b, scale, c, d, client_scale)
+    from .lora_linear import _check_extras
+
+    check_lora_shapes(x, weight, bias, a, b, c, d)
+    _check_extras(a, rank_mask, middle, middle_phi, middle_mask, c, client_rank_mask,
+                  a.shape[:1] if a.dim() == 3 else ())
+    a_e, b_e, c_e, d_e = fold_adapters(a, b, scale, c, d, client_scale, rank_mask=rank_mask,
+                                       client_rank_mask=client_rank_mask, middle=middle,
+                                       middle_phi=middle_phi, middle_mask=middle_mask)
+    return lora_linear_reference(x, weight, bias, a_e, b_e, 1.0, c_e, d_e, 1.0)

@@ -1,0 +1,213 @@
+"""Triton kernels of the fused LoRA linear op (SPEC §7). Imported only when ``triton`` imports.
+
+Two kernels cover forward and backward of the segmented (multi-client) low-rank linear
+
+    OUT[rows of segment g] = X W [+ (X Wl_g) Rt_g | + L Rt_g] [+ bias]
+
+* ``_lowrank_mm_kernel`` — an (M × N) GEMM with a low-rank epilogue: the accumulator starts from
+  ``L @ Rt_g`` (``HAS_L``: L precomputed, e.g. S = X A_catᵀ) or, with ``FUSE_SHRINK``, the skinny
+  ``S = X Wl_g`` is accumulated in the *same* K loop as the base GEMM (small M: one launch reads X
+  once) and written out (for the backward) by the programs of the first N block. W may itself be
+  per-segment (``stride_wg``), which makes the same kernel the shrink ``S = X A_g ᵀ``.
+  Used for: S = X A_catᵀ, Y = X W0ᵀ + S B_catᵀ + b, dS = dY B_cat, dX = dY W0 + dS A_cat.
+* ``_seg_tn_kernel`` — per segment ``OUT_g = U_gᵀ V_g`` reducing over the rows of the segment,
+  split over ``SPLIT`` programs that ``atomic_add`` into a zeroed fp32 buffer (hence
+  ``reset_to_zero`` in its autotuner). Used for dA_cat = dSᵀ X and dB_cat = dYᵀ S.
+
+Row tiles never straddle a segment: program ``pid_m`` finds its (segment, first row) by scanning
+the segment offsets (``_seg_tile``), and the host sizes the grid to the exact number of tiles.
+"""
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _bucket(n: int) -> int:
+    """Autotune key bucket for a token count: next power of two, clipped to [16, 16384]."""
+    return min(max(16, triton.next_power_of_2(max(int(n), 1))), 16384)
+
+
+def _mm_configs():
+    if INTERPRET:  # one small config: exercises multi-tile masking, no benchmarking on CPU
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4, num_stages=1)]
+    cfgs = []
+    for bm, bn, bk, w, s in (
+        (16, 64, 64, 4, 4), (16, 128, 64, 4, 4), (32, 64, 64, 4, 4), (32, 128, 64, 4, 4),
+        (64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 256, 64, 8, 3), (128, 64, 64, 4, 4),
+        (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
+        (64, 16, 128, 4, 4), (128, 16, 128, 4, 4), (64, 32, 128, 4, 4), (128, 32, 64, 4, 4),
+        (128, 64, 32, 4, 4),
+    ):
+        cfgs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s))
+    return cfgs
+
+
+def _prune_mm(configs, named_args, **kwargs):
+    named_args = {**named_args, **kwargs}
+    n = named_args["N"]
+    mb = named_args["M_BUCKET"]
+    br = named_args.get("BLOCK_R", 16)
+    nb = max(16, triton.next_power_of_2(n))
+    keep = [c for c in configs
+            if c.kwargs["BLOCK_N"] <= nb and c.kwargs["BLOCK_M"] <= max(16, mb)
+            # keep register pressure sane when the low-rank tile is wide
+            and not (br >= 128 and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] > 128 * 128)]
+    return keep or configs[:1]
+
+
+def _tn_configs():
+    if INTERPRET:
+        return [triton.Config({"BLOCK_P": 32, "BLOCK_Q": 64, "BLOCK_M": 32, "SPLIT": 2}, num_warps=4, num_stages=1)]
+    cfgs = []
+    for bp, bq, bm, split, w in (
+        (16, 128, 64, 1, 4), (16, 128, 64, 4, 4), (16, 128, 64, 16, 4), (16, 256, 64, 8, 8),
+        (32, 128, 64, 4, 4), (64, 64, 64, 8, 4), (64, 128, 64, 4, 4), (128, 16, 64, 8, 4),
+        (128, 32, 64, 4, 4), (128, 64, 64, 4, 4), (256, 16, 64, 4, 8), (128, 16, 128, 16, 4),
+        (64, 64, 128, 1, 4), (128, 128, 32, 2, 8),
+    ):
+        cfgs.append(triton.Config({"BLOCK_P": bp, "BLOCK_Q": bq, "BLOCK_M": bm, "SPLIT": split},
+                                  num_warps=w, num_stages=3))
+    return cfgs
+
+
+def _prune_tn(configs, named_args, **kwargs):
+    named_args = {**named_args, **kwargs}
+    pb = max(16, triton.next_power_of_2(named_args["P"]))
+    qb = max(16, triton.next_power_of_2(named_args["Q"]))
+    mb = named_args["M_BUCKET"]
+    keep = [c for c in configs
+            if c.kwargs["BLOCK_P"] <= pb and c.kwargs["BLOCK_Q"] <= qb
+            and c.kwargs["BLOCK_M"] * c.kwargs["SPLIT"] <= max(64, 4 * mb)]
+    return keep or configs[:1]
+
+
+@triton.jit
+def _seg_tile(pid_m, seg_ptr, num_segs, BLOCK_M: tl.constexpr):
+    """(segment, first row, end row) of row tile ``pid_m``; tiles are packed segment by segment."""
+    zero = pid_m * 0
+    seg = zero
+    start = zero
+    end = zero
+    base = zero
+    for k in range(num_segs):
+        s = tl.load(seg_ptr + k)
+        e = tl.load(seg_ptr + k + 1)
+        nt = (e - s + BLOCK_M - 1) // BLOCK_M
+        hit = (pid_m >= base) & (pid_m < base + nt)
+        seg = tl.where(hit, k, seg)
+        start = tl.where(hit, s + (pid_m - base) * BLOCK_M, start)
+        end = tl.where(hit, e, end)
+        base = base + nt
+    return seg, start, end
+
+
+@triton.autotune(configs=_mm_configs(), key=["M_BUCKET", "N", "K", "BLOCK_R", "NUM_SEGS_BUCKET", "HAS_W",
+                                              "FUSE_SHRINK", "HAS_L", "HAS_BIAS"],
+                 prune_configs_by={"early_config_prune": _prune_mm})
+@triton.jit
+def _lowrank_mm_kernel(
+    x_ptr, w_ptr, wl_ptr, l_ptr, rt_ptr, bias_ptr, out_ptr, s_out_ptr, seg_ptr,
+    M, N, K, R, num_segs, M_BUCKET, NUM_SEGS_BUCKET,
+    stride_xm, stride_xk,
+    stride_wg, stride_wk, stride_wn,
+    stride_wlg, stride_wlk, stride_wlr,
+    stride_lm, stride_lr,
+    stride_rtg, stride_rtr, stride_rtn,
+    stride_om, stride_on,
+    stride_sm, stride_sr,
+    HAS_W: tl.constexpr, FUSE_SHRINK: tl.constexpr, HAS_L: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    seg, start, end = _seg_tile(pid_m, seg_ptr, num_segs, BLOCK_M)
+    seg = seg.to(tl.int64)
+    offs_m = (start + tl.arange(0, BLOCK_M)).to(tl.int64)
+    m_mask = offs_m < end
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if HAS_L:
+        # design lead: the accumulator starts from the low-rank product L · Rt_g
+        lt = tl.load(l_ptr + offs_m[:, None] * stride_lm + offs_r[None, :] * stride_lr,
+                     mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+        rt = tl.load(rt_ptr + seg * stride_rtg + offs_r[:, None] * stride_rtr + offs_n[None, :] * stride_rtn,
+                     mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(lt, rt, acc, input_precision=PRECISION)
+    if HAS_W or FUSE_SHRINK:
+        s_acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < K
+            xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                         mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            if HAS_W:
+                wt = tl.load(w_ptr + seg * stride_wg + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn,
+                             mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+                acc = tl.dot(xt, wt, acc, input_precision=PRECISION)
+            if FUSE_SHRINK:
+                wl = tl.load(wl_ptr + seg * stride_wlg + offs_k[:, None] * stride_wlk + offs_r[None, :] * stride_wlr,
+                             mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+                s_acc = tl.dot(xt, wl, s_acc, input_precision=PRECISION)
+        if FUSE_SHRINK:
+            s = s_acc.to(s_out_ptr.dtype.element_ty)
+            r_store = tl.where(pid_n == 0, R, 0)  # only the first N block writes S out
+            tl.store(s_out_ptr + offs_m[:, None] * stride_sm + offs_r[None, :] * stride_sr, s,
+                     mask=m_mask[:, None] & (offs_r[None, :] < r_store))
+            rt = tl.load(rt_ptr + seg * stride_rtg + offs_r[:, None] * stride_rtr + offs_n[None, :] * stride_rtn,
+                         mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+            acc = tl.dot(s.to(rt.dtype), rt, acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        acc = acc + bias[None, :]
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
+             acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.autotune(configs=_tn_configs(), key=["P", "Q", "M_BUCKET", "NUM_SEGS_BUCKET"],
+                 prune_configs_by={"early_config_prune": _prune_tn}, reset_to_zero=["out_ptr"])
+@triton.jit
+def _seg_tn_kernel(
+    u_ptr, v_ptr, out_ptr, seg_ptr,
+    P, Q, M_BUCKET, NUM_SEGS_BUCKET,
+    stride_um, stride_up, stride_vm, stride_vq,
+    stride_og, stride_op, stride_oq,
+    PRECISION: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr,
+):
+    """OUT[g] += U[rows_g]ᵀ V[rows_g]; grid (P tiles × Q tiles, segments, SPLIT); OUT fp32, zeroed."""
+    pid_pq = tl.program_id(0)
+    seg = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    num_q = tl.cdiv(Q, BLOCK_Q)
+    pid_p = pid_pq // num_q
+    pid_q = pid_pq % num_q
+    start = tl.load(seg_ptr + seg)
+    end = tl.load(seg_ptr + seg + 1)
+    chunk = tl.cdiv(tl.cdiv(end - start, SPLIT), BLOCK_M) * BLOCK_M
+    lo = start + pid_s * chunk
+    hi = tl.minimum(lo + chunk, end)
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    p_mask = offs_p < P
+    offs_q = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    q_mask = offs_q < Q
+    acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
+    for m0 in range(lo, hi, BLOCK_M):
+        offs_m = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+        m_mask = offs_m < hi
+        ut = tl.load(u_ptr + offs_p[:, None] * stride_up + offs_m[None, :] * stride_um,
+                     mask=p_mask[:, None] & m_mask[None, :], other=0.0)
+        vt = tl.load(v_ptr + offs_m[:, None] * stride_vm + offs_q[None, :] * stride_vq,
+                     mask=m_mask[:, None] & q_mask[None, :], other=0.0)
+        acc = tl.dot(ut, vt, acc, input_precision=PRECISION)
+    tl.atomic_add(out_ptr + seg.to(tl.int64) * stride_og + offs_p[:, None] * stride_op + offs_q[None, :] * stride_oq,
+                  acc, mask=p_mask[:, None] & q_mask[None, :])

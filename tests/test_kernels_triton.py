@@ -1,0 +1,302 @@
+"""Triton kernel tests (SPEC §7) — run on CPU under the Triton interpreter.
+
+TRITON_INTERPRET must be set before the kernels module is first loaded; ``kernels`` imports triton
+lazily (first Triton-path call), so setting it here at import time is enough even when other test
+files imported ``kernels``/``fedlora`` first. Outputs are NaN-poisoned before every launch
+(FEDLORA_KERNELS_POISON=1), so an element a kernel fails to write shows up as NaN.
+
+Tolerance: every output and gradient within 1e-5 of a float64 oracle, relative to the oracle's
+largest magnitude (elementwise relative error is meaningless for entries near zero).
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ["FEDLORA_KERNELS_POISON"] = "1"
+
+import importlib.util  # noqa: E402
+import pathlib  # noqa: E402
+import sys  # noqa: E402
+
+_ROOT = str(pathlib.Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:  # the repo root holds the `kernels` package
+    sys.path.insert(0, _ROOT)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import kernels  # noqa: E402
+from kernels import lora_linear, lora_linear_multi, lora_linear_reference  # noqa: E402
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+
+if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover
+    pytest.skip("TRITON_INTERPRET was set to something other than 1", allow_module_level=True)
+
+TOL = 1e-5
+SETTINGS = dict(max_examples=20, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    assert torch.isfinite(got).all(), "non-finite entries (unwritten output?)"
+    scale = ref.abs().max().item()
+    return (got.double() - ref).abs().max().item() / max(scale, 1e-30)
+
+
+def _oracle(x, w, bias, a, b, s1, c=None, d=None, s2=1.0, rank_mask=None, client_rank_mask=None,
+            middle=None, phi=None, support=None):
+    """Float64 ΔW formula, independent of the folding code."""
+    r = a.shape[-2]
+    mid = torch.eye(r, dtype=a.dtype)
+    if middle is not None:
+        e = middle
+        if phi is not None:
+            e = e * phi
+        if support is not None:
+            e = e * support.to(e.dtype)
+        mid = mid + e
+    m = torch.ones(r, dtype=a.dtype) if rank_mask is None else rank_mask.to(a.dtype)
+    dw = s1 * (b @ mid @ torch.diag_embed(m) @ a)
+    if c is not None:
+        m2 = torch.ones(c.shape[-2], dtype=a.dtype) if client_rank_mask is None else client_rank_mask.to(a.dtype)
+        dw = dw + s2 * (d @ torch.diag_embed(m2) @ c)
+    y = x @ dw.transpose(-1, -2)
+    if w is not None:
+        y = y + x @ w.T
+    if bias is not None:
+        y = y + bias
+    return y
+
+
+def _leaves(*ts):
+    f32 = [None if t is None else t.detach().clone().requires_grad_(t.requires_grad) for t in ts]
+    f64 = [None if t is None else t.detach().double().requires_grad_(t.requires_grad) for t in ts]
+    return f32, f64
+
+
+def _compare(fn32, fn64, tensors, tol=TOL):
+    """Run both, compare outputs and the gradient of every leaf that requires grad."""
+    (t32, t64) = _leaves(*tensors)
+    y32, y64 = fn32(*t32), fn64(*t64)
+    assert _rel(y32, y64) < tol, f"forward rel err {_rel(y32, y64)}"
+    g = torch.randn(y32.shape, dtype=torch.float64)
+    idx = [i for i, t in enumerate(tensors) if t is not None and t.requires_grad]
+    gr32 = torch.autograd.grad(y32, [t32[i] for i in idx], g.float(), allow_unused=True)
+    gr64 = torch.autograd.grad(y64, [t64[i] for i in idx], g, allow_unused=True)
+    for i, p, q in zip(idx, gr32, gr64):
+        if q is None:
+            continue
+        if p is None:
+            p = torch.zeros_like(q).float()
+        assert _rel(p, q) < tol, f"grad of input #{i}: rel err {_rel(p, q)}"
+    return y32
+
+
+def _make(M, d_in, d_out, r, rc, *, bias=True, base=True, stack=None, three_d=False, gen=None):
+    lead = () if stack is None else (stack,)
+    xs = (stack, M, d_in) if stack is not None else ((2, M, d_in) if three_d else (M, d_in))
+    x = torch.randn(xs, generator=gen).requires_grad_()
+    w = torch.randn(d_out, d_in, generator=gen) / d_in ** 0.5 if base else None
+    bb = torch.randn(d_out, generator=gen) if bias else None
+    a = torch.randn(*lead, r, d_in, generator=gen).requires_grad_()
+    b = torch.randn(*lead, d_out, r, generator=gen).requires_grad_()
+    c = d = None
+    if rc:
+        c = torch.randn(*lead, rc, d_in, generator=gen).requires_grad_()
+        d = torch.randn(*lead, d_out, rc, generator=gen).requires_grad_()
+    return x, w, bb, a, b, c, d
+
+
+DIMS = st.sampled_from([1, 17, 40, 100])
+RANKS = st.sampled_from([1, 3, 8, 16, 17, 64])
+
+
+@settings(**SETTINGS)
+@given(M=DIMS, d_in=DIMS, d_out=DIMS, r=RANKS, rc=st.sampled_from([0, 2, 5, 64]),
+       bias=st.booleans(), base=st.booleans(), three_d=st.booleans(), fuse=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_forward_backward_matches_float64(M, d_in, d_out, r, rc, bias, base, three_d, fuse, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x, w, bb, a, b, c, d = _make(M, d_in, d_out, r, rc, bias=bias, base=base, three_d=three_d, gen=gen)
+    _compare(lambda *t: lora_linear(*t[:5], 0.7, t[5], t[6], 1.3, backend="triton", fuse=fuse),
+             lambda *t: _oracle(*t[:5], 0.7, t[5], t[6], 1.3), (x, w, bb, a, b, c, d))
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+@pytest.mark.parametrize("mask_kind", ["on", "off", "random"])
+def test_rank_mask(mask_kind, fuse):
+    gen = torch.Generator().manual_seed(1)
+    x, w, bb, a, b, c, d = _make(33, 40, 24, 8, 4, gen=gen)
+    m = {"on": torch.ones(8), "off": torch.zeros(8),
+         "random": (torch.rand(8, generator=gen) > 0.5).float()}[mask_kind]
+    m2 = (torch.rand(4, generator=gen) > 0.5).float()
+    fn = lambda *t: lora_linear(*t[:5], 0.5, t[5], t[6], 2.0, rank_mask=m, client_rank_mask=m2,  # noqa: E731
+                                backend="triton", fuse=fuse)
+    _compare(fn, lambda *t: _oracle(*t[:5], 0.5, t[5], t[6], 2.0, m.double(), m2.double()),
+             (x, w, bb, a, b, c, d))
+    # masked ranks: no contribution and zero gradients on their A rows / B columns
+    a2, b2 = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    y = lora_linear(x.detach(), w, bb, a2, b2, 0.5, rank_mask=m, backend="triton", fuse=fuse)
+    y.sum().backward()
+    off = m == 0
+    assert torch.all(a2.grad[off] == 0) and torch.all(b2.grad[:, off] == 0)
+    if mask_kind == "off":
+        ref = x.detach() @ w.T + bb
+        assert _rel(y, ref.double()) < TOL
+
+
+@pytest.mark.parametrize("density", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("d_in,d_out", [(40, 24), (24, 40)])  # fold into B, fold into A
+def test_middle_matrix(density, d_in, d_out):
+    gen = torch.Generator().manual_seed(2)
+    r = 8
+    x, w, bb, a, b, _, _ = _make(21, d_in, d_out, r, 0, gen=gen)
+    rr = torch.randn(r, r, generator=gen).requires_grad_()
+    phi = torch.randn(r, r, generator=gen).requires_grad_()
+    k = round(density * r * r)
+    support = torch.zeros(r * r)
+    support[torch.randperm(r * r, generator=gen)[:k]] = 1.0
+    support = support.view(r, r)
+    rmask = (torch.rand(r, generator=gen) > 0.3).float()
+    fn = lambda x_, w_, b_, a_, bb_, rr_, phi_: lora_linear(  # noqa: E731
+        x_, w_, b_, a_, bb_, 0.5, middle=rr_, middle_phi=phi_, middle_mask=support, rank_mask=rmask,
+        backend="triton")
+    ref = lambda x_, w_, b_, a_, bb_, rr_, phi_: _oracle(  # noqa: E731
+        x_, w_, b_, a_, bb_, 0.5, rank_mask=rmask.double(), middle=rr_, phi=phi_, support=support.double())
+    _compare(fn, ref, (x, w, bb, a, b, rr, phi))
+    rr2, phi2 = rr.detach().clone().requires_grad_(), phi.detach().clone().requires_grad_()
+    fn(x.detach(), w, bb, a.detach(), b.detach(), rr2, phi2).square().sum().backward()
+    off = support == 0
+    assert torch.all(rr2.grad[off] == 0) and torch.all(phi2.grad[off] == 0)
+    if density > 0:
+        assert rr2.grad[~off].abs().sum() > 0
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_stacked_factors(fuse):
+    gen = torch.Generator().manual_seed(3)
+    x, w, bb, a, b, c, d = _make(19, 30, 20, 4, 2, stack=3, gen=gen)
+    _compare(lambda *t: lora_linear(*t[:5], 0.5, t[5], t[6], 1.5, backend="triton", fuse=fuse),
+             lambda *t: _oracle(*t[:5], 0.5, t[5], t[6], 1.5), (x, w, bb, a, b, c, d))
+
+
+@pytest.mark.parametrize("lens", [[5, 0, 40, 17], [1], [33, 33]])
+@pytest.mark.parametrize("fuse", [True, False])
+def test_multi_client_equals_separate_calls(lens, fuse):
+    gen = torch.Generator().manual_seed(4)
+    K, d_in, d_out, r, rc = len(lens), 36, 28, 6, 3
+    M = sum(lens)
+    x = torch.randn(M, d_in, generator=gen).requires_grad_()
+    w = torch.randn(d_out, d_in, generator=gen)
+    bb = torch.randn(d_out, generator=gen)
+    a = torch.randn(r, d_in, generator=gen).requires_grad_()
+    b = torch.randn(d_out, r, generator=gen).requires_grad_()
+    c = torch.randn(K, rc, d_in, generator=gen).requires_grad_()
+    d = torch.randn(K, d_out, rc, generator=gen).requires_grad_()
+    offs = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)))
+    cm = (torch.rand(K, rc, generator=gen) > 0.3).float()
+
+    def separate(x_, w_, b_, a_, bb_, c_, d_):
+        ys = [_oracle(x_[offs[k]:offs[k + 1]], w_, b_, a_, bb_, 0.5, c_[k], d_[k], 2.0,
+                      client_rank_mask=cm[k].to(x_.dtype)) for k in range(K)]
+        return torch.cat(ys)
+
+    _compare(lambda *t: lora_linear_multi(*t[:5], t[5], t[6], offs, 0.5, 2.0, client_rank_mask=cm,
+                                          backend="triton", fuse=fuse),
+             separate, (x, w, bb, a, b, c, d))
+    # and the reference backend of the multi op agrees with K calls of the public op
+    y_ref = lora_linear_multi(x, w, bb, a, b, c, d, offs, 0.5, 2.0, backend="reference")
+    y_sep = torch.cat([lora_linear(x[offs[k]:offs[k + 1]], w, bb, a, b, 0.5, c[k], d[k] * cm[k], 2.0,
+                                   backend="reference") for k in range(K)])
+    assert not torch.equal(cm, torch.ones_like(cm)) or torch.allclose(y_ref, y_sep)
+
+
+def test_hvp_through_op_matches_reference():
+    """PF2LoRA mixed term ∇²_{xy}F·v: double backward through the Triton op vs the reference."""
+    gen = torch.Generator().manual_seed(5)
+    x, w, bb, a, b, c, d = _make(23, 20, 18, 4, 2, gen=gen)
+    x = x.detach()
+    target = torch.randn(23, 18, generator=gen)
+    v = [torch.randn_like(c), torch.randn_like(d)]
+
+    def hvp(fn):
+        a_, b_, c_, d_ = (t.detach().clone().requires_grad_() for t in (a, b, c, d))
+        y = fn(x, w, bb, a_, b_, 0.5, c_, d_, 2.0)
+        loss = torch.tanh(y - target).square().mean()
+        gy = torch.autograd.grad(loss, (c_, d_), create_graph=True)
+        dot = sum((g * vv).sum() for g, vv in zip(gy, v))
+        return torch.autograd.grad(dot, (a_, b_, c_, d_))
+
+    got = hvp(lambda *t: lora_linear(*t, backend="triton"))
+    ref = hvp(lambda *t: lora_linear_reference(*[u.double() if isinstance(u, torch.Tensor) else u for u in t]))
+    for p, q in zip(got, ref):
+        assert _rel(p, q) < 1e-4  # second order through fp32 chains: looser than first order
+
+
+def test_gradcheck_reference_float64():
+    gen = torch.Generator().manual_seed(6)
+    x, w, bb, a, b, c, d = _make(5, 6, 4, 2, 1, gen=gen)
+    ts = [t.detach().double().requires_grad_(t.requires_grad) if t is not None else None
+          for t in (x, w, bb, a, b, c, d)]
+    f = lambda x_, a_, b_, c_, d_: lora_linear_reference(x_, ts[1], ts[2], a_, b_, 0.5, c_, d_, 2.0)  # noqa: E731
+    inputs = (ts[0], ts[3], ts[4], ts[5], ts[6])
+    assert torch.autograd.gradcheck(f, inputs)
+    assert torch.autograd.gradgradcheck(f, inputs)
+
+
+def test_folded_reference_path_matches_oracle():
+    gen = torch.Generator().manual_seed(7)
+    x, w, bb, a, b, c, d = _make(9, 12, 10, 4, 2, gen=gen)
+    m = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    rr = torch.randn(4, 4, generator=gen)
+    _compare(lambda *t: lora_linear(*t[:5], 0.5, t[5], t[6], 2.0, rank_mask=m, middle=rr, backend="reference"),
+             lambda *t: _oracle(*t[:5], 0.5, t[5], t[6], 2.0, m.double(), middle=rr.double()),
+             (x, w, bb, a, b, c, d))
+
+
+def test_cpu_default_is_reference():
+    x = torch.randn(3, 4)
+    assert kernels.backend_for(x, backend="auto") == "reference"
+    assert kernels.backend_for(x, backend="triton") == "triton"
+
+
+@pytest.mark.parametrize("case,match", [
+    ("rank", "exceeds"), ("dtype", "dtype"), ("shape", "B must be"), ("mask", "rank_mask"),
+    ("middle", "middle"), ("offsets", "seg_offsets"), ("fp64", "float32"), ("backend", "FEDLORA_KERNELS"),
+])
+def test_bad_input_raises_valueerror_before_launch(case, match):
+    x = torch.randn(4, 8)
+    w = torch.randn(6, 8)
+    a, b = torch.randn(2, 8), torch.randn(6, 2)
+    with pytest.raises(ValueError, match=match):
+        if case == "rank":
+            lora_linear(x, w, None, torch.randn(100, 8), torch.randn(6, 100), 1.0, torch.randn(40, 8),
+                        torch.randn(6, 40), backend="triton")
+        elif case == "dtype":
+            lora_linear(x, w.double(), None, a, b, backend="triton")
+        elif case == "shape":
+            lora_linear(x, w, None, a, torch.randn(5, 2), backend="triton")
+        elif case == "mask":
+            lora_linear(x, w, None, a, b, rank_mask=torch.ones(3), backend="triton")
+        elif case == "middle":
+            lora_linear(x, w, None, a, b, middle=torch.ones(3, 3), backend="triton")
+        elif case == "offsets":
+            lora_linear_multi(x, w, None, a, b, torch.randn(2, 1, 8), torch.randn(2, 6, 1), [0, 3, 5],
+                              backend="triton")
+        elif case == "fp64":
+            lora_linear(x.double(), w.double(), None, a.double(), b.double(), backend="triton")
+        elif case == "backend":
+            lora_linear(x, w, None, a, b, backend="cuda-please")
+
+
+def test_poison_catches_unwritten_output():
+    """The NaN poison is real: an output the kernels never touch stays NaN."""
+    from kernels.lora_linear import _alloc
+
+    t = _alloc((2, 3), torch.float32, torch.device("cpu"))
+    assert torch.isnan(t).all()
