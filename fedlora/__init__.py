@@ -1,0 +1,5 @@
+"""fedlora — federated LoRA fine-tuning: methods, pure aggregation, simulator, CLI."""
+from .errors import ConfigError
+
+__version__ = "0.1.0"
+__all__ = ["ConfigError", "__version__"]

@@ -1,0 +1,120 @@
+"""The adapter layer: frozen W0 (+ bias) and the method's trainable factors (SPEC §2).
+
+One code path: the synthetic testbed is a single ``LoRALinear`` with W0 = 0, and the LLM layer
+injects the same class into HF models. Its forward is one ``kernels.lora_linear`` call.
+
+Factors (PEFT orientation, SPEC §3), with an optional leading stack dimension ``G`` holding
+independent replicas (clients × seeds) that share W0::
+
+    lora_A  ([G,] r, d_in)    lora_B  ([G,] d_out, r)     common adapter x = (A, B)
+    lora_C  ([G,] r̃, d_in)    lora_D  ([G,] d_out, r̃)     client adapter y = (C, D), r̃ may be 0
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+import kernels
+
+from .errors import ConfigError
+
+__all__ = ["LoRALinear"]
+
+
+class LoRALinear(nn.Module):
+    """y = x W0ᵀ + b + s₁ (x Aᵀ) Bᵀ + s₂ (x Cᵀ) Dᵀ with W0, b frozen.
+
+    Args:
+        in_features, out_features: d_in, d_out.
+        rank: r of the common adapter (≥ 1).
+        client_rank: r̃ of the client adapter (0 = plain LoRA).
+        alpha, client_alpha: LoRA scaling numerators; s₁ = alpha / r, s₂ = client_alpha / r̃.
+            ``None`` means alpha = r (s = 1).
+        base_weight: frozen W0 (d_out, d_in); ``None`` means W0 = 0 (no base GEMM at all).
+        base_bias: frozen bias (d_out,) or ``None``.
+        stack: number of independent replicas G (``None`` = an ordinary layer).
+
+    Initialisation is PEFT's (A Kaiming-uniform(a=√5), B = 0; C likewise, D = 0); methods that
+    need another init (e.g. the synthetic experiment) overwrite the parameters in place.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        rank: int,
+        *,
+        client_rank: int = 0,
+        alpha: float | None = None,
+        client_alpha: float | None = None,
+        base_weight: torch.Tensor | None = None,
+        base_bias: torch.Tensor | None = None,
+        stack: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        for name, val, low in (("in_features", in_features, 1), ("out_features", out_features, 1),
+                               ("rank", rank, 1), ("client_rank", client_rank, 0)):
+            if not isinstance(val, int) or val < low:
+                raise ConfigError(f"{name} must be an integer ≥ {low}, got {val!r}")
+        if stack is not None and (not isinstance(stack, int) or stack < 1):
+            raise ConfigError(f"stack must be None or an integer ≥ 1, got {stack!r}")
+        if base_weight is not None and tuple(base_weight.shape) != (out_features, in_features):
+            raise ConfigError(
+                f"base_weight must be (out_features, in_features) = {(out_features, in_features)}, "
+                f"got {tuple(base_weight.shape)}"
+            )
+        self.in_features, self.out_features = in_features, out_features
+        self.rank, self.client_rank, self.stack = rank, client_rank, stack
+        self.scale = (rank if alpha is None else alpha) / rank
+        self.client_scale = ((client_rank if client_alpha is None else client_alpha) / client_rank
+                             if client_rank else 0.0)
+        kw = {"dtype": dtype, "device": device}
+        lead = () if stack is None else (stack,)
+        # Frozen base: buffers, so no optimizer can ever see them.
+        self.register_buffer("weight", None if base_weight is None else base_weight.detach().to(**kw))
+        self.register_buffer("bias", None if base_bias is None else base_bias.detach().to(**kw))
+        self.lora_A = nn.Parameter(torch.empty(*lead, rank, in_features, **kw))
+        self.lora_B = nn.Parameter(torch.zeros(*lead, out_features, rank, **kw))
+        if client_rank:
+            self.lora_C = nn.Parameter(torch.empty(*lead, client_rank, in_features, **kw))
+            self.lora_D = nn.Parameter(torch.zeros(*lead, out_features, client_rank, **kw))
+        else:
+            self.register_parameter("lora_C", None)
+            self.register_parameter("lora_D", None)
+        self.reset_parameters()
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, rank: int, **kw) -> "LoRALinear":
+        """Wrap an existing ``nn.Linear``: its weight and bias become the frozen base."""
+        return cls(linear.in_features, linear.out_features, rank, base_weight=linear.weight,
+                   base_bias=linear.bias, dtype=linear.weight.dtype, device=linear.weight.device, **kw)
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """PEFT init: down factors Kaiming-uniform(a=√5) (bound 1/√d_in), up factors zero."""
+        bound = 1.0 / math.sqrt(self.in_features)  # kaiming_uniform_(a=√5) on (r, d_in)
+        for down, up in ((self.lora_A, self.lora_B), (self.lora_C, self.lora_D)):
+            if down is None:
+                continue
+            down.copy_(torch.rand(down.shape, generator=generator, dtype=down.dtype).mul_(2 * bound)
+                       .sub_(bound).to(down.device))
+            up.zero_()
+
+    def delta_weight(self) -> torch.Tensor:
+        """ΔW = s₁BA + s₂DC, shape ([G,] d_out, d_in). For reporting only (forms d_out×d_in)."""
+        dw = self.scale * (self.lora_B @ self.lora_A)
+        if self.lora_C is not None:
+            dw = dw + self.client_scale * (self.lora_D @ self.lora_C)
+        return dw
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.lora_linear(x, self.weight, self.bias, self.lora_A, self.lora_B, self.scale,
+                                   self.lora_C, self.lora_D, self.client_scale)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, r={self.rank}, "
+                f"r_client={self.client_rank}, stack={self.stack}, frozen_base={self.weight is not None}")

@@ -1,0 +1,148 @@
+"""HetLoRA (Cho et al. 2024; as described in 000_c6c65d73352e5f2c.txt §3 and SPEC §4).
+
+Clients hold ranks r_k ∈ [r_min, r_max]; the server keeps rank r_max.
+1. distribution by truncation: client k takes the first r_k rows of A and columns of B;
+2. local loss + λ‖B[:, ⌊γr_k⌋:r_k]‖_F·‖A[⌊γr_k⌋:r_k, :]‖_F — a real, differentiated penalty;
+3. self-pruning: if that tail norm shrank over the round, r_k ← max(r_min, ⌊γ r_k⌋);
+4. server: zero-pad to r_max and average A and B with weights ‖B_kA_k‖_F / Σ_j ‖B_jA_j‖_F.
+
+Stacked replicas all have r_max slots; a client's unused slots are kept at exactly zero (which is
+the zero-padding), so its gradients there vanish and the batched step equals per-client training.
+"""
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+import torch
+
+from ..aggregation import hetlora_aggregate
+from ..errors import ConfigError
+from ..payload import Payload
+from .base import Method, Objective, Sampler, register
+
+__all__ = ["HetLoRA", "hetlora_initial_ranks"]
+
+
+def hetlora_initial_ranks(n_clients: int, r_min: int, r_max: int) -> list[int]:
+    """PF2LoRA's recipe r_k = r_min + (r_max − r_min)(k − 1)/M for k = 1..M (rounded down)."""
+    return [r_min + (r_max - r_min) * (k - 1) // n_clients for k in range(1, n_clients + 1)]
+
+
+@register
+class HetLoRA(Method):
+    name = "hetlora"
+
+    def __init__(self, lr: float = 2e-3, r_min: int = 1, r_max: int = 12, gamma: float = 0.99,
+                 penalty: float = 5e-3, initial_ranks: Sequence[int] | None = None,
+                 optimizer: str = "sgd", eps: float = 1e-12) -> None:
+        if lr <= 0:
+            raise ConfigError(f"hetlora: lr must be > 0, got {lr}")
+        if not 1 <= r_min <= r_max:
+            raise ConfigError(f"hetlora: need 1 ≤ r_min ≤ r_max, got r_min={r_min}, r_max={r_max}")
+        if not 0 < gamma < 1:
+            raise ConfigError(f"hetlora: gamma must be in (0, 1), got {gamma}")
+        if penalty < 0:
+            raise ConfigError(f"hetlora: penalty must be ≥ 0, got {penalty}")
+        if optimizer not in ("sgd", "adamw"):
+            raise ConfigError(f"hetlora: optimizer must be 'sgd' or 'adamw', got {optimizer!r}")
+        if initial_ranks is not None:
+            bad = [r for r in initial_ranks if not r_min <= r <= r_max]
+            if bad:
+                raise ConfigError(f"hetlora: initial ranks must lie in [r_min={r_min}, r_max={r_max}], got {list(initial_ranks)}")
+        self.lr, self.r_min, self.r_max, self.gamma, self.penalty = lr, r_min, r_max, gamma, penalty
+        self.initial_ranks = None if initial_ranks is None else list(initial_ranks)
+        self.optimizer, self.eps = optimizer, eps
+
+    def setup(self, model, replica_clients) -> None:
+        super().setup(model, replica_clients)
+        self.a_name, = self._names("lora_A")
+        self.b_name, = self._names("lora_B")
+        A = self.params[self.a_name]
+        if A.dim() != 3 or A.shape[-2] != self.r_max:
+            raise ConfigError(f"hetlora: the model must hold stacked factors of rank r_max={self.r_max}, "
+                              f"got lora_A of shape {tuple(A.shape)}")
+        n_clients = max(replica_clients) + 1
+        init = self.initial_ranks or hetlora_initial_ranks(n_clients, self.r_min, self.r_max)
+        if len(init) != n_clients:
+            raise ConfigError(f"hetlora: {len(init)} initial ranks for {n_clients} clients")
+        self._set_ranks(torch.tensor([init[k] for k in replica_clients]))  # (G,)
+        params = [self.params[self.a_name], self.params[self.b_name]]
+        self.opt = (torch.optim.SGD(params, lr=self.lr) if self.optimizer == "sgd"
+                    else torch.optim.AdamW(params, lr=self.lr, weight_decay=0.0))
+        self._apply_rank_mask()
+
+    # masks over the r_max slots, recomputed only when the ranks change ---------------------
+    def _set_ranks(self, ranks: torch.Tensor) -> None:
+        self.ranks = ranks
+        dtype = self.params[self.a_name].dtype
+        slots = torch.arange(self.r_max)[None, :]
+        start = torch.floor(self.gamma * ranks.double()).long()[:, None]
+        self._rank_mask = (slots < ranks[:, None]).to(dtype)  # (G, r_max): slot i < r_k
+        self._tail_mask = ((slots >= start) & (slots < ranks[:, None])).to(dtype)  # ⌊γ r_k⌋ ≤ i < r_k
+
+    @torch.no_grad()
+    def _apply_rank_mask(self) -> None:
+        m = self._rank_mask
+        self.params[self.a_name].mul_(m[:, :, None])
+        self.params[self.b_name].mul_(m[:, None, :])
+
+    def tail_norm(self, A: torch.Tensor | None = None, B: torch.Tensor | None = None) -> torch.Tensor:
+        """‖B[:, tail]‖_F · ‖A[tail, :]‖_F per replica, shape (G,)."""
+        A = self.params[self.a_name] if A is None else A
+        B = self.params[self.b_name] if B is None else B
+        t = self._tail_mask
+        # sqrt(x + 0) has an infinite derivative at 0; the tail is exactly 0 at init (B = 0), so use
+        # the norm's subgradient 0 there instead of NaN.
+        na = torch.linalg.vector_norm(A * t[:, :, None], dim=(-2, -1))
+        nb = torch.linalg.vector_norm(B * t[:, None, :], dim=(-2, -1))
+        return na * nb
+
+    def begin_round(self, round_idx: int) -> None:
+        with torch.no_grad():
+            self._tail_at_start = self.tail_norm()
+
+    def local_step(self, objective: Objective, sample: Sampler) -> None:
+        A, B = self.params[self.a_name], self.params[self.b_name]
+        loss = objective({self.a_name: A, self.b_name: B}, sample()).sum()
+        if self.penalty:
+            loss = loss + self.penalty * self.tail_norm(A, B).sum()
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        self._apply_rank_mask()
+
+    def end_round(self, round_idx: int) -> None:
+        """Self-pruning: r_k ← max(r_min, ⌊γ r_k⌋) where the tail norm shrank during the round."""
+        with torch.no_grad():
+            shrank = self.tail_norm() < self._tail_at_start
+            pruned = torch.clamp(torch.floor(self.gamma * self.ranks.double()).long(), min=self.r_min)
+            self._set_ranks(torch.where(shrank, pruned, self.ranks))
+            self._apply_rank_mask()
+
+    def upload(self, replica: int) -> Payload:
+        r = int(self.ranks[replica])
+        return Payload({"lora_A": self.params[self.a_name][replica, :r],
+                        "lora_B": self.params[self.b_name][replica, :, :r]})
+
+    @staticmethod
+    def aggregate(payloads: Sequence[Payload], weights: torch.Tensor, r_max: int | None = None,
+                  eps: float = 1e-12) -> dict[str, torch.Tensor]:
+        """Zero-pad to r_max and take the sparsity-weighted mean (``weights`` are not used: HetLoRA
+        weights clients by ‖ΔW_k‖_F, not by data size)."""
+        As = [p.tensors["lora_A"] for p in payloads]
+        Bs = [p.tensors["lora_B"] for p in payloads]
+        r_max = max(a.shape[0] for a in As) if r_max is None else r_max
+        a, b, _ = hetlora_aggregate(As, Bs, r_max, eps)
+        return {"lora_A": a, "lora_B": b}
+
+    def download(self, replica: int, state: Mapping[str, torch.Tensor]) -> Payload:
+        r = int(self.ranks[replica])
+        a, b = state["lora_A"][:r], state["lora_B"][:, :r]
+        with torch.no_grad():
+            A, B = self.params[self.a_name], self.params[self.b_name]
+            A[replica].zero_()
+            B[replica].zero_()
+            A[replica, :r] = a
+            B[replica, :, :r] = b
+        return Payload({"lora_A": a, "lora_B": b})

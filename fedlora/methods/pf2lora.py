@@ -1,0 +1,83 @@
+"""PF2LoRA — two-level LoRA, bilevel with hypergradients (000_c6c65d73352e5f2c.txt, Algorithm 1).
+
+W_k = W0 + s(BA + D_k C_k): common adapter x = (A, B) of rank r, averaged every I steps (line 8);
+client adapter y_k = (C_k, D_k) of rank r̃ < r, never communicated. Each local step:
+y ← y − α∇_y F (SGD, line 5), then x is updated along the hypergradient of eq. (4) by AdamW (the
+paper's choice for language models, §4) or SGD (line 6 as written).
+"""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+
+from ..aggregation import fedavg_factors
+from ..errors import ConfigError
+from ..payload import Payload
+from .base import Method, Objective, Sampler, register
+from .hypergradient import HYPERGRADIENT_MODES, bilevel_direction
+
+__all__ = ["PF2LoRA"]
+
+
+@register
+class PF2LoRA(Method):
+    name = "pf2lora"
+    needs_client_adapter = True
+
+    def __init__(self, upper_lr: float = 5e-3, lower_lr: float = 2e-3, upper_optimizer: str = "adamw",
+                 weight_decay: float = 0.0, hypergradient: str = "exact", batches: int = 2,
+                 fd_eps: float = 1e-3) -> None:
+        if upper_lr <= 0 or lower_lr <= 0:
+            raise ConfigError(f"pf2lora: learning rates must be > 0, got upper {upper_lr}, lower {lower_lr}")
+        if upper_optimizer not in ("adamw", "sgd"):
+            raise ConfigError(f"pf2lora: upper_optimizer must be 'adamw' or 'sgd', got {upper_optimizer!r}")
+        if hypergradient not in HYPERGRADIENT_MODES:
+            raise ConfigError(f"pf2lora: hypergradient must be one of {HYPERGRADIENT_MODES}, got {hypergradient!r}")
+        if batches not in (2, 4):
+            raise ConfigError(f"pf2lora: batches must be 2 (inner, outer) or 4 (Alg. 1 line 4), got {batches}")
+        self.upper_lr, self.lower_lr = upper_lr, lower_lr
+        self.upper_optimizer, self.weight_decay = upper_optimizer, weight_decay
+        self.hypergradient, self.batches, self.fd_eps = hypergradient, batches, fd_eps
+
+    def setup(self, model, replica_clients) -> None:
+        super().setup(model, replica_clients)
+        self.x_names = self._names("lora_A", "lora_B")
+        self.y_names = self._names("lora_C", "lora_D")
+        if not self.y_names:
+            raise ConfigError("pf2lora needs a client adapter: build the model with client_rank ≥ 1")
+        xs = [self.params[n] for n in self.x_names]
+        if self.upper_optimizer == "adamw":
+            self.opt = torch.optim.AdamW(xs, lr=self.upper_lr, weight_decay=self.weight_decay)
+        else:
+            self.opt = torch.optim.SGD(xs, lr=self.upper_lr, weight_decay=self.weight_decay)
+
+    def local_step(self, objective: Objective, sample: Sampler) -> None:
+        def F(x, y, batch):
+            params = dict(zip(self.x_names, x)) | dict(zip(self.y_names, y))
+            return objective(params, batch).sum()  # replicas are independent: Σ keeps gradients apart
+
+        h, y_plus = bilevel_direction(
+            F, [self.params[n] for n in self.x_names], [self.params[n] for n in self.y_names],
+            self.lower_lr, [sample() for _ in range(self.batches)], self.hypergradient, self.fd_eps)
+        with torch.no_grad():
+            for n, v in zip(self.y_names, y_plus):
+                self.params[n].copy_(v)
+        for n, g in zip(self.x_names, h):
+            self.params[n].grad = g
+        self.opt.step()
+
+    def upload(self, replica: int) -> Payload:
+        # Only the common adapter leaves the client (Alg. 1 line 8); y_k stays local.
+        return Payload({n: self.params[n][replica] for n in self.x_names})
+
+    @staticmethod
+    def aggregate(payloads: Sequence[Payload], weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        """x^{t+1} = Σ_k w_k x_k (Alg. 1 line 8 uses w_k = 1/M)."""
+        return fedavg_factors([p.tensors for p in payloads], weights)
+
+    def download(self, replica: int, state: Mapping[str, torch.Tensor]) -> Payload:
+        with torch.no_grad():
+            for n, v in state.items():
+                self.params[n][replica].copy_(v)
+        return Payload(dict(state))
