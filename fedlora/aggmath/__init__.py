@@ -1,0 +1,23 @@
+"""Pure server-side math of the federated LoRA methods, as plain functions on tensors (SPEC §2, §4).
+
+One module per method: :mod:`.exact` (exact aggregate, discordance, frozen-factor exactness for
+FFA-LoRA / RoLoRA), :mod:`.flexlora`, :mod:`.flora`, :mod:`.lora_a2`, :mod:`.h2tune`. HetLoRA and
+plain FedAvg of factors live in :mod:`fedlora.aggregation`. Every function is pure (inputs are never
+modified, no I/O) and raises :class:`~fedlora.errors.ConfigError` on bad input.
+Shapes follow PEFT orientation: A (r, d_in), B (d_out, r), ΔW = s·B A.
+"""
+from . import exact, flexlora, flora, h2tune, lora_a2
+from .exact import aggregate_trained_factor, discordance, exact_delta, fedavg_delta, trained_factor
+from .flexlora import FlexLoRAResult, flexlora_aggregate, flexlora_svd
+from .flora import flora_merge, flora_stack
+from .h2tune import (h2tune_aggregate, kl_softmax, server_mean, sparsify_support, to_client, to_global,
+                     trilora_delta, trilora_fold, trilora_middle)
+
+__all__ = [
+    "exact", "flexlora", "flora", "h2tune", "lora_a2",
+    "exact_delta", "fedavg_delta", "discordance", "trained_factor", "aggregate_trained_factor",
+    "FlexLoRAResult", "flexlora_aggregate", "flexlora_svd",
+    "flora_stack", "flora_merge",
+    "trilora_middle", "trilora_fold", "trilora_delta", "sparsify_support", "to_global", "to_client",
+    "server_mean", "h2tune_aggregate", "kl_softmax",
+]
