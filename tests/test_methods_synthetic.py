@@ -1,0 +1,165 @@
+"""PF2LoRA and HetLoRA as Methods: batched replicas equal separate clients; paper rules hold."""
+import copy
+
+import pytest
+import torch
+from torch.func import functional_call
+
+from fedlora.adapter import LoRALinear
+from fedlora.aggregation import hetlora_aggregate, truncate_rank, zero_pad_rank
+from fedlora.errors import ConfigError
+from fedlora.methods import HetLoRA, PF2LoRA, get_method
+from fedlora.methods.hypergradient import bilevel_direction
+from fedlora.payload import Payload
+
+
+def _objective(layer):
+    def objective(params, batch):
+        X, Y = batch
+        return ((functional_call(layer, params, (X,)) - Y) ** 2).mean(dim=(-2, -1))
+    return objective
+
+
+def _data(G, n=30, d=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(G, n, d, generator=g, dtype=torch.float64),
+            torch.randn(G, n, d, generator=g, dtype=torch.float64))
+
+
+def _pf2_layer(G, d=6, seed=0):
+    layer = LoRALinear(d, d, 3, client_rank=2, stack=G, dtype=torch.float64)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return layer
+
+
+def test_pf2lora_stacked_step_equals_per_client_eq4():
+    G = 3
+    X, Y = _data(G)
+    layer = _pf2_layer(G)
+    ref = copy.deepcopy(layer)
+    m = PF2LoRA(upper_lr=0.01, lower_lr=0.05, upper_optimizer="sgd")
+    m.setup(layer, [0, 1, 2])
+    m.local_step(_objective(layer), lambda: (X, Y))
+    alpha, eta = 0.05, 0.01
+    for i in range(G):  # the same step computed one client at a time, from eq. (4) by hand
+        A, B, C, D = (ref.lora_A[i].detach(), ref.lora_B[i].detach(), ref.lora_C[i].detach(), ref.lora_D[i].detach())
+
+        def f(A, B, C, D):
+            return (((X[i] @ (B @ A + D @ C).T) - Y[i]) ** 2).mean()
+
+        x = [A.clone().requires_grad_(), B.clone().requires_grad_()]
+        y = [C.clone().requires_grad_(), D.clone().requires_grad_()]
+        gy = torch.autograd.grad(f(*x, *y), y, create_graph=True)
+        yp = [(yi - alpha * gi).detach().requires_grad_() for yi, gi in zip(y, gy)]
+        outer = f(*x, *yp)
+        gx = torch.autograd.grad(outer, x, retain_graph=True)
+        v = torch.autograd.grad(outer, yp)
+        mixed = torch.autograd.grad(sum((a * b).sum() for a, b in zip(gy, v)), x)
+        h = [a - alpha * b for a, b in zip(gx, mixed)]
+        torch.testing.assert_close(layer.lora_C[i], yp[0].detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(layer.lora_A[i], A - eta * h[0], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(layer.lora_B[i], B - eta * h[1], rtol=1e-12, atol=1e-12)
+
+
+def test_pf2lora_mixed_term_has_the_minus_sign_of_eq4():
+    # F = ½‖y‖² + x·y: ∇_y F = y + x, ∇²_{xy} F = I; y⁺ = y − α(y + x); h = ∇_x F(x,y⁺) − α·I·∇_y F(x,y⁺)
+    def F(x, y, _):
+        return 0.5 * (y[0] ** 2).sum() + (x[0] * y[0]).sum()
+
+    x, y, a = torch.tensor([0.3], dtype=torch.float64), torch.tensor([2.0], dtype=torch.float64), 0.1
+    h, yp = bilevel_direction(F, [x], [y], a, (None, None))
+    y_plus = y - a * (y + x)
+    torch.testing.assert_close(yp[0], y_plus)
+    torch.testing.assert_close(h[0], y_plus - a * (y_plus + x))
+
+
+def test_pf2lora_uploads_only_the_common_adapter_and_aggregates_purely():
+    layer = _pf2_layer(4)
+    m = PF2LoRA()
+    m.setup(layer, [0, 1, 0, 1])
+    ups = [m.upload(i) for i in range(2)]
+    assert set(ups[0].tensors) == {"lora_A", "lora_B"}
+    before = [{k: v.clone() for k, v in p.tensors.items()} for p in ups]
+    state = PF2LoRA.aggregate(ups, torch.tensor([0.5, 0.5]))
+    for p, b in zip(ups, before):
+        for k in b:
+            assert torch.equal(p.tensors[k], b[k])
+    torch.testing.assert_close(state["lora_A"], (layer.lora_A[0] + layer.lora_A[1]).detach() / 2)
+    # bytes: exactly the A and B of one client, plus the safetensors header
+    assert ups[0].nbytes == len(ups[0].to_bytes()) > 8 * (3 * 6 + 6 * 3)
+
+
+def test_pf2lora_requires_client_adapter():
+    with pytest.raises(ConfigError, match="client_rank"):
+        PF2LoRA().setup(LoRALinear(4, 4, 2, stack=2), [0, 1])
+
+
+def _het(G=2, ranks=(2, 6), penalty=0.5, gamma=0.7, seed=0):
+    layer = LoRALinear(6, 6, 8, stack=G, dtype=torch.float64)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        layer.lora_A.copy_(torch.randn(layer.lora_A.shape, generator=g, dtype=torch.float64))
+        layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=g, dtype=torch.float64))
+    m = HetLoRA(lr=0.01, r_min=1, r_max=8, gamma=gamma, penalty=penalty, initial_ranks=ranks)
+    m.setup(layer, list(range(G)))
+    return layer, m
+
+
+def test_hetlora_keeps_unused_slots_zero_and_penalty_has_a_gradient():
+    layer, m = _het()
+    assert torch.all(layer.lora_A[0, 2:] == 0) and torch.all(layer.lora_B[0, :, 2:] == 0)
+    tail = m.tail_norm(layer.lora_A, layer.lora_B).sum()
+    gA, = torch.autograd.grad(tail, layer.lora_A)
+    assert gA[1, 4:6].abs().sum() > 0  # client 2 (r = 6): tail slots ⌊0.7·6⌋ = 4, 5 get a real gradient
+    assert torch.all(gA[1, :4] == 0) and torch.all(gA[1, 6:] == 0)
+
+
+def test_hetlora_pruning_is_monotone_and_respects_r_min():
+    X, Y = _data(2, d=6)
+    layer, m = _het(penalty=5.0)
+    seen = [m.ranks.clone()]
+    for rnd in range(12):
+        m.begin_round(rnd)
+        for _ in range(5):
+            m.local_step(_objective(layer), lambda: (X, Y))
+        m.end_round(rnd)
+        seen.append(m.ranks.clone())
+    for a, b in zip(seen, seen[1:]):
+        assert torch.all(b <= a) and torch.all(b >= 1)
+    assert seen[-1].tolist() != seen[0].tolist()  # a strong penalty does prune
+
+
+def test_hetlora_zero_padding_round_trip_and_aggregate():
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(3, 5, generator=g), torch.randn(4, 3, generator=g)
+    ap, bp = zero_pad_rank(a, b, 7)
+    assert ap.shape == (7, 5) and bp.shape == (4, 7)
+    at, bt = truncate_rank(ap, bp, 3)
+    assert torch.equal(at, a) and torch.equal(bt, b)
+    torch.testing.assert_close(bp @ ap, b @ a)
+    A, B, w = hetlora_aggregate([a, torch.zeros(2, 5)], [b, torch.zeros(4, 2)], 7)
+    assert abs(float(w.sum()) - 1) < 1e-12 and float(w[0]) > 0.999
+    _, _, w0 = hetlora_aggregate([torch.zeros(2, 5)] * 3, [torch.zeros(4, 2)] * 3, 4)
+    torch.testing.assert_close(w0, torch.full((3,), 1 / 3, dtype=torch.float64))
+
+
+def test_hetlora_upload_download_carry_r_k():
+    layer, m = _het()
+    assert m.upload(0).tensors["lora_A"].shape == (2, 6) and m.upload(1).tensors["lora_A"].shape == (6, 6)
+    state = HetLoRA.aggregate([m.upload(0), m.upload(1)], torch.tensor([0.5, 0.5]))
+    assert state["lora_A"].shape == (6, 6)
+    sent = m.download(0, state)
+    assert sent.tensors["lora_A"].shape == (2, 6) and torch.all(layer.lora_A[0, 2:] == 0)
+
+
+def test_registry_and_payload_round_trip():
+    assert get_method("pf2lora") is PF2LoRA and get_method("hetlora") is HetLoRA
+    with pytest.raises(ConfigError, match="unknown method 'nope'"):
+        get_method("nope")
+    p = Payload({"x": torch.arange(6.0).reshape(2, 3)}, {"idx": "0,2"})
+    q = Payload.from_bytes(p.to_bytes())
+    assert torch.equal(q.tensors["x"], p.tensors["x"]) and q.meta == {"idx": "0,2"}
+    assert p.nbytes == len(p.to_bytes())
