@@ -19,14 +19,6 @@ FAST = settings(max_examples=40, deadline=None)
 D64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny LAPACK calls: one intra-op thread avoids OpenMP spin-wait stalls on a loaded machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def _clients(seed, d_out, d_in, ranks, dtype=D64):
     g = torch.Generator().manual_seed(seed)

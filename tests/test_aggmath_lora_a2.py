@@ -18,13 +18,6 @@ FAST = settings(max_examples=30, deadline=None)
 D64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def _modules(g, shapes, r, dtype=D64):
     """Global factors per module: B (d_out, r) and A (r, d_in)."""
