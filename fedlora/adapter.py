@@ -8,6 +8,11 @@ independent replicas (clients × seeds) that share W0::
 
     lora_A  ([G,] r, d_in)    lora_B  ([G,] d_out, r)     common adapter x = (A, B)
     lora_C  ([G,] r̃, d_in)    lora_D  ([G,] d_out, r̃)     client adapter y = (C, D), r̃ may be 0
+    lora_R, lora_Phi ([G,] r, r)  and buffer middle_mask    H²Tune TriLoRA middle (``middle=True``)
+
+With ``middle=True`` the common adapter is TriLoRA's ΔW = s₁·B (I + (Φ⊙Ω)⊙R) A (004_… eq. 3 in PEFT
+orientation, see ``fedlora.aggmath.h2tune``): R starts at 0 (so ΔW starts at PEFT's 0), Φ at 1 and
+the support Ω (``middle_mask``, a buffer the method re-chooses) dense.
 """
 from __future__ import annotations
 
@@ -52,6 +57,7 @@ class LoRALinear(nn.Module):
         base_weight: torch.Tensor | None = None,
         base_bias: torch.Tensor | None = None,
         stack: int | None = None,
+        middle: bool = False,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> None:
@@ -85,6 +91,15 @@ class LoRALinear(nn.Module):
         else:
             self.register_parameter("lora_C", None)
             self.register_parameter("lora_D", None)
+        self.middle = bool(middle)
+        if self.middle:
+            self.lora_R = nn.Parameter(torch.zeros(*lead, rank, rank, **kw))
+            self.lora_Phi = nn.Parameter(torch.ones(*lead, rank, rank, **kw))
+            self.register_buffer("middle_mask", torch.ones(*lead, rank, rank, **kw))
+        else:
+            self.register_parameter("lora_R", None)
+            self.register_parameter("lora_Phi", None)
+            self.register_buffer("middle_mask", None)
         self.reset_parameters()
 
     @classmethod
@@ -104,17 +119,30 @@ class LoRALinear(nn.Module):
                        .sub_(bound).to(down.device))
             up.zero_()
 
+    def middle_matrix(self) -> torch.Tensor | None:
+        """I + (Φ⊙Ω)⊙R, shape ([G,] r, r), or ``None`` without a middle matrix."""
+        if not self.middle:
+            return None
+        eff = self.lora_R * self.lora_Phi * self.middle_mask
+        return torch.eye(self.rank, dtype=eff.dtype, device=eff.device) + eff
+
     def delta_weight(self) -> torch.Tensor:
-        """ΔW = s₁BA + s₂DC, shape ([G,] d_out, d_in). For reporting only (forms d_out×d_in)."""
-        dw = self.scale * (self.lora_B @ self.lora_A)
+        """ΔW = s₁B[M]A + s₂DC, shape ([G,] d_out, d_in). For reporting only (forms d_out×d_in)."""
+        mid = self.middle_matrix()
+        b = self.lora_B if mid is None else self.lora_B @ mid
+        dw = self.scale * (b @ self.lora_A)
         if self.lora_C is not None:
             dw = dw + self.client_scale * (self.lora_D @ self.lora_C)
         return dw
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.middle:
+            return kernels.lora_linear(x, self.weight, self.bias, self.lora_A, self.lora_B, self.scale,
+                                       self.lora_C, self.lora_D, self.client_scale, middle=self.lora_R,
+                                       middle_phi=self.lora_Phi, middle_mask=self.middle_mask)
         return kernels.lora_linear(x, self.weight, self.bias, self.lora_A, self.lora_B, self.scale,
                                    self.lora_C, self.lora_D, self.client_scale)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, r={self.rank}, "
-                f"r_client={self.client_rank}, stack={self.stack}, frozen_base={self.weight is not None}")
+                f"r_client={self.client_rank}, middle={self.middle}, stack={self.stack}, frozen_base={self.weight is not None}")

@@ -7,6 +7,7 @@ is serialised to count the bytes that would cross the network.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -22,16 +23,34 @@ __all__ = ["Federation", "run_rounds"]
 
 @dataclass(frozen=True)
 class Federation:
-    """``n_groups`` independent federations of ``n_clients`` clients each, with client weights."""
+    """``n_groups`` independent federations of ``n_clients`` clients each, with client weights.
+
+    ``client_weights``: w_k ∝ n_k, the clients' data sizes (SPEC §3); default uniform.
+    ``sample_fraction``: each round every federation draws ⌈fraction·K⌉ distinct clients (at least
+    one) with a generator seeded by ``sample_seed``; the others neither train nor communicate that
+    round and the participants' weights are renormalised (McMahan et al.'s FedAvg).
+    """
 
     n_groups: int
     n_clients: int
     client_weights: Sequence[float] | None = None  # default: uniform
+    sample_fraction: float = 1.0
+    sample_seed: int = 0
 
     def __post_init__(self) -> None:
         if self.n_groups < 1 or self.n_clients < 1:
             raise ConfigError(f"federation needs ≥ 1 group and ≥ 1 client, got {self.n_groups}, {self.n_clients}")
+        if not (isinstance(self.sample_fraction, (int, float)) and 0 < self.sample_fraction <= 1):
+            raise ConfigError(f"sample_fraction must be in (0, 1], got {self.sample_fraction!r}")
         normalise_weights(self.weights, self.n_clients)
+
+    def participants(self, round_idx: int, group: int) -> list[int]:
+        """Clients (0..K-1) of federation ``group`` that take part in round ``round_idx``; deterministic."""
+        m = max(1, math.ceil(self.sample_fraction * self.n_clients - 1e-9))
+        if m >= self.n_clients:
+            return list(range(self.n_clients))
+        g = torch.Generator().manual_seed((self.sample_seed * 1_000_003 + round_idx) * 7_919 + group)
+        return sorted(torch.randperm(self.n_clients, generator=g)[:m].tolist())
 
     @property
     def weights(self) -> torch.Tensor:
@@ -62,31 +81,43 @@ def run_rounds(
     """Run ``rounds`` rounds; return one record per round.
 
     Each record holds ``round``, ``step`` (local steps done so far), ``bytes_up`` / ``bytes_down``
-    (lists over replicas, measured from the serialised payloads), ``wall_s`` and whatever
-    ``evaluate(round)`` returns, called after the download — i.e. on the model each client holds.
+    (lists over replicas, measured from the serialised payloads; 0 for clients sampled out),
+    ``participants`` (per replica, bool), ``wall_s`` and whatever ``evaluate(round)`` returns, called
+    after the download — i.e. on the model each client holds. Every client of a federation receives
+    the new global state (so all are evaluated on it); only participants' downloads are counted,
+    as only they would be sent it at the start of their next round.
     """
     if rounds < 1 or local_steps < 1:
         raise ConfigError(f"rounds and local_steps must be ≥ 1, got {rounds}, {local_steps}")
     history: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     weights = federation.weights
+    K = federation.n_clients
     for rnd in range(rounds):
+        active = [federation.participants(rnd, g) for g in range(federation.n_groups)]
+        idle = [g * K + k for g in range(federation.n_groups) for k in range(K) if k not in active[g]]
+        snap = method.snapshot() if idle else None
         method.begin_round(rnd)
         for _ in range(local_steps):
             method.local_step(objective, sample)
         method.end_round(rnd)
+        if idle:  # sampled-out clients did not train: the stacked step is undone for them
+            method.restore(snap, idle)
         bytes_up = [0] * federation.n_replicas
         bytes_down = [0] * federation.n_replicas
         for g in range(federation.n_groups):
-            reps = list(federation.replicas_of(g))
+            reps = [g * K + k for k in active[g]]
             payloads = [method.upload(i) for i in reps]
             for i, p in zip(reps, payloads):
                 bytes_up[i] = p.nbytes
-            state = method.aggregate(payloads, weights)
-            for i in reps:
-                bytes_down[i] = method.download(i, state).nbytes
+            state = method.aggregate(payloads, normalise_weights(weights[active[g]], len(reps)))
+            for i in federation.replicas_of(g):
+                sent = method.download(i, state).nbytes
+                if i in reps:
+                    bytes_down[i] = sent
         record = {"round": rnd + 1, "step": (rnd + 1) * local_steps,
                   "bytes_up": bytes_up, "bytes_down": bytes_down,
+                  "participants": [(i % K) in active[i // K] for i in range(federation.n_replicas)],
                   "wall_s": time.perf_counter() - t0}
         if evaluate is not None:
             record.update(evaluate(rnd))

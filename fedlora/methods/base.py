@@ -22,6 +22,7 @@ from ..payload import Payload
 
 __all__ = ["Method", "Objective", "Sampler", "register", "get_method", "available_methods"]
 
+
 #: params (name → tensor, the model's trainable parameters or substitutes) × batch → loss per replica (G,)
 Objective = Callable[[Mapping[str, torch.Tensor], Any], torch.Tensor]
 #: draws a fresh batch for every replica; successive calls are independent draws
@@ -55,11 +56,77 @@ class Method(abc.ABC):
     #: rank of the client (never communicated) adapter this method needs; 0 = none
     needs_client_adapter: ClassVar[bool] = False
 
+    def adapter_kwargs(self) -> dict[str, Any]:
+        """The adapter structure this method needs, as ``LoRALinear`` keyword arguments
+        (``rank``, ``client_rank``, ``middle``). Runtimes build the model from it."""
+        rank = getattr(self, "rank", None)
+        if rank is None:
+            raise NotImplementedError(f"{type(self).__name__} must define adapter_kwargs() or a `rank`")
+        return {"rank": rank}
+
     def setup(self, model: nn.Module, replica_clients: Sequence[int]) -> None:
-        """Bind to ``model``; ``replica_clients[i]`` is the client index k of replica i."""
+        """Bind to ``model``; ``replica_clients[i]`` is the client index k of replica i.
+
+        Replicas are group-major (see ``fedlora.simulator.Federation``): replica i belongs to
+        federation ``i // n_clients``; ``self.groups`` lists each federation's replicas.
+        """
         self.model = model
         self.replica_clients = list(replica_clients)
+        self.n_clients = max(self.replica_clients) + 1
+        G = len(self.replica_clients)
+        self.groups = [list(range(g, min(g + self.n_clients, G))) for g in range(0, G, self.n_clients)]
         self.params = dict(model.named_parameters())
+
+    def personalised_params(self, objective: "Objective", sample: "Sampler") -> Mapping[str, torch.Tensor] | None:
+        """Parameters to evaluate each client with, or ``None`` for the current ones.
+
+        Per-FedAvg evaluates after one local SGD step (000_… App. D); everyone else as is."""
+        return None
+
+    # client sampling: replicas sampled out of a round must end it as they began ----------------
+    def snapshot(self) -> dict[str, Any]:
+        """Everything a round may change on a replica: parameters, buffers with a stack dimension,
+        optimizer moments, and method state from ``_extra_state``. Restored by ``restore``."""
+        snap: dict[str, Any] = {"params": {n: p.detach().clone() for n, p in self.params.items()},
+                                "buffers": {n: b.clone() for n, b in self.model.named_buffers()
+                                            if b is not None and b.dim() >= 1},
+                                "opt": {}, "extra": self._extra_state()}
+        for opt in self._optimizers():
+            for p, st in opt.state.items():
+                snap["opt"][id(p)] = {k: v.clone() for k, v in st.items()
+                                      if isinstance(v, torch.Tensor) and v.dim() >= 1}
+        return snap
+
+    def restore(self, snap: Mapping[str, Any], replicas: Sequence[int]) -> None:
+        """Put ``replicas`` back to ``snap`` (stack dimension 0). AdamW's scalar step counter is
+        shared by the stack and is not rewound (it only enters the bias correction)."""
+        if not replicas:
+            return
+        idx = torch.as_tensor(list(replicas), dtype=torch.long)
+        with torch.no_grad():
+            for n, p in self.params.items():
+                if p.dim() >= 1 and p.shape[0] == len(self.replica_clients):
+                    p[idx] = snap["params"][n][idx]
+            for n, b in self.model.named_buffers():
+                old = snap["buffers"].get(n)
+                if old is not None and b.dim() >= 1 and b.shape[0] == len(self.replica_clients):
+                    b[idx] = old[idx]
+            for opt in self._optimizers():
+                for p, st in opt.state.items():
+                    for k, old in snap["opt"].get(id(p), {}).items():
+                        if st[k].shape == old.shape and old.shape[0] == len(self.replica_clients):
+                            st[k][idx] = old[idx]
+        self._restore_extra_state(snap["extra"], idx)
+
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        return [o for o in vars(self).values() if isinstance(o, torch.optim.Optimizer)]
+
+    def _extra_state(self) -> dict[str, torch.Tensor]:
+        """Per-replica method state (tensors with the replica dimension first), e.g. ranks."""
+        return {}
+
+    def _restore_extra_state(self, extra: Mapping[str, torch.Tensor], idx: torch.Tensor) -> None:
+        pass
 
     def begin_round(self, round_idx: int) -> None:
         """Called after the download, before the first local step of a round."""

@@ -120,6 +120,14 @@ class HetLoRA(Method):
             self._set_ranks(torch.where(shrank, pruned, self.ranks))
             self._apply_rank_mask()
 
+    def _extra_state(self):
+        return {"ranks": self.ranks.clone()}
+
+    def _restore_extra_state(self, extra, idx) -> None:
+        ranks = self.ranks.clone()
+        ranks[idx] = extra["ranks"][idx]
+        self._set_ranks(ranks)
+
     def upload(self, replica: int) -> Payload:
         r = int(self.ranks[replica])
         return Payload({"lora_A": self.params[self.a_name][replica, :r],
