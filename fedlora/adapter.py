@@ -119,6 +119,21 @@ class LoRALinear(nn.Module):
                        .sub_(bound).to(down.device))
             up.zero_()
 
+    @torch.no_grad()
+    def merge_(self, delta: torch.Tensor | None = None) -> None:
+        """W0 ← W0 + ΔW and restart the adapters (PEFT init). ``delta``: ([G,] d_out, d_in), default
+        this layer's own ``delta_weight()``. A stacked layer's W0 becomes per replica (G, d_out, d_in),
+        which the reference op handles (FLoRA merges every round, SPEC §4)."""
+        delta = self.delta_weight() if delta is None else delta
+        lead = () if self.stack is None else (self.stack,)
+        want = (*lead, self.out_features, self.in_features)
+        if tuple(delta.shape) not in (want, want[-2:]):
+            raise ConfigError(f"merge_: delta must be {want}, got {tuple(delta.shape)}")
+        base = self.weight if self.weight is not None else torch.zeros(want[-2:], dtype=delta.dtype,
+                                                                         device=delta.device)
+        self.weight = (base + delta.to(base.dtype)).expand(*want).clone() if lead else base + delta.to(base.dtype)
+        self.reset_parameters()
+
     def middle_matrix(self) -> torch.Tensor | None:
         """I + (Φ⊙Ω)⊙R, shape ([G,] r, r), or ``None`` without a middle matrix."""
         if not self.middle:

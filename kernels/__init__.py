@@ -48,6 +48,8 @@ def _auto_ok(x: torch.Tensor, tensors) -> bool:
         return False
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return False
+    if tensors and tensors[0] is not None and tensors[0].dim() == 3:  # per-replica W0: reference only
+        return False
     return all(t is None or (t.device == x.device and t.dtype == x.dtype) for t in tensors)
 
 

@@ -381,6 +381,9 @@ def lora_linear_triton(x, weight, bias, a, b, scale=1.0, c=None, d=None, client_
     (default: M ≤ ``FUSE_MAX_M``).
     """
     check_lora_shapes(x, weight, bias, a, b, c, d)
+    if weight is not None and weight.dim() == 3:
+        raise ValueError("lora_linear: a per-replica W0 (G, d_out, d_in) runs on the reference path only "
+                         "(FEDLORA_KERNELS=reference or auto)")
     _check_triton_operands(x, {"W0": weight, "bias": bias, "A": a, "B": b, "C": c, "D": d,
                                "rank_mask": rank_mask, "client_rank_mask": client_rank_mask,
                                "middle": middle, "middle_phi": middle_phi, "middle_mask": middle_mask})

@@ -11,7 +11,8 @@ adapters — clients × seeds in the synthetic testbed — that share the frozen
 the same leading dimension)::
 
     X  (..., d_in)          or (G, N, d_in) when the factors are stacked
-    W0 (d_out, d_in)        frozen, never differentiated by the fused op
+    W0 (d_out, d_in)        frozen, never differentiated by the fused op; or (G, d_out, d_in)
+                            per replica (after a merge, e.g. FLoRA) — reference path only
     b  (d_out,)             optional
     A  ([G,] r, d_in)       B  ([G,] d_out, r)
     C  ([G,] r̃, d_in)       D  ([G,] d_out, r̃)   optional second (client) adapter
@@ -34,9 +35,13 @@ def check_lora_shapes(x, weight, bias, a, b, c=None, d=None) -> None:
         raise ValueError("lora_linear: X must have at least one dimension (…, d_in)")
     d_in = x.shape[-1]
     if weight is not None:
-        if weight.dim() != 2 or weight.shape[1] != d_in:
-            raise ValueError(f"lora_linear: W0 must be (d_out, d_in={d_in}), got {_shape(weight)}")
-        d_out = weight.shape[0]
+        if weight.dim() not in (2, 3) or weight.shape[-1] != d_in:
+            raise ValueError(f"lora_linear: W0 must be (d_out, d_in={d_in}) or per replica (G, d_out, d_in), "
+                             f"got {_shape(weight)}")
+        if weight.dim() == 3 and (a.dim() != 3 or a.shape[0] != weight.shape[0]):
+            raise ValueError(f"lora_linear: a per-replica W0 {_shape(weight)} needs stacked factors with the "
+                             f"same G, got A {_shape(a)}")
+        d_out = weight.shape[-2]
     else:
         d_out = b.shape[-2]
     if bias is not None and tuple(bias.shape) != (d_out,):
