@@ -30,8 +30,10 @@ class Payload:
 
     @property
     def nbytes(self) -> int:
-        """Length of ``to_bytes()``. A safetensors blob's length depends only on names, dtypes,
+        """Length of ``to_bytes()`` (0 for an empty payload, which is never sent). A safetensors blob's length depends only on names, dtypes,
         shapes and metadata, so it is measured once per such signature and then looked up."""
+        if not self.tensors and not self.meta:
+            return 0  # nothing to send: no message at all
         key = (tuple((k, v.dtype, tuple(v.shape)) for k, v in self.tensors.items()),
                tuple(sorted(self.meta.items())))
         size = _SIZE_CACHE.get(key)

@@ -111,11 +111,18 @@ class Method(abc.ABC):
                 old = snap["buffers"].get(n)
                 if old is not None and b.dim() >= 1 and b.shape[0] == len(self.replica_clients):
                     b[idx] = old[idx]
+            G = len(self.replica_clients)
             for opt in self._optimizers():
                 for p, st in opt.state.items():
-                    for k, old in snap["opt"].get(id(p), {}).items():
-                        if st[k].shape == old.shape and old.shape[0] == len(self.replica_clients):
-                            st[k][idx] = old[idx]
+                    saved = snap["opt"].get(id(p), {})
+                    for k, v in st.items():
+                        if not (isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == G):
+                            continue
+                        old = saved.get(k)
+                        if old is None:  # state created during the round: the replica had none,
+                            v[idx] = 0   # i.e. fresh AdamW moments / SGD momentum buffer
+                        elif old.shape == v.shape:
+                            v[idx] = old[idx]
         self._restore_extra_state(snap["extra"], idx)
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
