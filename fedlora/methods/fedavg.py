@@ -1,0 +1,145 @@
+"""FedAvg-LoRA (HOMLoRA / FL+LoRA): every client trains A and B, the server averages them separately.
+
+SPEC §4 "HOMLoRA / FL+LoRA / FedAvg-LoRA": all clients rank r, local AdamW (or SGD) for I steps,
+upload (A_k, B_k), server A = Σ_k w_k A_k, B = Σ_k w_k B_k with w_k = n_k / Σ_j n_j (002_… §2.2
+eq. 2; 001_… "FL + LoRA"). Not exact: avg(B)·avg(A) ≠ Σ_k w_k B_k A_k (the "discordance",
+002_… eq. 2; ``fedlora.aggmath.discordance``).
+
+This module also holds what the factor-averaging family (FFA-LoRA, RoLoRA, FedSA-LoRA, FLoRA and
+the Centralized/Local references) shares: option checks, the per-client optimizer and the local
+step that trains a chosen subset of the factors.
+
+Optimizer state: one optimizer over the stacked factors, so every replica (client) has its own
+AdamW moments; they are kept across rounds (the download overwrites the parameters, not the
+moments), as PF2LoRA does. AdamW's scalar step counter is shared by the stack. A factor frozen in
+a step keeps ``.grad = None``, so the optimizer skips it (no moment update, no weight decay).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Mapping, Sequence
+
+import torch
+
+from ..aggregation import fedavg_factors
+from ..errors import ConfigError
+from ..payload import Payload
+from .base import Method, Objective, Sampler, register
+
+__all__ = ["FedAvgLoRA", "broadcast_initial_factors"]
+
+OPTIMIZERS = ("adamw", "sgd")
+
+
+def check_lora_options(method: str, rank, lr, optimizer, weight_decay) -> None:
+    """The options every method of this family takes; ``ConfigError`` names the bad one."""
+    if not isinstance(rank, numbers.Integral) or isinstance(rank, bool) or rank < 1:
+        raise ConfigError(f"{method}: rank must be an integer ≥ 1, got {rank!r}")
+    if not isinstance(lr, numbers.Real) or not math.isfinite(lr) or lr <= 0:
+        raise ConfigError(f"{method}: lr must be a finite number > 0, got {lr!r}")
+    if optimizer not in OPTIMIZERS:
+        raise ConfigError(f"{method}: optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    if not isinstance(weight_decay, numbers.Real) or not math.isfinite(weight_decay) or weight_decay < 0:
+        raise ConfigError(f"{method}: weight_decay must be a finite number ≥ 0, got {weight_decay!r}")
+
+
+def broadcast_initial_factors(model: torch.nn.Module, groups: Sequence[Sequence[int]],
+                              suffixes: Sequence[str] = ("lora_A", "lora_B")) -> None:
+    """Copy the first replica's factors of every federation to its other replicas, in place.
+
+    The server's one-time broadcast of the initial adapter (FFA-LoRA, RoLoRA need identical frozen
+    factors on all clients; ``LoRALinear`` draws an independent A per replica). ``groups``: the
+    replicas of each federation, e.g. ``method.groups`` or
+    ``[list(fed.replicas_of(g)) for g in range(fed.n_groups)]``.
+    """
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.rsplit(".", 1)[-1] in suffixes:
+                for g in groups:
+                    p[list(g)] = p[g[0]].clone().expand(len(g), *p.shape[1:])
+
+
+class FactorLoRA(Method):
+    """Base of the plain-LoRA methods: factors ``lora_A`` (G, r, d_in), ``lora_B`` (G, d_out, r).
+
+    Subclasses say which factors a step trains and which a client uploads. ``self.pairs`` lists
+    the (A name, B name) of every adapted layer (one for the synthetic model, many for an LLM).
+    """
+
+    def __init__(self, rank: int = 8, lr: float = 5e-4, optimizer: str = "adamw",
+                 weight_decay: float = 0.0) -> None:
+        check_lora_options(self.name, rank, lr, optimizer, weight_decay)
+        self.rank, self.lr, self.optimizer, self.weight_decay = int(rank), float(lr), optimizer, float(weight_decay)
+
+    def setup(self, model, replica_clients) -> None:
+        super().setup(model, replica_clients)
+        a_names = self._names("lora_A")
+        if not a_names:
+            raise ConfigError(f"{self.name}: the model has no LoRA factors (no parameter named *lora_A)")
+        G = len(self.replica_clients)
+        self.pairs: list[tuple[str, str]] = []
+        for a in a_names:
+            b = a[: -len("lora_A")] + "lora_B"
+            A, B = self.params[a], self.params.get(b)
+            if B is None or A.dim() != 3 or B.dim() != 3 or A.shape[0] != G or B.shape[0] != G:
+                raise ConfigError(f"{self.name}: {a} must be stacked (G={G}, r, d_in) with a matching "
+                                  f"(G, d_out, r) lora_B; got {tuple(A.shape)}")
+            if A.shape[1] != self.rank or B.shape[2] != self.rank:
+                raise ConfigError(f"{self.name}: rank={self.rank} but the model's {a} has rank {A.shape[1]}; "
+                                  "build the model with the method's adapter_kwargs()")
+            self.pairs.append((a, b))
+        self.a_names = [a for a, _ in self.pairs]
+        self.b_names = [b for _, b in self.pairs]
+        self.opt = self._make_optimizer([self.params[n] for n in self.a_names + self.b_names])
+
+    def _make_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        if self.optimizer == "adamw":
+            return torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
+        return torch.optim.SGD(params, lr=self.lr, weight_decay=self.weight_decay)
+
+    def _train(self, objective: Objective, sample: Sampler, names: Sequence[str]) -> None:
+        """One optimizer step on the parameters ``names`` of every replica; the others stay frozen
+        (their ``.grad`` stays None, so the optimizer leaves them and their moments untouched)."""
+        self.opt.zero_grad(set_to_none=True)
+        loss = objective(self.params, sample()).sum()  # replicas are independent: Σ keeps grads apart
+        grads = torch.autograd.grad(loss, [self.params[n] for n in names])
+        for n, g in zip(names, grads):
+            self.params[n].grad = g
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def _upload(self, replica: int, names: Sequence[str]) -> Payload:
+        # a detached copy: what is sent is a snapshot, with no autograd history and no aliasing
+        return Payload({n: self.params[n][replica].detach().clone() for n in names})
+
+    def _write(self, replica: int, state: Mapping[str, torch.Tensor]) -> Payload:
+        """Copy the server's tensors into ``replica``'s slice; what was sent is exactly ``state``."""
+        with torch.no_grad():
+            for n, v in state.items():
+                self.params[n][replica].copy_(v)
+        return Payload(dict(state))
+
+
+@register
+class FedAvgLoRA(FactorLoRA):
+    """HOMLoRA / FL+LoRA: train A and B locally, upload both, average each separately.
+
+    Args: rank r (all clients), lr, optimizer ("adamw" | "sgd"), weight_decay.
+    """
+
+    name = "fedavg"
+
+    def local_step(self, objective: Objective, sample: Sampler) -> None:
+        self._train(objective, sample, self.a_names + self.b_names)
+
+    def upload(self, replica: int) -> Payload:
+        return self._upload(replica, self.a_names + self.b_names)
+
+    @staticmethod
+    def aggregate(payloads: Sequence[Payload], weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A = Σ_k w_k A_k and B = Σ_k w_k B_k, each tensor separately (002_… eq. 2)."""
+        return fedavg_factors([p.tensors for p in payloads], weights)
+
+    def download(self, replica: int, state: Mapping[str, torch.Tensor]) -> Payload:
+        return self._write(replica, state)

@@ -1,0 +1,44 @@
+"""FedSA-LoRA (Guo et al. 2024, "selective aggregation"): share A, keep B per client.
+
+SPEC §4 "FedSA-LoRA": every client trains both factors; A (general knowledge) is uploaded and
+averaged, A = Σ_k w_k A_k; B (client-specific knowledge) never leaves the client — each client
+keeps its own B, not one shared object. The model a client evaluates is s·B_k A.
+
+Optimizer state per client is kept across rounds (see ``fedavg``).
+"""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+
+from ..aggregation import fedavg_factors
+from ..errors import ConfigError
+from ..payload import Payload
+from .base import Objective, Sampler, register
+from .fedavg import FactorLoRA
+
+__all__ = ["FedSALoRA"]
+
+
+@register
+class FedSALoRA(FactorLoRA):
+    """FedSA-LoRA. Args: rank r, lr, optimizer ("adamw" | "sgd"), weight_decay."""
+
+    name = "fedsa"
+
+    def local_step(self, objective: Objective, sample: Sampler) -> None:
+        self._train(objective, sample, self.a_names + self.b_names)
+
+    def upload(self, replica: int) -> Payload:
+        return self._upload(replica, self.a_names)  # B_k is private: never uploaded
+
+    @staticmethod
+    def aggregate(payloads: Sequence[Payload], weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A = Σ_k w_k A_k (the only shared factor)."""
+        if payloads and any(not n.endswith("lora_A") for n in payloads[0].tensors):
+            raise ConfigError("fedsa.aggregate: clients upload only lora_A factors")
+        return fedavg_factors([p.tensors for p in payloads], weights)
+
+    def download(self, replica: int, state: Mapping[str, torch.Tensor]) -> Payload:
+        return self._write(replica, state)

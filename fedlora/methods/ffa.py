@@ -1,0 +1,64 @@
+"""FFA-LoRA (Sun et al. 2024): A frozen at its initialisation, only B trained, uploaded and averaged.
+
+SPEC §4 "FFA-LoRA": A is identical on all clients (the server broadcasts it once) and never
+changes, so averaging B alone is exact: Σ_k w_k s B_k A = s (Σ_k w_k B_k) A (002_… §4 baseline
+"LoRA-FFA"; 001_… eq. 3; ``fedlora.aggmath.aggregate_trained_factor``). Uploads half of FedAvg-LoRA
+for a square layer.
+
+Decisions: the shared A is checked, not imposed — ``setup`` raises ``ConfigError`` if the clients of
+a federation start with different A (use ``broadcast_initial_factors`` to do the server's one-time
+broadcast). "Classifier head frozen" (SPEC) concerns the LLM layer's head, not this adapter method.
+Optimizer state per client is kept across rounds (see ``fedavg``).
+"""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+
+from ..aggregation import fedavg_factors
+from ..errors import ConfigError
+from ..payload import Payload
+from .base import Objective, Sampler, register
+from .fedavg import FactorLoRA
+
+__all__ = ["FFALoRA"]
+
+
+def check_shared(method: str, params: Mapping[str, torch.Tensor], names: Sequence[str],
+                 groups: Sequence[Sequence[int]]) -> None:
+    """Raise ``ConfigError`` unless every federation's replicas hold bit-identical ``names``."""
+    for g, reps in enumerate(groups):
+        for n in names:
+            p = params[n]
+            for i in reps[1:]:
+                if not torch.equal(p[i], p[reps[0]]):
+                    raise ConfigError(
+                        f"{method}: client {i - reps[0]} of federation {g} starts with a different {n} than "
+                        f"client 0; the frozen factor must be identical on all clients (the server broadcasts "
+                        f"it once — see fedlora.methods.fedavg.broadcast_initial_factors)")
+
+
+@register
+class FFALoRA(FactorLoRA):
+    """FFA-LoRA. Args: rank r, lr, optimizer ("adamw" | "sgd"), weight_decay."""
+
+    name = "ffa"
+
+    def setup(self, model, replica_clients) -> None:
+        super().setup(model, replica_clients)
+        check_shared(self.name, self.params, self.a_names, self.groups)
+
+    def local_step(self, objective: Objective, sample: Sampler) -> None:
+        self._train(objective, sample, self.b_names)  # A keeps grad None: frozen at its init
+
+    def upload(self, replica: int) -> Payload:
+        return self._upload(replica, self.b_names)
+
+    @staticmethod
+    def aggregate(payloads: Sequence[Payload], weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        """B = Σ_k w_k B_k; A is not sent (it is the shared init), so the result is exact."""
+        return fedavg_factors([p.tensors for p in payloads], weights)
+
+    def download(self, replica: int, state: Mapping[str, torch.Tensor]) -> Payload:
+        return self._write(replica, state)

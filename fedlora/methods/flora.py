@@ -1,0 +1,155 @@
+"""FLoRA (Wang et al. 2024): stack the client adapters, merge into the frozen base, restart fresh.
+
+SPEC §4 "FLoRA": clients train (A_k, B_k) of rank r_k and upload them; the server stacks
+
+    B_stack = [p_1 s_1 B_1, …, p_K s_K B_K] (d_out, Σ r_k),   A_stack = [A_1; …; A_K] (Σ r_k, d_in)
+
+so B_stack A_stack = Σ_k p_k s_k B_k A_k exactly (``fedlora.aggmath.flora_stack``), and sends them
+to every client, which merges W0 ← W0 + B_stack A_stack (``flora_merge``) and restarts fresh adapters
+(A Kaiming-uniform, B = 0). Download bytes are the stacked factors.
+
+Heterogeneous ranks: the stacked model has one rank r; ``ranks`` (one per client, 1 ≤ r_k ≤ r)
+keeps client k's slots r_k..r−1 at exactly zero (as HetLoRA does), and a client uploads only its
+first r_k rows of A / columns of B. The scale s is the layer's α/r for every client (the paper uses
+α/r_k; with r_k < r this only rescales client k's effective step size) — a decision, stated here.
+
+Fresh adapters after a merge are drawn from a generator seeded by (seed, round, federation, layer),
+so all clients of a federation restart from the same numbers and the same seed gives the same run.
+The merged W0 differs per replica (one per federation after the first merge), so ``setup`` turns
+each adapted layer's W0 into a per-replica buffer (G, d_out, d_in) — the reference kernel path.
+
+Optimizer: the official code builds a new trainer every round, so by default (``reset_optimizer``)
+the moments of replicas that merged are dropped at the next ``begin_round`` (the whole state, step
+counter included, when every replica merged — as in the simulator). ``reset_optimizer=False``
+keeps the per-client state across rounds like the other methods.
+"""
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+import torch
+
+from ..adapter import LoRALinear
+from ..aggmath import flora_merge, flora_stack
+from ..errors import ConfigError
+from ..payload import Payload
+from .base import Objective, Sampler, register
+from .fedavg import FactorLoRA
+
+__all__ = ["FLoRA"]
+
+_SCALE = "scale:"  # payload metadata key prefix: the client's LoRA scale s for each A factor
+
+
+@register
+class FLoRA(FactorLoRA):
+    """FLoRA. Args: rank r (of the stacked model), lr, optimizer ("adamw" | "sgd"), weight_decay,
+    ranks (per-client r_k ≤ r, default all r), seed (fresh-adapter generator), reset_optimizer."""
+
+    name = "flora"
+
+    def __init__(self, rank: int = 8, lr: float = 5e-4, optimizer: str = "adamw", weight_decay: float = 0.0,
+                 ranks: Sequence[int] | None = None, seed: int = 0, reset_optimizer: bool = True) -> None:
+        super().__init__(rank, lr, optimizer, weight_decay)
+        if ranks is not None:
+            ranks = list(ranks)
+            bad = [r for r in ranks if not isinstance(r, int) or isinstance(r, bool) or not 1 <= r <= self.rank]
+            if not ranks or bad:
+                raise ConfigError(f"flora: ranks must be a non-empty list of integers in [1, rank={self.rank}], got {ranks}")
+        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+            raise ConfigError(f"flora: seed must be an integer ≥ 0, got {seed!r}")
+        self.ranks, self.seed, self.reset_optimizer = ranks, seed, bool(reset_optimizer)
+
+    def setup(self, model, replica_clients) -> None:
+        super().setup(model, replica_clients)
+        G = len(self.replica_clients)
+        if self.ranks is not None and len(self.ranks) != self.n_clients:
+            raise ConfigError(f"flora: {len(self.ranks)} ranks for {self.n_clients} clients")
+        per_client = self.ranks or [self.rank] * self.n_clients
+        self.client_ranks = torch.tensor([per_client[k] for k in self.replica_clients])  # (G,)
+        self._rank_mask = (torch.arange(self.rank)[None, :] < self.client_ranks[:, None])  # (G, r)
+        self.layers: list[LoRALinear] = []
+        for a, _ in self.pairs:
+            prefix = a[: -len("lora_A")].rstrip(".")
+            layer = model.get_submodule(prefix) if prefix else model
+            if not isinstance(layer, LoRALinear):
+                raise ConfigError(f"flora: {a} must belong to a LoRALinear (FLoRA merges into its W0)")
+            with torch.no_grad():  # per-replica frozen base: each federation merges its own ΔW
+                A = layer.lora_A
+                base = layer.weight if layer.weight is not None else A.new_zeros(layer.out_features, layer.in_features)
+                if base.dim() == 2:
+                    layer.weight = base.to(A.dtype).expand(G, *base.shape).clone()
+            self.layers.append(layer)
+        self._round = -1
+        self._merged: set[int] = set()
+        self._apply_rank_mask()
+
+    @torch.no_grad()
+    def _apply_rank_mask(self) -> None:
+        for a, b in self.pairs:
+            m = self._rank_mask.to(self.params[a].dtype)
+            self.params[a].mul_(m[:, :, None])
+            self.params[b].mul_(m[:, None, :])
+
+    def begin_round(self, round_idx: int) -> None:
+        self._round = round_idx
+        if self.reset_optimizer and self._merged:
+            if len(self._merged) == len(self.replica_clients):
+                self.opt.state.clear()  # every replica restarted: a brand-new optimizer
+            else:  # some replicas restarted: zero their moments (the shared step counter stays)
+                idx = torch.tensor(sorted(self._merged))
+                for st in self.opt.state.values():
+                    for v in st.values():
+                        if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == len(self.replica_clients):
+                            v[idx] = 0
+        self._merged = set()
+
+    def local_step(self, objective: Objective, sample: Sampler) -> None:
+        self._train(objective, sample, self.a_names + self.b_names)
+        self._apply_rank_mask()  # slots ≥ r_k stay exactly 0 (AdamW's weight decay/moments could move them)
+
+    def upload(self, replica: int) -> Payload:
+        r = int(self.client_ranks[replica])
+        tensors, meta = {}, {}
+        for (a, b), layer in zip(self.pairs, self.layers):
+            tensors[a] = self.params[a][replica, :r].detach().clone()
+            tensors[b] = self.params[b][replica, :, :r].detach().clone()
+            meta[_SCALE + a] = repr(float(layer.scale))
+        return Payload(tensors, meta)
+
+    @staticmethod
+    def aggregate(payloads: Sequence[Payload], weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per layer (B_stack, A_stack) = flora_stack(B_k, A_k, p_k, s_k): B_stack A_stack = Σ p_k s_k B_k A_k."""
+        if not payloads:
+            raise ConfigError("flora.aggregate: no client payloads")
+        out = {}
+        for a in [n for n in payloads[0].tensors if n.endswith("lora_A")]:
+            b = a[: -len("lora_A")] + "lora_B"
+            As = [p.tensors[a] for p in payloads]
+            Bs = [p.tensors[b] for p in payloads]
+            scales = [float(p.meta.get(_SCALE + a, "1.0")) for p in payloads]
+            out[b], out[a] = flora_stack(Bs, As, weights, scales)
+        return out
+
+    def _fresh_generator(self, replica: int, layer_idx: int) -> torch.Generator:
+        """Same (seed, round, federation, layer) → same numbers on every client of the federation."""
+        group = replica // self.n_clients
+        key = (((self.seed * 1_000_003 + self._round + 1) * 7_919 + group) * 104_729 + layer_idx) % (2**63)
+        return torch.Generator().manual_seed(key)
+
+    def download(self, replica: int, state: Mapping[str, torch.Tensor]) -> Payload:
+        r = int(self.client_ranks[replica])
+        with torch.no_grad():
+            for j, ((a, b), layer) in enumerate(zip(self.pairs, self.layers)):
+                # W0_i ← W0_i + B_stack A_stack (float64 product), then fresh PEFT adapters
+                layer.weight[replica] = flora_merge(layer.weight[replica], state[b], state[a])
+                A = self.params[a]
+                bound = 1.0 / math.sqrt(A.shape[-1])  # kaiming_uniform_(a=√5) on (r, d_in), as LoRALinear
+                fresh = torch.rand(A.shape[1:], generator=self._fresh_generator(replica, j), dtype=A.dtype)
+                fresh = fresh.mul_(2 * bound).sub_(bound)
+                fresh[r:] = 0
+                A[replica] = fresh.to(A.device)
+                self.params[b][replica].zero_()
+        self._merged.add(replica)
+        return Payload(dict(state))
