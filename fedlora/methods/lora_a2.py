@@ -1,0 +1,309 @@
+"""LoRA-A² — alternating freeze and adaptive rank selection (001_996ae5d160ba97d9.txt; SPEC §4 "LoRA-A²").
+
+Every adapted module m holds B_m (d_out, r_G) and A_m (r_G, d_in) (stacked: leading replica dim G);
+the model may hold any number N ≥ 1 of them (parameters ``<module>.lora_A`` / ``<module>.lora_B``).
+
+Alternating freeze (Algorithm 1, 1-based t: ``t % 2 = 1`` trains B, else A). With our 0-based round
+index that is :func:`fedlora.aggmath.exact.trained_factor`: **round 0, 2, … train B; round 1, 3, …
+train A** (SPEC: follow the algorithm, not §4.1's sentence). Round 0 must train B: B = 0 at init, so
+∂L/∂A = s·Bᵀ(…) = 0 and an A-round first would not move anything. η_A = ``lr`` (App. B: AdamW,
+η = 5e-4), η_B = ``lr_ratio``·η_A with ``lr_ratio`` = 5 (App. B, after LoRA+). Merge scale 16/r_G
+(App. B "W_ft = W0 + 16/r ΔW"): :meth:`LoRAA2.adapter_kwargs` builds the layers with alpha = 16, and
+``LoRALinear`` uses s = alpha / rank.
+
+One round of one client (Algorithm 2, eq. 4–6), the trained factor being B (A-rounds mirror it):
+1. probe: ``probe_steps`` unmasked local steps from the round's start B⁰ give ΔB = B − B⁰;
+2. score every rank i of every module m, S_{m,i} = ‖ΔB_m[:, i]‖·‖A_m[i, :]‖ (eq. 4; A-rounds
+   ‖B_m[:, i]‖·‖ΔA_m[i, :]‖) and keep the top r_k·N scores over the whole model (§4.2; a module may
+   get 0 ranks) — :func:`fedlora.aggmath.lora_a2.importance_scores` / ``select_ranks``;
+3. restart from B⁰ (fresh optimizer state) and train with the delta masked to the selected ranks
+   (eq. 6, "ΔB ← ΔB ⊙ M before each backpropagation"): gradients are masked and after each step
+   B ← where(M, B, B⁰), which also keeps weight decay off the unselected coordinates;
+4. upload only the selected columns of ΔB and their int indices (§4.2 "uploads B_k ⊙ M_k").
+Server (Algorithm 1): B_new = B_saved + Σ_k w_k ΔB_k, w_k normalised over the round's participants; a
+coordinate that only some clients selected gets Σ_{k selecting} w_k ΔB_k — diluted by the others'
+zeros, not renormalised (SPEC §4); coordinates nobody selected stay bit-for-bit. The frozen factor is
+the same broadcast tensor on every client, so the aggregate is exact: s·B_new·A = Σ_k w_k s·B_k·A.
+
+Where the server's state lives. ``aggregate`` must be pure and gets only payloads and weights, but
+the update needs B_saved. Every replica already holds the global factors it downloaded last (its
+round start, identical across a federation), so the payload carries only the sparse deltas,
+``aggregate`` returns the dense weighted delta ``{"<module>.lora_B.delta": Σ_k w_k ΔB_k}`` (float64)
+and ``download`` adds it to the replica's saved global copy — no simulator change needed, and no
+dense factor travels upwards. The saved copy is method state kept per replica (``_extra_state``).
+
+Probe length (the paper's "probe epoch" is not sized; SPEC: "a probe epoch gives ΔB"):
+``probe_steps=None`` (default) makes the probe as long as the round's local training: the round's
+``local_step`` calls run the probe, and ``end_round`` selects, restarts and runs the same number of
+masked steps with the same objective and sampler (so a round costs 2× the local steps). An integer
+``probe_steps=P`` instead runs P probe steps inside the round's first ``local_step`` call, after which
+every ``local_step`` call is one masked step.
+
+Initial broadcast: Algorithm 1 initialises one ΔW = BA on the server; ``setup`` copies each
+federation's first replica's A and B into its other replicas (not counted as traffic), since
+exactness needs the frozen factor to be identical on all clients.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from ..aggmath.exact import trained_factor
+from ..aggmath.lora_a2 import (importance_scores, pack_upload, select_ranks, server_update, upload_from_tensors,
+                               upload_tensors)
+from ..errors import ConfigError
+from ..payload import Payload
+from .base import Method, Objective, Sampler, register
+
+__all__ = ["LoRAA2"]
+
+_INDEX_DTYPES = {"int8": torch.int8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64}
+_DELTA = ".delta"  # suffix of aggregate's keys: "<module>.lora_B.delta"
+
+
+@register
+class LoRAA2(Method):
+    """LoRA-A² (see the module docstring).
+
+    Args:
+        rank: global rank r_G of every adapted module (§5.3 uses r_G = 16).
+        lr: η_A, the step size of A (App. B: 5e-4); B uses η_B = ``lr_ratio``·η_A.
+        lr_ratio: η_B / η_A (App. B: 5).
+        client_ranks: rank budget r_k of each client k (length = number of clients), 1 ≤ r_k ≤ r_G;
+            ``None`` = r_G for everyone. A client selects r_k·N ranks over the N modules.
+        probe_steps: local steps of the probe that scores the ranks; ``None`` = as many as the
+            round's local steps (see the module docstring).
+        optimizer: 'adamw' (App. B) or 'sgd'; weight_decay: AdamW/SGD decoupled decay (0 by default;
+            it never touches unselected coordinates, see step 3).
+        index_dtype: integer dtype of the uploaded rank indices ('int8' … 'int64').
+    """
+
+    name = "lora-a2"
+
+    def __init__(self, rank: int = 16, lr: float = 5e-4, lr_ratio: float = 5.0,
+                 client_ranks: Sequence[int] | None = None, probe_steps: int | None = None,
+                 optimizer: str = "adamw", weight_decay: float = 0.0, index_dtype: str = "int64") -> None:
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+            raise ConfigError(f"lora-a2: rank (r_G) must be an integer ≥ 1, got {rank!r}")
+        if not lr > 0:
+            raise ConfigError(f"lora-a2: lr (η_A) must be > 0, got {lr}")
+        if not lr_ratio > 0:
+            raise ConfigError(f"lora-a2: lr_ratio (η_B/η_A) must be > 0, got {lr_ratio}")
+        if client_ranks is not None:
+            client_ranks = list(client_ranks)
+            bad = [r for r in client_ranks if not isinstance(r, int) or isinstance(r, bool) or not 1 <= r <= rank]
+            if bad or not client_ranks:
+                raise ConfigError(f"lora-a2: client_ranks must be integers r_k with 1 ≤ r_k ≤ rank (r_G = {rank}), "
+                                  f"got {client_ranks}")
+        if probe_steps is not None and (not isinstance(probe_steps, int) or isinstance(probe_steps, bool)
+                                        or probe_steps < 1):
+            raise ConfigError(f"lora-a2: probe_steps must be None (= the round's local steps) or an integer ≥ 1, "
+                              f"got {probe_steps!r}")
+        if optimizer not in ("adamw", "sgd"):
+            raise ConfigError(f"lora-a2: optimizer must be 'adamw' or 'sgd', got {optimizer!r}")
+        if not weight_decay >= 0:
+            raise ConfigError(f"lora-a2: weight_decay must be ≥ 0, got {weight_decay}")
+        if index_dtype not in _INDEX_DTYPES:
+            raise ConfigError(f"lora-a2: index_dtype must be one of {sorted(_INDEX_DTYPES)}, got {index_dtype!r}")
+        if rank - 1 > torch.iinfo(_INDEX_DTYPES[index_dtype]).max:
+            raise ConfigError(f"lora-a2: index_dtype {index_dtype} cannot hold rank index {rank - 1}")
+        self.rank, self.lr, self.lr_ratio = rank, lr, lr_ratio
+        self.client_ranks, self.probe_steps = client_ranks, probe_steps
+        self.optimizer, self.weight_decay = optimizer, weight_decay
+        self.index_dtype = _INDEX_DTYPES[index_dtype]
+        self._factor: str | None = None  # factor the current / last round trains
+
+    def adapter_kwargs(self) -> dict[str, Any]:
+        """Rank r_G with alpha = 16, i.e. s = 16 / r_G (App. B merge scale)."""
+        return {"rank": self.rank, "alpha": 16.0}
+
+    # set-up ----------------------------------------------------------------------------------
+    def setup(self, model, replica_clients) -> None:
+        super().setup(model, replica_clients)
+        G = len(self.replica_clients)
+        a_names, b_names = self._names("lora_A"), self._names("lora_B")
+        if not a_names:
+            raise ConfigError("lora-a2: the model has no LoRA factors (no parameter named '*.lora_A')")
+        # modules: prefix → (A name, B name); model order is select_ranks' tie-break order
+        self.modules: dict[str, tuple[str, str]] = {}
+        for a in a_names:
+            prefix = a[: -len("lora_A")]
+            b = prefix + "lora_B"
+            if b not in b_names:
+                raise ConfigError(f"lora-a2: {a!r} has no matching {b!r}")
+            A, B = self.params[a], self.params[b]
+            if A.dim() != 3 or B.dim() != 3 or A.shape[0] != G or B.shape[0] != G:
+                raise ConfigError(f"lora-a2: {a!r}/{b!r} must be stacked over the {G} replicas, got "
+                                  f"{tuple(A.shape)} and {tuple(B.shape)}")
+            if A.shape[1] != self.rank or B.shape[2] != self.rank:
+                raise ConfigError(f"lora-a2: module {prefix.rstrip('.') or '<root>'!r} has rank {A.shape[1]}, "
+                                  f"the method was built for rank r_G = {self.rank}")
+            self.modules[prefix] = (a, b)
+        ranks = self.client_ranks or [self.rank] * self.n_clients
+        if len(ranks) != self.n_clients:
+            raise ConfigError(f"lora-a2: client_ranks has {len(ranks)} entries for {self.n_clients} clients")
+        self.budgets = [ranks[k] for k in self.replica_clients]  # r_k of each replica
+        groups = [{"params": [self.params[a] for a, _ in self.modules.values()], "lr": self.lr},
+                  {"params": [self.params[b] for _, b in self.modules.values()], "lr": self.lr * self.lr_ratio}]
+        self.opt = (torch.optim.AdamW(groups, lr=self.lr, weight_decay=self.weight_decay)
+                    if self.optimizer == "adamw" else
+                    torch.optim.SGD(groups, lr=self.lr, weight_decay=self.weight_decay))
+        with torch.no_grad():  # the server's initial ΔW = BA, broadcast within each federation
+            for reps in self.groups:
+                for a, b in self.modules.values():
+                    for n in (a, b):
+                        self.params[n][reps] = self.params[n][reps[0]].clone()
+        # the global factors each replica downloaded last (= its round start); B_saved of Algorithm 1
+        self.saved = {n: self.params[n].detach().clone() for ab in self.modules.values() for n in ab}
+        # selected ranks of the last round: module prefix → (G, r_G) bool
+        self.masks = {m: torch.zeros(G, self.rank, dtype=torch.bool) for m in self.modules}
+        self._start: dict[str, torch.Tensor] = {}
+        self._factor = None
+        self._selected, self._n_probe = False, 0
+        self._objective = self._sample = None
+
+    # the round -------------------------------------------------------------------------------
+    def _trained(self) -> list[str]:
+        i = 1 if self._factor == "B" else 0
+        return [ab[i] for ab in self.modules.values()]
+
+    def _frozen(self) -> list[str]:
+        i = 0 if self._factor == "B" else 1
+        return [ab[i] for ab in self.modules.values()]
+
+    def begin_round(self, round_idx: int) -> None:
+        self._factor = trained_factor(round_idx)
+        # local training starts afresh from the download each round (Alg. 2 "B_k ← B^(t)")
+        self._start = {n: self.params[n].detach().clone() for n in self._trained()}
+        self.opt.state.clear()
+        self._selected = False
+        self._n_probe = 0
+        self._objective = self._sample = None
+
+    def _mask(self, name: str, prefix: str) -> torch.Tensor:
+        """The (G, r) rank mask of ``prefix`` broadcast to factor ``name``'s (G, ·, ·) shape."""
+        m = self.masks[prefix].to(self.params[name].dtype)
+        return m[:, None, :] if self._factor == "B" else m[:, :, None]
+
+    def _step(self, objective: Objective, sample: Sampler, masked: bool) -> None:
+        if self._factor is None:
+            raise ConfigError("lora-a2: begin_round must be called before local_step")
+        trained, frozen = self._trained(), self._frozen()
+        # the frozen factor enters detached: its .grad stays None, so the optimizer skips it
+        params = {n: self.params[n] for n in trained} | {n: self.params[n].detach() for n in frozen}
+        loss = objective(params, sample()).sum()  # replicas are independent: Σ keeps gradients apart
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if masked:
+            for prefix, n in zip(self.modules, trained):
+                if self.params[n].grad is not None:
+                    self.params[n].grad.mul_(self._mask(n, prefix))
+        self.opt.step()
+        if masked:  # eq. 6: the delta lives on the selected ranks only (exact, even with weight decay)
+            with torch.no_grad():
+                for prefix, n in zip(self.modules, trained):
+                    p = self.params[n]
+                    p.copy_(torch.where(self._mask(n, prefix) > 0, p, self._start[n]))
+
+    @torch.no_grad()
+    def _select_and_restart(self) -> None:
+        """Score (eq. 4), pick the top r_k·N ranks per replica (§4.2), go back to the round start."""
+        trained, frozen = self._trained(), self._frozen()
+        for i, budget in enumerate(self.budgets):
+            deltas = {n: self.params[n][i] - self._start[n][i] for n in trained}
+            fro = {t: self.params[f][i] for t, f in zip(trained, frozen)}
+            sel = select_ranks(importance_scores(deltas, fro, self._factor), budget)
+            for prefix, n in zip(self.modules, trained):
+                self.masks[prefix][i] = False
+                self.masks[prefix][i, sel[n]] = True
+        for n in trained:
+            self.params[n].copy_(self._start[n])
+        self.opt.state.clear()
+        self._selected = True
+
+    def local_step(self, objective: Objective, sample: Sampler) -> None:
+        if self.probe_steps is None:  # this call is a probe step; the masked ones run in end_round
+            self._step(objective, sample, masked=False)
+            self._n_probe += 1
+            self._objective, self._sample = objective, sample
+            return
+        if not self._selected:
+            for _ in range(self.probe_steps):
+                self._step(objective, sample, masked=False)
+            self._select_and_restart()
+        self._step(objective, sample, masked=True)
+
+    def end_round(self, round_idx: int) -> None:
+        if self.probe_steps is None:
+            if self._n_probe == 0:
+                raise ConfigError("lora-a2: a round needs at least one local_step")
+            self._select_and_restart()
+            for _ in range(self._n_probe):
+                self._step(self._objective, self._sample, masked=True)
+            self._objective = self._sample = None  # do not keep the caller's data alive
+
+    # client sampling ------------------------------------------------------------------------
+    def _extra_state(self) -> dict[str, torch.Tensor]:
+        return ({f"mask:{m}": v.clone() for m, v in self.masks.items()}
+                | {f"saved:{n}": v.clone() for n, v in self.saved.items()})
+
+    def _restore_extra_state(self, extra: Mapping[str, torch.Tensor], idx: torch.Tensor) -> None:
+        for m in self.masks:
+            self.masks[m][idx] = extra[f"mask:{m}"][idx]
+        for n in self.saved:
+            self.saved[n][idx] = extra[f"saved:{n}"][idx]
+
+    # communication ----------------------------------------------------------------------------
+    def upload(self, replica: int) -> Payload:
+        """Selected columns of ΔB (rows of ΔA) and their indices, per module that got ≥ 1 rank.
+
+        Tensors ``<module>.lora_B.values`` (d_out, n_sel) / ``.indices`` (n_sel,); meta: the factor
+        and r_G (the server needs r_G to rebuild the dense shape)."""
+        if self._factor is None or not self._start:
+            raise ConfigError("lora-a2: upload needs a finished round")
+        trained = self._trained()
+        deltas = {n: (self.params[n][replica] - self._start[n][replica]).detach() for n in trained}
+        sel = {n: torch.nonzero(self.masks[p][replica]).flatten() for p, n in zip(self.modules, trained)}
+        packed = pack_upload(deltas, sel, self._factor, index_dtype=self.index_dtype)
+        packed = {n: sd for n, sd in packed.items() if sd.indices.numel()}
+        return Payload(upload_tensors(packed), {"factor": self._factor, "rank": str(self.rank)})
+
+    @staticmethod
+    def aggregate(payloads: Sequence[Payload], weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Σ_k w_k ΔB_k per module (float64, dense (d_out, r_G) / (r_G, d_in)), keyed
+        ``"<module>.lora_B.delta"``; ``download`` adds it to B_saved (Algorithm 1). Modules no client
+        selected are absent (their delta is 0). Pure: built on ``aggmath.lora_a2.server_update``."""
+        if not payloads:
+            raise ConfigError("lora-a2 aggregate: need at least one payload")
+        factors = {p.meta.get("factor") for p in payloads}
+        ranks = {p.meta.get("rank") for p in payloads}
+        if len(factors) != 1 or len(ranks) != 1 or None in factors or None in ranks:
+            raise ConfigError(f"lora-a2 aggregate: payloads must share one factor and rank in their meta, "
+                              f"got factors {factors} and ranks {ranks}")
+        factor, r = factors.pop(), int(ranks.pop())
+        shapes: dict[str, tuple[int, int]] = {}
+        for p in payloads:
+            for key, v in p.tensors.items():
+                if key.endswith(".values"):
+                    shape = (int(v.shape[0]), r) if factor == "B" else (r, int(v.shape[1]))
+                    if shapes.setdefault(key[: -len(".values")], shape) != shape:
+                        raise ConfigError(f"lora-a2 aggregate: {key!r} has inconsistent shapes across clients")
+        uploads = [upload_from_tensors(p.tensors, shapes, factor) for p in payloads]
+        zero = {m: torch.zeros(s, dtype=torch.float64) for m, s in shapes.items()}
+        delta = server_update(zero, uploads, weights, factor)  # 0 + Σ_k w_k ΔB_k, diluted
+        return {m + _DELTA: d for m, d in delta.items()}
+
+    def download(self, replica: int, state: Mapping[str, torch.Tensor]) -> Payload:
+        """B ← B_saved + Σ_k w_k ΔB_k for the modules in ``state``; returns the full global A and B
+        (dense), which a client that skipped rounds needs."""
+        with torch.no_grad():
+            for key, d in state.items():
+                n = key[: -len(_DELTA)]
+                if not key.endswith(_DELTA) or n not in self.saved:
+                    raise ConfigError(f"lora-a2 download: unexpected state entry {key!r}")
+                saved = self.saved[n][replica]
+                saved.copy_((saved.to(torch.float64) + d.to(torch.float64)).to(saved.dtype))
+            for n, v in self.saved.items():
+                self.params[n][replica] = v[replica]
+        return Payload({n: v[replica].clone() for n, v in self.saved.items()})
