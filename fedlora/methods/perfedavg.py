@@ -1,0 +1,142 @@
+"""Per-FedAvg-LoRA (Fallah et al. 2020 on LoRA factors; 000_c6c65d73352e5f2c.txt App. D; SPEC §4).
+
+Objective (000_… eq. 21): min_x (1/M) Σ_k f_k(x − α∇f_k(x)) over the LoRA factors x = (A, B) of rank
+r, equal on every client. Each local step on client k, with independent batches D, D′, D″ (Fallah et al.
+§5, Per-FedAvg (FO) and (HF)):
+
+    x̃ = x − α ∇f_k(x; D)                                   inner SGD step ("one-step update")
+    g  = ∇f_k(x̃; D′)                                       gradient at the adapted point
+    FO: h = g                                               (drop the Hessian term)
+    HF: h = g − α d,  d = [∇f_k(x + δg; D″) − ∇f_k(x − δg; D″)] / (2δ)
+                                                            (central finite-difference HVP ∇²f_k(x; D″)·g)
+    x ← optimizer step along h with step β
+
+The exact MAML gradient is (I − α∇²f_k(x; D″)) ∇f_k(x̃; D′); HF's d equals the Hessian-vector product
+up to O(δ²) (exactly, up to rounding, when f_k is quadratic). δ multiplies g itself, as in Fallah et
+al.'s HF update (it is not normalised by ‖g‖, unlike PF2LoRA's finite-difference option).
+
+Optimizers: the inner step is plain SGD with α = ``inner_lr``; the outer step uses β = ``lr`` with
+AdamW by default — 000_… App. F.1: "Per-FedAvg-LoRA applies SGD for the one-step local update and
+AdamW for the global adapter" — or ``optimizer="sgd"`` for Fallah et al.'s plain step. The server
+averages A and B (FedAvg, w_k = n_k/Σn). Evaluation (``personalised_params``) uses the parameters
+after one inner SGD step with α on a batch of the client's own data, as Per-FedAvg prescribes.
+Defaults follow 000_… Table 5 (β = α = 1e-3 on most GLUE tasks, r = 8); the paper does not say which
+variant it ran, so the cheaper first-order one is the default.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from ..aggregation import fedavg_factors
+from ..errors import ConfigError
+from ..payload import Payload
+from .base import Method, Objective, Sampler, register
+
+__all__ = ["PerFedAvgLoRA"]
+
+VARIANTS = ("first-order", "hessian-free")
+
+
+def _grad(loss: torch.Tensor, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    gs = torch.autograd.grad(loss, list(inputs), allow_unused=True)
+    return [torch.zeros_like(i) if g is None else g for i, g in zip(inputs, gs)]
+
+
+@register
+class PerFedAvgLoRA(Method):
+    """Per-FedAvg over the LoRA factors (A, B), stacked replicas.
+
+    Args:
+        rank: LoRA rank r, equal on all clients (000_… App. D: "homogeneous rank").
+        lr: outer (meta) step size β (> 0).
+        inner_lr: inner SGD step size α (> 0), also used for the personalisation step at evaluation.
+        variant: "first-order" (FO) or "hessian-free" (HF).
+        delta: finite-difference step δ of HF (> 0; Fallah et al. use a small δ, here 1e-3).
+        optimizer: outer optimizer, "adamw" (default, 000_… App. F.1) or "sgd" (Fallah et al.).
+        weight_decay: outer optimizer's weight decay (≥ 0).
+    """
+
+    name = "perfedavg"
+
+    def __init__(self, rank: int = 8, lr: float = 1e-3, inner_lr: float = 1e-3, variant: str = "first-order",
+                 delta: float = 1e-3, optimizer: str = "adamw", weight_decay: float = 0.0) -> None:
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+            raise ConfigError(f"perfedavg: rank must be an integer ≥ 1, got {rank!r}")
+        for opt_name, val in (("lr", lr), ("inner_lr", inner_lr), ("delta", delta)):
+            if not isinstance(val, (int, float)) or not val > 0:
+                raise ConfigError(f"perfedavg: {opt_name} must be > 0, got {val!r}")
+        if variant not in VARIANTS:
+            raise ConfigError(f"perfedavg: variant must be one of {VARIANTS}, got {variant!r}")
+        if optimizer not in ("adamw", "sgd"):
+            raise ConfigError(f"perfedavg: optimizer must be 'adamw' or 'sgd', got {optimizer!r}")
+        if not isinstance(weight_decay, (int, float)) or weight_decay < 0:
+            raise ConfigError(f"perfedavg: weight_decay must be ≥ 0, got {weight_decay!r}")
+        self.rank, self.lr, self.inner_lr = rank, float(lr), float(inner_lr)
+        self.variant, self.delta = variant, float(delta)
+        self.optimizer, self.weight_decay = optimizer, float(weight_decay)
+
+    def setup(self, model, replica_clients) -> None:
+        super().setup(model, replica_clients)
+        self.x_names = self._names("lora_A", "lora_B")
+        if not self.x_names:
+            raise ConfigError("perfedavg: the model has no lora_A/lora_B parameters")
+        G = len(self.replica_clients)
+        for n in self.x_names:
+            if self.params[n].dim() != 3 or self.params[n].shape[0] != G:
+                raise ConfigError(f"perfedavg: {n} must be stacked with G={G} replicas first, "
+                                  f"got shape {tuple(self.params[n].shape)}")
+        xs = [self.params[n] for n in self.x_names]
+        self.opt = (torch.optim.AdamW(xs, lr=self.lr, weight_decay=self.weight_decay) if self.optimizer == "adamw"
+                    else torch.optim.SGD(xs, lr=self.lr, weight_decay=self.weight_decay))
+
+    # f(x; batch) summed over replicas: replicas are independent, so gradients stay per replica
+    def _loss_grad(self, objective: Objective, x: Sequence[torch.Tensor], batch: Any) -> list[torch.Tensor]:
+        with torch.enable_grad():  # evaluators may call personalised_params under no_grad
+            xs = [t.detach().requires_grad_(True) for t in x]
+            return _grad(objective(dict(zip(self.x_names, xs)), batch).sum(), xs)
+
+    def meta_direction(self, objective: Objective, sample: Sampler) -> list[torch.Tensor]:
+        """h for every replica (list aligned with ``x_names``); the parameters are not modified."""
+        x = [self.params[n].detach() for n in self.x_names]
+        a = self.inner_lr
+        g_in = self._loss_grad(objective, x, sample())                       # ∇f(x; D)
+        x_tilde = [xi - a * gi for xi, gi in zip(x, g_in)]                   # one SGD step
+        g = self._loss_grad(objective, x_tilde, sample())                    # ∇f(x̃; D′)
+        if self.variant == "first-order":
+            return g
+        batch = sample()                                                     # D″, one batch for both sides
+        d = self.delta
+        plus = self._loss_grad(objective, [xi + d * gi for xi, gi in zip(x, g)], batch)
+        minus = self._loss_grad(objective, [xi - d * gi for xi, gi in zip(x, g)], batch)
+        return [gi - a * (p - m) / (2 * d) for gi, p, m in zip(g, plus, minus)]
+
+    def local_step(self, objective: Objective, sample: Sampler) -> None:
+        h = self.meta_direction(objective, sample)
+        for n, hi in zip(self.x_names, h):
+            self.params[n].grad = hi.detach()
+        self.opt.step()
+
+    def personalised_params(self, objective: Objective, sample: Sampler) -> Mapping[str, torch.Tensor]:
+        """All parameters, with (A, B) after one SGD step x − α∇f_k(x; batch) on a fresh batch of
+        each client's data (Per-FedAvg's evaluation); the model is not modified."""
+        x = [self.params[n].detach() for n in self.x_names]
+        g = self._loss_grad(objective, x, sample())
+        out = {n: p.detach() for n, p in self.params.items()}
+        out.update({n: (xi - self.inner_lr * gi).detach() for n, xi, gi in zip(self.x_names, x, g)})
+        return out
+
+    def upload(self, replica: int) -> Payload:
+        return Payload({n: self.params[n][replica].detach().clone() for n in self.x_names})
+
+    @staticmethod
+    def aggregate(payloads: Sequence[Payload], weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        """FedAvg of A and B separately: x = Σ_k w_k x_k (Fallah et al. Alg. 1, server step)."""
+        return fedavg_factors([p.tensors for p in payloads], weights)
+
+    def download(self, replica: int, state: Mapping[str, torch.Tensor]) -> Payload:
+        with torch.no_grad():
+            for n, v in state.items():
+                self.params[n][replica].copy_(v)
+        return Payload(dict(state))
