@@ -1,0 +1,396 @@
+"""H²Tune — TriLoRA with a shared sparsified middle, layer alignment, alternating disentanglement
+(004_789ff67d7c59950b.txt §4.2–4.4, App. A Algorithm 1; SPEC §4 "H²Tune").
+
+Per adapted module of client k (PEFT orientation, see ``fedlora.aggmath.h2tune``):
+
+    ΔW = s·B_k (I + (Φ_k ⊙ Ω^sup_k) ⊙ R_k) A_k                                  (eq. 3)
+
+A_k (r_g, d_in), B_k (d_out, r_g): private, task-specific; R_k (r_g, r_g): task-shared, the only
+thing uploaded; Φ_k (r_g, r_g): the real-valued sparsification matrix, trained on its support
+Ω^sup_k (the module's ``middle_mask`` buffer) = the top-β_k fraction of entries by |Φ_k ⊙ R_k|
+(``support_by="phi"``: by |Φ_k|), re-chosen at every round start (``sparsify_support``).
+
+Layers. Adapted modules are grouped into *module types* by their name with every all-digit path
+component replaced by ``*`` (``layers.3.q_proj`` → ``layers.*.q_proj``; a lone ``LoRALinear`` is
+type ``""``, a ``ModuleList`` of them type ``*``); within a type, modules in model order are the
+layers 0..L−1 and every type must have the same L. Client k uses its first L_k layers for R
+(option ``client_layers``, default L); its modules l ≥ L_k get an empty support, so there ΔW = s·BA
+and R, Φ never change (what the objective does with such a client's deeper layers is the caller's
+business). One layer-relation matrix Ω_k ∈ R^{L_k×L_g} per client, shared by all module types
+(§4.3 gives one Ω_k per client), trainable in step (1); L_g = ``global_layers``, default max_k L_k
+(SPEC; the paper's Table 6 also tries L_g > max L_k). Initial Ω_k: ``omega_init="identity"``
+Ω_k[l, j] = δ_lj, i.e. [I_{L_k} | 0] — layer l of the client ↔ global layer l (the identity when
+L_k = L_g); ``"depth"`` maps layer l to global layer round(l·(L_g−1)/(L_k−1)) (relative depth).
+
+Round (App. A, Algorithm 1; our reading where it is silent):
+* round start: the support of every Φ is re-chosen;
+* each local step draws ONE batch (Alg. 1 loops "for (x_i, y_i) ∈ D_k": both steps on the same
+  sample) and runs, in this order,
+  (1) ``shared_step``: R_k, Φ_k, Ω_k ← one optimizer step on
+      L_share = task(y') + λ·Σ_l KL(softmax vec R_k[l] ‖ softmax vec R_{g→k}[l])      (eq. 6)
+      with A_k, B_k frozen; R_{g→k} = R_g ×_layer Ω_kᵀ (eq. 5) with the received R_g a constant
+      and Ω_k live — the only way Ω_k can receive a gradient from eq. 6, although §4.4 says
+      "freezing R_{g→k}" (we read: the received R_g is frozen). R and Φ change on the support only
+      (Alg. 1 updates the product "Φ_k R_k"): their gradients are masked and off-support entries
+      are restored after the step, so AdamW momentum cannot move them either.
+  (2) ``specific_step``: A_k, B_k ← one optimizer step on
+      L_specific = task(y'') ∓ KL(softmax y'' ‖ softmax y') + ν/2 (‖A_k‖² + ‖B_k‖²)   (eq. 7)
+      with R, Φ, Ω frozen (squared Frobenius norms over all modules, as SPEC writes it).
+      **y'** = the model's output (logits, ``output_fn``) on this step's batch computed in step (1)
+      *before* its update, i.e. with the current A_k, B_k and the pre-update R_k, Φ_k — eq. 6's
+      prediction — detached (a constant of step 2). **y''** = the output on the same batch after
+      step (1), "the prediction based on optimized R_k", differentiable in A_k, B_k. The KL is per
+      sample over the C classes and averaged over the batch. ``disentangle_sign="paper"`` uses
+      eq. 7's −KL (pushes y'' away from y'; unbounded below, ν keeps A, B bounded); ``"plus"``
+      uses +KL. This alternates every step as Alg. 1 does (not all (1) steps then all (2)).
+  Task loss = the objective (CE for classification, as the paper; any scalar per replica works).
+* upload: R_{k→g} = R_k[:L_k] ×_layer Ω_k (eq. 4), one (L_g, r_g, r_g) tensor per module type —
+  nothing else leaves the client.
+* server: R_g = (1/K) Σ_k R_{k→g} (App. A): **unweighted** — data-size weights are ignored.
+* download: the client stores R_g; it enters the client only as the KL target R_{g→k} of step (1)
+  (``receive="target"``, default). This is App. A: Algorithm 1 never overwrites R_k and Algorithm 2
+  states R_t^0 = R_{t−1}^τ, the global matrix acting through the proximal term h(R) = λΣ KL(R_k, R_g)
+  which "assigns a personalized parameter R_k for each client". ``receive="replace"`` also sets
+  R_k[:L_k] ← R_{g→k} (FedAvg-like reading of §4.3's "further personalized").
+
+Initialisation. LoRALinear starts at R = 0, Φ = 1 (ΔW = s·BA). ``setup`` draws R_init ~
+N(0, r_init_std²) per (module type, layer) from a generator seeded with ``seed + f`` for federation
+f, identical on every replica of the federation (SPEC: "seed the initial R identically"); layers
+≥ L_k are zeroed. A small non-zero R breaks the ties of the first support choice and of softmax(R).
+B keeps its PEFT init (B = 0, so ΔW = 0 for W0 = 0): the task gradient of R is ∝ B, so on a fresh
+model the very first step (1) moves nothing (the KL is also 0 there, see below); step (2) then makes
+B ≠ 0 and every later step (1) is live. The first KL target is the server mean of the replicas'
+initial uploads (what round −1 would send): with equal L_k it is R_init itself.
+
+Model outputs. The Objective contract returns one loss per replica; eq. 7 also needs logits. Pass
+``output_fn(params, batch) -> (G, …, C)`` logits (constructor or attribute ``method.output_fn``),
+evaluated with the same ``params`` mapping as the objective. Without it step (2) is task loss +
+ν/2 regulariser only (no disentanglement KL; a warning says so once).
+
+Stacked replicas share d_in/d_out; clients with different widths/depths (different models) only
+need the (L_g, r_g, r_g) protocol, which upload/aggregate/download implement.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from ..aggmath.h2tune import kl_softmax, server_mean, sparsify_support, to_client, to_global
+from ..errors import ConfigError
+from ..payload import Payload
+from .base import Method, Objective, Sampler, register
+
+__all__ = ["H2Tune", "output_kl"]
+
+OutputFn = Callable[[Mapping[str, torch.Tensor], Any], torch.Tensor]
+
+SIGNS = {"paper": -1.0, "plus": 1.0}
+RECEIVE = ("target", "replace")
+SUPPORT_BY = ("phi_r", "phi")
+OMEGA_INIT = ("identity", "depth")
+
+
+def output_kl(y_new: torch.Tensor, y_old: torch.Tensor) -> torch.Tensor:
+    """KL(softmax y_new ‖ softmax y_old) over the last (class) dim, averaged over samples → (G,)."""
+    lp, lq = torch.log_softmax(y_new, dim=-1), torch.log_softmax(y_old, dim=-1)
+    kl = (lp.exp() * (lp - lq)).sum(-1)
+    return kl.reshape(kl.shape[0], -1).mean(-1)
+
+
+def _module_type(prefix: str) -> str:
+    return ".".join("*" if part.isdigit() else part for part in prefix.split(".")) if prefix else ""
+
+
+def _pname(prefix: str, leaf: str) -> str:
+    return f"{prefix}.{leaf}" if prefix else leaf
+
+
+def _check_number(opt: str, v: Any, low: float, strict: bool) -> None:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (v > low if strict else v >= low)
+    if not ok:
+        raise ConfigError(f"h2tune: {opt} must be a finite number {'>' if strict else '≥'} {low}, got {v!r}")
+
+
+@register
+class H2Tune(Method):
+    """H²Tune (see the module docstring for the round and every reading of the paper).
+
+    Options: ``rank`` r_g; ``lr`` η (A, B) and ``shared_lr`` η' (R, Φ, Ω; default η) — Alg. 1's two
+    step sizes; ``densities`` β_k per client (default 1.0); ``client_layers`` L_k per client (default
+    L); ``global_layers`` L_g (default max L_k); ``nu`` ν of eq. 7 (not given in the paper; 1e-3);
+    ``kl_weight`` λ on eq. 6's KL (1 as written); ``disentangle_sign`` 'paper' (−KL) | 'plus';
+    ``output_fn`` (params, batch) → logits (G, …, C) for eq. 7's KL; ``receive`` 'target' | 'replace';
+    ``support_by`` 'phi_r' (|Φ⊙R|) | 'phi'; ``omega_init`` 'identity' | 'depth'; ``r_init_std`` and
+    ``seed`` for the shared R init; ``optimizer`` 'adamw' | 'sgd' (weight decay 0: ν is explicit).
+    """
+
+    name = "h2tune"
+
+    def __init__(self, rank: int = 8, lr: float = 2e-3, shared_lr: float | None = None,
+                 densities: Sequence[float] | None = None, client_layers: Sequence[int] | None = None,
+                 global_layers: int | None = None, nu: float = 1e-3, kl_weight: float = 1.0,
+                 disentangle_sign: str = "paper", output_fn: OutputFn | None = None,
+                 receive: str = "target", support_by: str = "phi_r", omega_init: str = "identity",
+                 r_init_std: float = 1e-2, seed: int = 0, optimizer: str = "adamw") -> None:
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+            raise ConfigError(f"h2tune: rank (the global rank r_g) must be an integer ≥ 1, got {rank!r}")
+        _check_number("lr", lr, 0.0, strict=True)
+        if shared_lr is not None:
+            _check_number("shared_lr", shared_lr, 0.0, strict=True)
+        _check_number("nu", nu, 0.0, strict=False)
+        _check_number("kl_weight", kl_weight, 0.0, strict=False)
+        _check_number("r_init_std", r_init_std, 0.0, strict=False)
+        if densities is not None:
+            for b in densities:
+                if not (isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b <= 1.0):
+                    raise ConfigError(f"h2tune: densities (β_k) must each be a number in [0, 1], got {list(densities)}")
+        if client_layers is not None:
+            for l in client_layers:
+                if not isinstance(l, int) or isinstance(l, bool) or l < 1:
+                    raise ConfigError(f"h2tune: client_layers (L_k) must be integers ≥ 1, got {list(client_layers)}")
+        if global_layers is not None and (not isinstance(global_layers, int) or global_layers < 1):
+            raise ConfigError(f"h2tune: global_layers (L_g) must be None or an integer ≥ 1, got {global_layers!r}")
+        for opt, v, allowed in (("disentangle_sign", disentangle_sign, tuple(SIGNS)), ("receive", receive, RECEIVE),
+                                ("support_by", support_by, SUPPORT_BY), ("omega_init", omega_init, OMEGA_INIT),
+                                ("optimizer", optimizer, ("adamw", "sgd"))):
+            if v not in allowed:
+                raise ConfigError(f"h2tune: {opt} must be one of {', '.join(map(repr, allowed))}, got {v!r}")
+        if output_fn is not None and not callable(output_fn):
+            raise ConfigError(f"h2tune: output_fn must be callable (params, batch) -> logits, got {output_fn!r}")
+        self.rank, self.lr = rank, lr
+        self.shared_lr = lr if shared_lr is None else shared_lr
+        self.densities = None if densities is None else [float(b) for b in densities]
+        self.client_layers = None if client_layers is None else list(client_layers)
+        self.global_layers, self.nu, self.kl_weight = global_layers, nu, kl_weight
+        self.disentangle_sign, self.output_fn, self.receive = disentangle_sign, output_fn, receive
+        self.support_by, self.omega_init, self.r_init_std, self.seed = support_by, omega_init, r_init_std, seed
+        self.optimizer = optimizer
+        self._warned = False
+
+    def adapter_kwargs(self) -> dict[str, Any]:
+        return {"rank": self.rank, "middle": True}
+
+    # set-up --------------------------------------------------------------------------------
+    def setup(self, model: nn.Module, replica_clients: Sequence[int]) -> None:
+        super().setup(model, replica_clients)
+        G, K, r = len(self.replica_clients), self.n_clients, self.rank
+        r_names = self._names("lora_R")
+        if not r_names:
+            raise ConfigError("h2tune needs the TriLoRA middle: build the model with adapter_kwargs() (middle=True)")
+        # module types → layer prefixes, in model order
+        self.types: dict[str, list[str]] = {}
+        for n in r_names:
+            R = self.params[n]
+            if R.dim() != 3 or tuple(R.shape) != (G, r, r):
+                raise ConfigError(f"h2tune: {n} must be stacked (G, r_g, r_g) = {(G, r, r)}, got {tuple(R.shape)}")
+            prefix = n[: -len("lora_R")].rstrip(".")
+            self.types.setdefault(_module_type(prefix), []).append(prefix)
+        counts = {t: len(p) for t, p in self.types.items()}
+        if len(set(counts.values())) != 1:
+            raise ConfigError(f"h2tune: every module type must have the same number of layers, got {counts}")
+        L = next(iter(counts.values()))
+        layers = self.client_layers if self.client_layers is not None else [L] * K
+        if len(layers) != K:
+            raise ConfigError(f"h2tune: client_layers has {len(layers)} entries for {K} clients")
+        if max(layers) > L:
+            raise ConfigError(f"h2tune: client_layers {layers} exceed the model's L = {L} adapted layers per module type")
+        dens = self.densities if self.densities is not None else [1.0] * K
+        if len(dens) != K:
+            raise ConfigError(f"h2tune: densities has {len(dens)} entries for {K} clients")
+        L_g = self.global_layers if self.global_layers is not None else max(layers)
+        if L_g < max(layers):
+            raise ConfigError(f"h2tune: global_layers must be ≥ max client_layers = {max(layers)}, got {L_g}")
+        self.L, self.L_g = L, L_g
+        self.layers = [layers[k] for k in self.replica_clients]  # L_k per replica
+        self.betas = [dens[k] for k in self.replica_clients]  # β_k per replica
+        R0 = self.params[r_names[0]]
+        dtype, device = R0.dtype, R0.device
+        self.layer_mask = (torch.arange(L)[None, :] < torch.tensor(self.layers)[:, None]).to(dtype=dtype, device=device)
+        # Ω_k padded to (L, L_g); rows l ≥ L_k stay 0 and get no gradient
+        om = torch.zeros(G, L, L_g, dtype=dtype)
+        for i, Lk in enumerate(self.layers):
+            for l in range(Lk):
+                j = l if self.omega_init == "identity" else (round(l * (L_g - 1) / (Lk - 1)) if Lk > 1 else 0)
+                om[i, l, j] = 1.0
+        self.omega = nn.Parameter(om.to(device))
+        self._seed_R()
+        # initial KL target: the server mean of each federation's initial uploads
+        self.global_R = {t: torch.zeros(G, L_g, r, r, dtype=dtype, device=device) for t in self.types}
+        for reps in self.groups:
+            state = self.aggregate([self.upload(i) for i in reps], torch.full((len(reps),), 1.0 / len(reps)))
+            for i in reps:
+                for t in self.types:
+                    self.global_R[t][i] = state[_pname(t, "lora_R")]
+        self._choose_support()
+        shared = self._leaf("lora_R") + self._leaf("lora_Phi") + [self.omega]
+        specific = self._leaf("lora_A") + self._leaf("lora_B")
+        make = (lambda ps, lr: torch.optim.SGD(ps, lr=lr)) if self.optimizer == "sgd" else (
+            lambda ps, lr: torch.optim.AdamW(ps, lr=lr, weight_decay=0.0))  # ν is explicit in eq. 7
+        self.opt_shared = make(shared, self.shared_lr)
+        self.opt_specific = make(specific, self.lr)
+
+    @torch.no_grad()
+    def _seed_R(self) -> None:
+        r = self.rank
+        for f, reps in enumerate(self.groups):
+            gen = torch.Generator().manual_seed(self.seed + f)
+            for t in sorted(self.types):
+                for l, p in enumerate(self.types[t]):
+                    R = self.params[_pname(p, "lora_R")]
+                    init = (torch.randn(r, r, generator=gen, dtype=torch.float64) * self.r_init_std).to(R.dtype)
+                    for i in reps:
+                        R[i] = init if l < self.layers[i] else 0.0
+
+    # views -----------------------------------------------------------------------------------
+    def _leaf(self, leaf: str) -> list[torch.Tensor]:
+        return [self.params[_pname(p, leaf)] for t in self.types for p in self.types[t]]
+
+    def _mask(self, prefix: str) -> torch.Tensor:
+        return self.model.get_buffer(_pname(prefix, "middle_mask"))
+
+    def _stack_R(self, t: str) -> torch.Tensor:
+        """R of module type t stacked over layers, (G, L, r_g, r_g), differentiable."""
+        return torch.stack([self.params[_pname(p, "lora_R")] for p in self.types[t]], dim=1)
+
+    def param_view(self) -> dict[str, torch.Tensor]:
+        """The mapping handed to the objective and ``output_fn``: A, B, R, Φ of every module."""
+        return {_pname(p, leaf): self.params[_pname(p, leaf)] for t in self.types for p in self.types[t]
+                for leaf in ("lora_A", "lora_B", "lora_R", "lora_Phi")}
+
+    def received(self, replica: int) -> dict[str, torch.Tensor]:
+        """R_{g→k} = R_g ×_layer Ω_kᵀ (eq. 5) per module type, each (L_k, r_g, r_g)."""
+        Lk = self.layers[replica]
+        om = self.omega[replica, :Lk].detach()
+        return {_pname(t, "lora_R"): to_client(self.global_R[t][replica], om) for t in self.types}
+
+    def kl_shared(self) -> torch.Tensor:
+        """Σ_types Σ_{l<L_k} KL(softmax vec R_k[l] ‖ softmax vec R_{g→k}[l]) per replica, (G,) (eq. 6)."""
+        total = torch.zeros((), dtype=self.omega.dtype, device=self.omega.device)
+        for t in self.types:
+            R = self._stack_R(t)
+            R_gk = torch.einsum("gjab,glj->glab", self.global_R[t], self.omega)  # to_client, stacked
+            total = total + (kl_softmax(R, R_gk, per_layer=True, reduction="none") * self.layer_mask).sum(-1)
+        return total
+
+    # the round -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _choose_support(self) -> None:
+        """Support of Φ per module and replica: top-β_k by magnitude (none for layers ≥ L_k)."""
+        for t in self.types:
+            for l, p in enumerate(self.types[t]):
+                R, Phi, buf = self.params[_pname(p, "lora_R")], self.params[_pname(p, "lora_Phi")], self._mask(p)
+                score = (Phi * R) if self.support_by == "phi_r" else Phi
+                new = torch.zeros_like(buf)
+                for i in range(len(self.replica_clients)):
+                    if l < self.layers[i]:
+                        new[i] = sparsify_support(score[i], self.betas[i]).to(buf.dtype)
+                buf.copy_(new)
+
+    def begin_round(self, round_idx: int) -> None:
+        self._choose_support()
+
+    def shared_step(self, objective: Objective, batch: Any) -> torch.Tensor | None:
+        """Step (1), eq. 6: update R, Φ (on the support) and Ω with A, B frozen. Returns y' (or None)."""
+        P = self.param_view()
+        y_prime = None
+        if self.output_fn is not None:
+            with torch.no_grad():
+                y_prime = self.output_fn(P, batch).detach()
+        loss = objective(P, batch).sum()  # replicas are independent: Σ keeps gradients apart
+        if self.kl_weight:
+            loss = loss + self.kl_weight * self.kl_shared().sum()
+        Rs, Phis = self._leaf("lora_R"), self._leaf("lora_Phi")
+        masks = [self._mask(p).bool() for t in self.types for p in self.types[t]]
+        tensors = Rs + Phis + [self.omega]
+        grads = torch.autograd.grad(loss, tensors, allow_unused=True)
+        old = [x.detach().clone() for x in Rs + Phis]
+        row = self.layer_mask[:, :, None]
+        with torch.no_grad():
+            for x, g, m in zip(tensors, grads, masks + masks + [row]):
+                x.grad = None if g is None else g * m.to(g.dtype)
+        self.opt_shared.step()
+        with torch.no_grad():  # exact: off-support entries (and Ω's padding rows) never move
+            for x, o, m in zip(Rs + Phis, old, masks + masks):
+                x.copy_(torch.where(m, x, o))
+            self.omega.mul_(row)
+        for x in tensors:
+            x.grad = None
+        return y_prime
+
+    def specific_step(self, objective: Objective, batch: Any, y_prime: torch.Tensor | None) -> None:
+        """Step (2), eq. 7: update A, B with R, Φ, Ω frozen. ``y_prime``: step (1)'s output."""
+        P = self.param_view()
+        loss = objective(P, batch)
+        if self.output_fn is not None and y_prime is not None:
+            loss = loss + SIGNS[self.disentangle_sign] * output_kl(self.output_fn(P, batch), y_prime)
+        elif not self._warned:
+            warnings.warn("h2tune: no output_fn, so step (2) uses the task loss + ν/2 regulariser only "
+                          "(eq. 7's KL(y''‖y') needs the model's logits)", stacklevel=3)
+            self._warned = True
+        AB = self._leaf("lora_A") + self._leaf("lora_B")
+        if self.nu:
+            loss = loss + 0.5 * self.nu * sum((x ** 2).reshape(x.shape[0], -1).sum(-1) for x in AB)
+        grads = torch.autograd.grad(loss.sum(), AB)
+        for x, g in zip(AB, grads):
+            x.grad = g
+        self.opt_specific.step()
+        for x in AB:
+            x.grad = None
+
+    def local_step(self, objective: Objective, sample: Sampler) -> None:
+        batch = sample()  # Alg. 1: both steps on the same (x_i, y_i)
+        y_prime = self.shared_step(objective, batch)
+        self.specific_step(objective, batch, y_prime)
+
+    # client sampling ------------------------------------------------------------------------
+    def _extra_state(self) -> dict[str, torch.Tensor]:
+        extra = {"omega": self.omega.detach().clone()}
+        extra.update({f"global_R:{t}": v.clone() for t, v in self.global_R.items()})
+        return extra
+
+    def _restore_extra_state(self, extra: Mapping[str, torch.Tensor], idx: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.omega[idx] = extra["omega"][idx]
+            for t, v in self.global_R.items():
+                v[idx] = extra[f"global_R:{t}"][idx]
+
+    # communication ---------------------------------------------------------------------------
+    def upload(self, replica: int) -> Payload:
+        """R_{k→g} = R_k[:L_k] ×_layer Ω_k (eq. 4): one (L_g, r_g, r_g) tensor per module type."""
+        Lk = self.layers[replica]
+        om = self.omega[replica, :Lk].detach()
+        return Payload({_pname(t, "lora_R"): to_global(self._stack_R(t)[replica, :Lk].detach(), om)
+                        for t in self.types})
+
+    @staticmethod
+    def aggregate(payloads: Sequence[Payload], weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        """R_g = (1/K) Σ_k R_{k→g} per module type (App. A); ``weights`` are ignored (unweighted)."""
+        if not payloads:
+            raise ConfigError("h2tune: aggregate needs at least one payload")
+        keys = set(payloads[0].tensors)
+        for k, p in enumerate(payloads):
+            if set(p.tensors) != keys:
+                raise ConfigError(f"h2tune: payload {k} has keys {sorted(p.tensors)}, expected {sorted(keys)}")
+        return {key: server_mean([p.tensors[key] for p in payloads]) for key in payloads[0].tensors}
+
+    def download(self, replica: int, state: Mapping[str, torch.Tensor]) -> Payload:
+        Lk = self.layers[replica]
+        sent = {}
+        with torch.no_grad():
+            for t in self.types:
+                key = _pname(t, "lora_R")
+                Rg = state[key]
+                if tuple(Rg.shape) != tuple(self.global_R[t].shape[1:]):
+                    raise ConfigError(f"h2tune: {key} must be (L_g, r_g, r_g) = {tuple(self.global_R[t].shape[1:])}, "
+                                      f"got {tuple(Rg.shape)}")
+                self.global_R[t][replica] = Rg
+                sent[key] = Rg
+                if self.receive == "replace":
+                    R_gk = to_client(self.global_R[t][replica], self.omega[replica, :Lk].detach())
+                    for l, p in enumerate(self.types[t][:Lk]):
+                        self.params[_pname(p, "lora_R")][replica] = R_gk[l]
+        return Payload(sent)
