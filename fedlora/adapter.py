@@ -17,6 +17,7 @@ the support Ω (``middle_mask``, a buffer the method re-chooses) dense.
 from __future__ import annotations
 
 import math
+from typing import Mapping
 
 import torch
 from torch import nn
@@ -151,12 +152,22 @@ class LoRALinear(nn.Module):
         return dw
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_with({}, x)
+
+    def forward_with(self, params: "Mapping[str, torch.Tensor]", x: torch.Tensor) -> torch.Tensor:
+        """``forward`` with some factors replaced by ``params`` (keys ``lora_A`` … ``lora_Phi``).
+
+        The functional form methods differentiate through (a lighter ``torch.func.functional_call``
+        for this one layer: same op, no module state swapped in and out).
+        """
+        g = params.get
+        a, b = g("lora_A", self.lora_A), g("lora_B", self.lora_B)
+        c, d = g("lora_C", self.lora_C), g("lora_D", self.lora_D)
         if self.middle:
-            return kernels.lora_linear(x, self.weight, self.bias, self.lora_A, self.lora_B, self.scale,
-                                       self.lora_C, self.lora_D, self.client_scale, middle=self.lora_R,
-                                       middle_phi=self.lora_Phi, middle_mask=self.middle_mask)
-        return kernels.lora_linear(x, self.weight, self.bias, self.lora_A, self.lora_B, self.scale,
-                                   self.lora_C, self.lora_D, self.client_scale)
+            return kernels.lora_linear(x, self.weight, self.bias, a, b, self.scale, c, d, self.client_scale,
+                                       middle=g("lora_R", self.lora_R), middle_phi=g("lora_Phi", self.lora_Phi),
+                                       middle_mask=self.middle_mask)
+        return kernels.lora_linear(x, self.weight, self.bias, a, b, self.scale, c, d, self.client_scale)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, r={self.rank}, "

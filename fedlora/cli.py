@@ -104,6 +104,8 @@ _RR_FLAGS: dict[str, tuple[Any, str]] = {
     "n-train": (int, "training samples per client (default 700)"),
     "batch-size": (int, "0 = full batch (default), else minibatch size"),
     "rank-tol": (float, "numerical rank: count σ_i > tol·σ_1 (default 0.02)"),
+    "upper-schedule": (str, "PF2LoRA upper-level step: constant (paper) or cosine (decay to 0 over --steps)"),
+    "jobs": (int, "worker processes for the methods (0 = one per method up to the CPU count; 1 = none)"),
 }
 
 
@@ -130,7 +132,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     tu = ssub.add_parser("tune", help="the step-size grid behind --preset tuned")
     tu.add_argument("--ground-truth", default="shared-private")
-    tu.add_argument("--seeds", type=int, default=3, help="held-out seeds used for selection (default 3)")
+    tu.add_argument("--seeds", type=int, default=5, help="held-out seeds used for selection (default 5)")
     tu.add_argument("--seed-offset", type=int, default=100, help="first held-out seed (default 100)")
     tu.add_argument("--out", default="runs/tune", help="output folder")
     return p

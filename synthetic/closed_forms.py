@@ -61,32 +61,50 @@ def best_two_level_fit(
     d_out = Y.shape[-1]
     X, Y = X.to(torch.float64), Y.to(torch.float64)
     g = torch.Generator().manual_seed(seed)
-    X_all = X.reshape(S, K * n, d_in)
-    # X is fixed across sweeps: factor the least-squares solves once (pinv = (XᵀX)⁻¹Xᵀ).
-    pinv, pinv_all = torch.linalg.pinv(X), torch.linalg.pinv(X_all)
+    # Every sweep works on sufficient statistics (d×d), never on the n rows again. With the Gram
+    # matrices G_k = X_kᵀX_k, G = Σ_k G_k and OLS maps O_k = G_k⁺X_kᵀY_k, O = G⁺Σ_k X_kᵀY_k:
+    #   OLS of the residual Y_k − X_k W_c is O_k − W_c (G_k⁺G_k = I for full-column-rank X_k);
+    #   OLS of the stacked residuals Y_k − X_k P_k is O − G⁺Σ_k G_k P_k;
+    #   RRR then projects an OLS map M on the top eigenvectors of MᵀGM (= ŶᵀŶ, Ŷ the fitted values).
+    Gk = X.transpose(-1, -2) @ X                         # (S, K, d_in, d_in)
+    XtY = X.transpose(-1, -2) @ Y                        # (S, K, d_in, d_out)
+    YtY = (Y ** 2).sum(dim=(-2, -1))                     # (S, K)
+    Gk_pinv = torch.linalg.pinv(Gk)
+    O_k = Gk_pinv @ XtY
+    G = Gk.sum(1)
+    G_pinv = torch.linalg.pinv(G)
+    O = G_pinv @ XtY.sum(1)                              # (S, d_in, d_out)
 
-    def rrr(Xm, Xp, R, r):
-        return _rrr_from_ols(Xm, Xp @ R, r)
+    def project(M, gram, r):
+        _, evecs = torch.linalg.eigh(M.transpose(-1, -2) @ gram @ M)  # ascending
+        V = evecs[..., :, -r:]
+        return M @ V @ V.transpose(-1, -2)
+
+    def summed_mse(W):  # Σ_k MSE_k(W_k) from the statistics: (‖Y‖² − 2⟨W, XᵀY⟩ + ⟨W, G_k W⟩)/(n·d_out)
+        sq = YtY - 2 * (W * XtY).sum(dim=(-2, -1)) + (W * (Gk @ W)).sum(dim=(-2, -1))
+        return (sq / (n * d_out)).sum(1)
+
+    def fit_private(W_c):
+        return project(O_k - W_c[:, None], Gk, client_rank)
 
     best_W = best_loss = None
     for start in range(max(1, restarts)):
         if start == 0:
-            W_c = reduced_rank_regression(X_all, Y.reshape(S, K * n, d_out), rank)
+            W_c = project(O, G, rank)  # the pooled RRR: the spectral start
         else:
             W_c = torch.randn(S, d_in, rank, generator=g, dtype=torch.float64) @ torch.randn(
                 S, rank, d_out, generator=g, dtype=torch.float64)
         prev = None
         for it in range(iters):
-            P = rrr(X, pinv, Y - X @ W_c[:, None], client_rank)
-            W_c = rrr(X_all, pinv_all, (Y - X @ P).reshape(S, K * n, d_out), rank)
+            P = fit_private(W_c)
+            W_c = project(O - G_pinv @ (Gk @ P).sum(1), G, rank)
             if it % 10 == 9:  # stop once every federation's loss has stalled (relative change < tol)
-                cur = mse(X, Y, W_c[:, None] + P).sum(1)
+                cur = summed_mse(W_c[:, None] + P)
                 if prev is not None and bool(((prev - cur) <= tol * cur).all()):
                     break
                 prev = cur
-        P = rrr(X, pinv, Y - X @ W_c[:, None], client_rank)
-        W = W_c[:, None] + P
-        loss = mse(X, Y, W).sum(1)  # (S,)
+        W = W_c[:, None] + fit_private(W_c)
+        loss = summed_mse(W)  # (S,)
         if best_W is None:
             best_W, best_loss = W, loss
         else:

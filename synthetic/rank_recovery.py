@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import pickle
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.func import functional_call
 
 from fedlora.adapter import LoRALinear
 from fedlora.errors import ConfigError
@@ -33,7 +36,7 @@ METHODS = ("pf2lora", "hetlora")
 #: (selection on training loss of held-out seeds; see README "Choosing the tuned preset").
 PRESETS: dict[str, dict[str, Any]] = {
     "paper": dict(steps=2000, upper_lr=0.005, lower_lr=0.002, het_lr=0.002),
-    "tuned": dict(steps=3000, upper_lr=0.005, lower_lr=0.1, het_lr=0.05),
+    "tuned": dict(steps=3000, upper_lr=0.05, lower_lr=0.1, upper_schedule="cosine", het_lr=0.05),
 }
 
 
@@ -60,6 +63,7 @@ class RankRecoveryConfig:
     upper_lr: float = 0.005
     lower_lr: float = 0.002
     upper_optimizer: str = "adamw"
+    upper_schedule: str = "constant"  # or "cosine": decay the upper step to 0 over --steps
     hypergradient: str = "exact"
     # HetLoRA (App. C): r_min 1, r_max 12, ranks 2 and 10, penalty 0.1 on the last 30 %, lr 0.002
     het_lr: float = 0.002
@@ -70,6 +74,10 @@ class RankRecoveryConfig:
     het_gamma: float = 0.7  # penalise/prune the last 30 % of the ranks (App. C: "γ = 0.3" read as 1 − γ)
     rank_tol: float = 0.02
     preset: str = "paper"
+    # Worker processes for the methods (0 = one per method, capped by the CPU count; 1 = all in this
+    # process). The methods are independent and each is seeded on its own, so the numbers do not
+    # depend on it; a process runs one method on one core (the steps are too small to use threads).
+    jobs: int = 0
 
     def validate(self) -> "RankRecoveryConfig":
         def need(cond: bool, flag: str, allowed: str, got: Any) -> None:
@@ -98,6 +106,7 @@ class RankRecoveryConfig:
         for flag, v in (("upper-lr", self.upper_lr), ("lower-lr", self.lower_lr), ("het-lr", self.het_lr)):
             need(v > 0 and math.isfinite(v), flag, "a finite number > 0", v)
         need(self.upper_optimizer in ("adamw", "sgd"), "upper-optimizer", "adamw or sgd", self.upper_optimizer)
+        need(self.upper_schedule in ("constant", "cosine"), "upper-schedule", "constant or cosine", self.upper_schedule)
         need(self.hypergradient in ("exact", "finite-difference", "none"), "hypergradient",
              "exact, finite-difference or none", self.hypergradient)
         need(1 <= self.het_r_min <= self.het_r_max, "het-r-max",
@@ -109,6 +118,7 @@ class RankRecoveryConfig:
         need(self.het_penalty >= 0, "het-penalty", "≥ 0", self.het_penalty)
         need(0 < self.het_gamma < 1, "het-gamma", "in (0, 1)", self.het_gamma)
         need(0 < self.rank_tol < 1, "rank-tol", "in (0, 1)", self.rank_tol)
+        need(isinstance(self.jobs, int) and self.jobs >= 0, "jobs", "an integer ≥ 0 (0 = automatic)", self.jobs)
         return self
 
     @classmethod
@@ -190,8 +200,9 @@ def _run_method(name: str, cfg: RankRecoveryConfig, data: _Stacked) -> tuple[lis
         layer = LoRALinear(d, d, cfg.rank, client_rank=cfg.client_rank, stack=G, dtype=torch.float64)
         _init_pf2lora(layer, fed, gens)
         # Alg. 1 line 8 averages with 1/M: uniform weights (the federation's default).
-        method = PF2LoRA(upper_lr=cfg.upper_lr, lower_lr=cfg.lower_lr, upper_optimizer=cfg.upper_optimizer,
-                         hypergradient=cfg.hypergradient)
+        method = PF2LoRA(rank=cfg.rank, client_rank=cfg.client_rank, upper_lr=cfg.upper_lr, lower_lr=cfg.lower_lr, upper_optimizer=cfg.upper_optimizer,
+                         hypergradient=cfg.hypergradient, upper_schedule=cfg.upper_schedule,
+                         total_steps=cfg.steps)
     else:
         layer = LoRALinear(d, d, cfg.het_r_max, stack=G, dtype=torch.float64)
         _init_hetlora(layer, fed, gens)
@@ -201,7 +212,7 @@ def _run_method(name: str, cfg: RankRecoveryConfig, data: _Stacked) -> tuple[lis
 
     def objective(params, batch):
         X, Y, const, denom = batch
-        sq = ((functional_call(layer, params, (X,)) - Y) ** 2).sum(dim=(-2, -1))
+        sq = ((layer.forward_with(params, X) - Y) ** 2).sum(dim=(-2, -1))
         return (sq + const) / denom
 
     n = cfg.n_train
@@ -250,11 +261,60 @@ def _run_method(name: str, cfg: RankRecoveryConfig, data: _Stacked) -> tuple[lis
     return history, extra
 
 
-def run_rank_recovery(cfg: RankRecoveryConfig, *, log=print) -> dict[str, Any]:
-    """Run the experiment and return the JSON-serialisable result (schema: README "metrics.json")."""
-    cfg.validate()
+def _data_for(cfg: RankRecoveryConfig) -> _Stacked:
     torch.manual_seed(cfg.seed_offset)
-    data = _make_data(cfg)
+    return _make_data(cfg)
+
+
+class _Worker:
+    """One method running in a child interpreter (``synthetic._worker``); ``result()`` waits for it."""
+
+    def __init__(self, name: str, cfg: RankRecoveryConfig) -> None:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        self.name = name
+        self.proc = subprocess.Popen([sys.executable, "-m", "synthetic._worker"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        # Send the job now (a few hundred bytes: never blocks on the pipe) so the child starts at once.
+        self.proc.stdin.write(pickle.dumps((name, cfg, torch.get_num_threads())))
+        self.proc.stdin.close()
+        self.proc.stdin = None  # so communicate() only reads
+
+    def result(self) -> tuple[list[dict], dict[str, Any]]:
+        out, err = self.proc.communicate()
+        if self.proc.returncode != 0:
+            tail = err.decode(errors="replace").strip().splitlines()[-1:] or ["(no message)"]
+            raise RuntimeError(f"rank-recovery worker for {self.name} failed: {tail[0]}")
+        return pickle.loads(out)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate()
+
+
+def _start_workers(cfg: RankRecoveryConfig, names: list[str]) -> dict[str, _Worker]:
+    """Start ``names`` in child processes, at most ``jobs − 1`` of them (this process is one job)."""
+    jobs = cfg.jobs or min(len(cfg.methods), os.cpu_count() or 1)
+    return {n: _Worker(n, cfg) for n in names[:max(0, jobs - 1)]}
+
+
+def run_rank_recovery(cfg: RankRecoveryConfig, *, log=print) -> dict[str, Any]:
+    """Run the experiment and return the JSON-serialisable result (schema: README "metrics.json").
+
+    With ``cfg.jobs`` ≠ 1 the first method (PF2LoRA by default, the longest) runs in this process
+    and the others in worker processes started first; the result is the same either way.
+    """
+    cfg.validate()
+    workers = _start_workers(cfg, list(cfg.methods[1:]))
+    try:
+        return _run_rank_recovery(cfg, workers, log)
+    finally:
+        for w in workers.values():
+            w.kill()
+
+
+def _run_rank_recovery(cfg: RankRecoveryConfig, workers: dict, log) -> dict[str, Any]:
+    data = _data_for(cfg)
     S, K = len(data.seeds), data.n_clients
     t0 = time.perf_counter()
     # Oracles: RRR at the true rank (Reinsel & Velu Thm 2.2) fitted on each client's train split.
@@ -267,10 +327,16 @@ def run_rank_recovery(cfg: RankRecoveryConfig, *, log=print) -> dict[str, Any]:
     best_pf2_rank90 = rank90(best_pf2).reshape(-1)
     oracle_s = time.perf_counter() - t0
 
+    results = {}
+    for name in sorted(cfg.methods, key=lambda n: n in workers):  # in-process ones first, then collect
+        log(f"[rank-recovery] {name}: {S} seed(s) × {K} clients, {cfg.steps} steps, I = {cfg.interval}"
+            + (" (worker process)" if name in workers else ""))
+        results[name] = workers[name].result() if name in workers else _run_method(name, cfg, data)
+        log(f"[rank-recovery] {name}: {results[name][1]['wall_s']:.1f} s")
+
     runs = []
     for name in cfg.methods:
-        log(f"[rank-recovery] {name}: {S} seed(s) × {K} clients, {cfg.steps} steps, I = {cfg.interval}")
-        history, extra = _run_method(name, cfg, data)
+        history, extra = results[name]
         cols = {key: [h[key] for h in history] for key in history[0]}
         final = history[-1]
         for s in range(S):
@@ -306,7 +372,6 @@ def run_rank_recovery(cfg: RankRecoveryConfig, *, log=print) -> dict[str, Any]:
                 if key in cols:
                     hist[key] = [[row[i] for i in reps] for row in cols[key]]
             runs.append({"seed": data.seeds[s], "method": name, "clients": clients, "history": hist})
-        log(f"[rank-recovery] {name}: {extra['wall_s']:.1f} s")
     cfg_dict = dataclasses.asdict(cfg)
     return {"experiment": "rank-recovery", "schema_version": 1, "config": cfg_dict, "runs": runs,
             "summary": summarise(runs), "timing": {"oracles_s": oracle_s}}

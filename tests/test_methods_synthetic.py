@@ -40,7 +40,7 @@ def test_pf2lora_stacked_step_equals_per_client_eq4():
     X, Y = _data(G)
     layer = _pf2_layer(G)
     ref = copy.deepcopy(layer)
-    m = PF2LoRA(upper_lr=0.01, lower_lr=0.05, upper_optimizer="sgd")
+    m = PF2LoRA(upper_lr=0.01, lower_lr=0.05, upper_optimizer="sgd", rank=3, client_rank=2)
     m.setup(layer, [0, 1, 2])
     m.local_step(_objective(layer), lambda: (X, Y))
     alpha, eta = 0.05, 0.01
@@ -78,7 +78,7 @@ def test_pf2lora_mixed_term_has_the_minus_sign_of_eq4():
 
 def test_pf2lora_uploads_only_the_common_adapter_and_aggregates_purely():
     layer = _pf2_layer(4)
-    m = PF2LoRA()
+    m = PF2LoRA(rank=3, client_rank=2)
     m.setup(layer, [0, 1, 0, 1])
     ups = [m.upload(i) for i in range(2)]
     assert set(ups[0].tensors) == {"lora_A", "lora_B"}
@@ -92,9 +92,14 @@ def test_pf2lora_uploads_only_the_common_adapter_and_aggregates_purely():
     assert ups[0].nbytes == len(ups[0].to_bytes()) > 8 * (3 * 6 + 6 * 3)
 
 
-def test_pf2lora_requires_client_adapter():
+def test_pf2lora_requires_client_adapter_of_the_declared_ranks():
     with pytest.raises(ConfigError, match="client_rank"):
         PF2LoRA().setup(LoRALinear(4, 4, 2, stack=2), [0, 1])
+    with pytest.raises(ConfigError, match="rank 3 but"):
+        PF2LoRA(rank=4, client_rank=2).setup(LoRALinear(4, 4, 3, client_rank=2, stack=2), [0, 1])
+    with pytest.raises(ConfigError, match="r̃ < r"):
+        PF2LoRA(rank=2, client_rank=2)
+    assert PF2LoRA(rank=4, client_rank=1).adapter_kwargs() == {"rank": 4, "client_rank": 1}
 
 
 def _het(G=2, ranks=(2, 6), penalty=0.5, gamma=0.7, seed=0):
@@ -163,3 +168,23 @@ def test_registry_and_payload_round_trip():
     q = Payload.from_bytes(p.to_bytes())
     assert torch.equal(q.tensors["x"], p.tensors["x"]) and q.meta == {"idx": "0,2"}
     assert p.nbytes == len(p.to_bytes())
+
+
+def test_unrolled_fast_path_equals_explicit_hvp_of_eq4():
+    """Two batches (π = ζ, ξ = ξ̃) take one double backward through y⁺(x); equal but distinct
+    batch objects take the explicit eq. (4) route (∇_x F − α·HVP). They must agree."""
+    layer = _pf2_layer(3)
+    X, Y = _data(3)
+    objective = _objective(layer)
+    x = [layer.lora_A.detach(), layer.lora_B.detach()]
+    y = [layer.lora_C.detach(), layer.lora_D.detach()]
+
+    def F(xx, yy, batch):
+        return objective({"lora_A": xx[0], "lora_B": xx[1], "lora_C": yy[0], "lora_D": yy[1]}, batch).sum()
+
+    inner, outer = (X, Y), (X * 0.5, Y)
+    h_fast, yp_fast = bilevel_direction(F, x, y, 0.07, [inner, outer])
+    h_hvp, yp_hvp = bilevel_direction(F, x, y, 0.07, [inner, outer, (outer[0].clone(), Y), (X.clone(), Y)])
+    for a, b in zip(h_fast + yp_fast, h_hvp + yp_hvp):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert max(float(t.abs().max()) for t in h_fast) > 1e-3  # a real, non-zero direction

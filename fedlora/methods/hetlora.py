@@ -54,6 +54,10 @@ class HetLoRA(Method):
         self.initial_ranks = None if initial_ranks is None else list(initial_ranks)
         self.optimizer, self.eps = optimizer, eps
 
+    def adapter_kwargs(self) -> dict:
+        """The server's rank r_max; each client uses its first r_k slots."""
+        return {"rank": self.r_max}
+
     def setup(self, model, replica_clients) -> None:
         super().setup(model, replica_clients)
         self.a_name, = self._names("lora_A")

@@ -26,19 +26,34 @@ class PF2LoRA(Method):
     needs_client_adapter = True
 
     def __init__(self, upper_lr: float = 5e-3, lower_lr: float = 2e-3, upper_optimizer: str = "adamw",
+                 rank: int = 8, client_rank: int = 2,
                  weight_decay: float = 0.0, hypergradient: str = "exact", batches: int = 2,
-                 fd_eps: float = 1e-3) -> None:
+                 fd_eps: float = 1e-3, upper_schedule: str = "constant", total_steps: int | None = None) -> None:
         if upper_lr <= 0 or lower_lr <= 0:
             raise ConfigError(f"pf2lora: learning rates must be > 0, got upper {upper_lr}, lower {lower_lr}")
+        if not (isinstance(rank, int) and isinstance(client_rank, int) and 1 <= client_rank < rank):
+            raise ConfigError(f"pf2lora: need integers 1 ≤ client_rank < rank (r̃ < r), got rank={rank!r}, "
+                              f"client_rank={client_rank!r}")
         if upper_optimizer not in ("adamw", "sgd"):
             raise ConfigError(f"pf2lora: upper_optimizer must be 'adamw' or 'sgd', got {upper_optimizer!r}")
         if hypergradient not in HYPERGRADIENT_MODES:
             raise ConfigError(f"pf2lora: hypergradient must be one of {HYPERGRADIENT_MODES}, got {hypergradient!r}")
         if batches not in (2, 4):
             raise ConfigError(f"pf2lora: batches must be 2 (inner, outer) or 4 (Alg. 1 line 4), got {batches}")
+        if upper_schedule not in ("constant", "cosine"):
+            raise ConfigError(f"pf2lora: upper_schedule must be 'constant' or 'cosine', got {upper_schedule!r}")
+        if upper_schedule == "cosine" and (not isinstance(total_steps, int) or total_steps < 1):
+            raise ConfigError(f"pf2lora: upper_schedule 'cosine' needs total_steps ≥ 1 (local steps of the "
+                              f"whole run), got {total_steps!r}")
+        self.upper_schedule, self.total_steps = upper_schedule, total_steps
+        self.rank, self.client_rank = rank, client_rank
         self.upper_lr, self.lower_lr = upper_lr, lower_lr
         self.upper_optimizer, self.weight_decay = upper_optimizer, weight_decay
         self.hypergradient, self.batches, self.fd_eps = hypergradient, batches, fd_eps
+
+    def adapter_kwargs(self) -> dict:
+        """Common adapter of rank r, client adapter of rank r̃ (SPEC §4 defaults r = 8, r̃ = 2)."""
+        return {"rank": self.rank, "client_rank": self.client_rank}
 
     def setup(self, model, replica_clients) -> None:
         super().setup(model, replica_clients)
@@ -46,11 +61,22 @@ class PF2LoRA(Method):
         self.y_names = self._names("lora_C", "lora_D")
         if not self.y_names:
             raise ConfigError("pf2lora needs a client adapter: build the model with client_rank ≥ 1")
+        for n in self.x_names + self.y_names:
+            want = self.rank if n.endswith(("lora_A", "lora_B")) else self.client_rank
+            got = self.params[n].shape[-2 if n.endswith(("lora_A", "lora_C")) else -1]
+            if got != want:
+                raise ConfigError(f"pf2lora: {n} has rank {got} but the method was built for "
+                                  f"rank={self.rank}, client_rank={self.client_rank}")
         xs = [self.params[n] for n in self.x_names]
         if self.upper_optimizer == "adamw":
             self.opt = torch.optim.AdamW(xs, lr=self.upper_lr, weight_decay=self.weight_decay)
         else:
             self.opt = torch.optim.SGD(xs, lr=self.upper_lr, weight_decay=self.weight_decay)
+        # Optional cosine decay of the upper-level step to 0 over the run (not in the paper, whose
+        # App. C steps are constant): AdamW at a constant step hovers at a floor set by that step,
+        # and a decay lets the tuned preset use a larger step early without paying for it at the end.
+        self.sched = (torch.optim.lr_scheduler.CosineAnnealingLR(self.opt, T_max=self.total_steps)
+                      if self.upper_schedule == "cosine" else None)
 
     def local_step(self, objective: Objective, sample: Sampler) -> None:
         def F(x, y, batch):
@@ -66,6 +92,8 @@ class PF2LoRA(Method):
         for n, g in zip(self.x_names, h):
             self.params[n].grad = g
         self.opt.step()
+        if self.sched is not None:
+            self.sched.step()
 
     def upload(self, replica: int) -> Payload:
         # Only the common adapter leaves the client (Alg. 1 line 8); y_k stays local.
