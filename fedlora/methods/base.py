@@ -77,6 +77,26 @@ class Method(abc.ABC):
         self.groups = [list(range(g, min(g + self.n_clients, G))) for g in range(0, G, self.n_clients)]
         self.params = dict(model.named_parameters())
 
+    @staticmethod
+    def check_seed(method: str, seed: Any) -> Any:
+        """``seed``: an integer ≥ 0, or one integer ≥ 0 per federation (a list); returned as given."""
+        seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed]
+        if not seeds or any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in seeds):
+            raise ConfigError(f"{method}: seed must be an integer ≥ 0 or a non-empty list of them "
+                              f"(one per federation), got {seed!r}")
+        return list(seed) if isinstance(seed, (list, tuple)) else seed
+
+    def federation_seed(self, group: int) -> int:
+        """The seed of federation ``group`` for the method's own random draws: ``seed[group]`` when
+        one seed per federation was given (so a federation's numbers do not depend on which others
+        share the stack), else ``seed + group``."""
+        seed = getattr(self, "seed", 0)
+        if isinstance(seed, list):
+            if len(seed) != len(self.groups):
+                raise ConfigError(f"{self.name}: {len(seed)} seeds for {len(self.groups)} federations")
+            return seed[group]
+        return seed + group
+
     def personalised_params(self, objective: "Objective", sample: "Sampler") -> Mapping[str, torch.Tensor] | None:
         """Parameters to evaluate each client with, or ``None`` for the current ones.
 

@@ -50,15 +50,15 @@ class FLoRA(FactorLoRA):
     name = "flora"
 
     def __init__(self, rank: int = 8, lr: float = 5e-4, optimizer: str = "adamw", weight_decay: float = 0.0,
-                 ranks: Sequence[int] | None = None, seed: int = 0, reset_optimizer: bool = True) -> None:
+                 ranks: Sequence[int] | None = None, seed: int | Sequence[int] = 0,
+                 reset_optimizer: bool = True) -> None:
         super().__init__(rank, lr, optimizer, weight_decay)
         if ranks is not None:
             ranks = list(ranks)
             bad = [r for r in ranks if not isinstance(r, int) or isinstance(r, bool) or not 1 <= r <= self.rank]
             if not ranks or bad:
                 raise ConfigError(f"flora: ranks must be a non-empty list of integers in [1, rank={self.rank}], got {ranks}")
-        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-            raise ConfigError(f"flora: seed must be an integer ≥ 0, got {seed!r}")
+        seed = self.check_seed("flora", seed)
         self.ranks, self.seed, self.reset_optimizer = ranks, seed, bool(reset_optimizer)
 
     def setup(self, model, replica_clients) -> None:
@@ -134,8 +134,8 @@ class FLoRA(FactorLoRA):
 
     def _fresh_generator(self, replica: int, layer_idx: int) -> torch.Generator:
         """Same (seed, round, federation, layer) → same numbers on every client of the federation."""
-        group = replica // self.n_clients
-        key = (((self.seed * 1_000_003 + self._round + 1) * 7_919 + group) * 104_729 + layer_idx) % (2**63)
+        fs = self.federation_seed(replica // self.n_clients)
+        key = ((fs * 1_000_003 + self._round + 1) * 104_729 + layer_idx) % (2**63)
         return torch.Generator().manual_seed(key)
 
     def download(self, replica: int, state: Mapping[str, torch.Tensor]) -> Payload:

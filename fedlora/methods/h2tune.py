@@ -54,8 +54,8 @@ Round (App. A, Algorithm 1; our reading where it is silent):
   R_k[:L_k] ← R_{g→k} (FedAvg-like reading of §4.3's "further personalized").
 
 Initialisation. LoRALinear starts at R = 0, Φ = 1 (ΔW = s·BA). ``setup`` draws R_init ~
-N(0, r_init_std²) per (module type, layer) from a generator seeded with ``seed + f`` for federation
-f, identical on every replica of the federation (SPEC: "seed the initial R identically"); layers
+N(0, r_init_std²) per (module type, layer) from a generator seeded with ``federation_seed(f)``
+(``seed[f]``, or ``seed + f`` for an integer seed) for federation f, identical on every replica of the federation (SPEC: "seed the initial R identically"); layers
 ≥ L_k are zeroed. A small non-zero R breaks the ties of the first support choice and of softmax(R).
 B keeps its PEFT init (B = 0, so ΔW = 0 for W0 = 0): the task gradient of R is ∝ B, so on a fresh
 model the very first step (1) moves nothing (the KL is also 0 there, see below); step (2) then makes
@@ -135,7 +135,7 @@ class H2Tune(Method):
                  global_layers: int | None = None, nu: float = 1e-3, kl_weight: float = 1.0,
                  disentangle_sign: str = "paper", output_fn: OutputFn | None = None,
                  receive: str = "target", support_by: str = "phi_r", omega_init: str = "identity",
-                 r_init_std: float = 1e-2, seed: int = 0, optimizer: str = "adamw") -> None:
+                 r_init_std: float = 1e-2, seed: int | Sequence[int] = 0, optimizer: str = "adamw") -> None:
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
             raise ConfigError(f"h2tune: rank (the global rank r_g) must be an integer ≥ 1, got {rank!r}")
         _check_number("lr", lr, 0.0, strict=True)
@@ -167,6 +167,7 @@ class H2Tune(Method):
         self.client_layers = None if client_layers is None else list(client_layers)
         self.global_layers, self.nu, self.kl_weight = global_layers, nu, kl_weight
         self.disentangle_sign, self.output_fn, self.receive = disentangle_sign, output_fn, receive
+        seed = self.check_seed("h2tune", seed)
         self.support_by, self.omega_init, self.r_init_std, self.seed = support_by, omega_init, r_init_std, seed
         self.optimizer = optimizer
         self._warned = False
@@ -237,7 +238,7 @@ class H2Tune(Method):
     def _seed_R(self) -> None:
         r = self.rank
         for f, reps in enumerate(self.groups):
-            gen = torch.Generator().manual_seed(self.seed + f)
+            gen = torch.Generator().manual_seed(self.federation_seed(f))
             for t in sorted(self.types):
                 for l, p in enumerate(self.types[t]):
                     R = self.params[_pname(p, "lora_R")]
