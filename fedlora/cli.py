@@ -3,6 +3,7 @@
     fedlora synthetic rank-recovery [--preset paper|tuned] [--ground-truth …] [--seeds N] [--out DIR]
     fedlora synthetic bilevel-convergence [--steps T] [--seed S] [--out DIR]
     fedlora synthetic tune [--seeds N] [--out DIR]
+    fedlora synthetic compare [--methods a,b] [--heterogeneity 0,0.5,1] [--task both] [--seeds N] [--out DIR]
 
 Bad input exits with status 2 and one line ``fedlora: error: --flag: what is allowed`` — no traceback.
 """
@@ -109,6 +110,29 @@ _RR_FLAGS: dict[str, tuple[Any, str]] = {
 }
 
 
+# `synthetic compare`: flag name → (type, help); None default = not given (config file / defaults apply)
+_CMP_FLAGS: dict[str, tuple[Any, str]] = {
+    "methods": (lambda s: tuple(m for m in s.split(",") if m), "comma-separated methods (default: every registered one)"),
+    "heterogeneity": (_floats, "comma-separated h values of W_k* = S + h·P_k (default 0,0.5,1)"),
+    "seeds": (int, "number of seeds (default 3)"),
+    "seed-offset": (int, "first seed (default 0)"),
+    "rounds": (int, "communication rounds R (default 30)"),
+    "local-steps": (int, "local steps per round I (default 5)"),
+    "clients": (int, "clients per federation M (default 4)"),
+    "dim": (int, "input dimension d_in (= d_out for regression; default 10)"),
+    "classes": (int, "classes C of the classification task (default 6)"),
+    "rank": (int, "common LoRA rank r of every method (default 4)"),
+    "lr-grid": (_floats, "common step-size grid (default 0.001,0.003,0.01,0.03,0.1,0.3)"),
+    "shared-rank": (int, "rank of the shared part S (default 2)"),
+    "private-rank": (int, "rank of each private part P_k (default 2)"),
+    "n-train": (_ints, "training samples per client, comma-separated (default 75,100,125,…)"),
+    "n-test": (int, "test samples per client (default 500)"),
+    "val-fraction": (float, "share of each client's training data held out to choose the step size (default 0.2)"),
+    "noise-std": (float, "regression noise standard deviation (default 0.5)"),
+    "rank-tol": (float, "numerical rank: count σ_i > tol·σ_1 (default 0.02)"),
+}
+
+
 def _build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="fedlora", description="Federated LoRA fine-tuning research toolkit.")
     sub = p.add_subparsers(dest="group", required=True, parser_class=_Parser)
@@ -135,6 +159,14 @@ def _build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--seeds", type=int, default=5, help="held-out seeds used for selection (default 5)")
     tu.add_argument("--seed-offset", type=int, default=100, help="first held-out seed (default 100)")
     tu.add_argument("--out", default="runs/tune", help="output folder")
+
+    cm = ssub.add_parser("compare", help="every method on M heterogeneous clients over a heterogeneity sweep")
+    cm.add_argument("--task", default=None, help="regression, classification or both (default both)")
+    cm.add_argument("--config", help="TOML/YAML/JSON file of options, incl. method_options (flags override it)")
+    cm.add_argument("--out", default="runs/compare", help="output folder (default runs/compare)")
+    cm.add_argument("--no-plot", action="store_true", help="skip the PNG figure")
+    for flag, (typ, help_) in _CMP_FLAGS.items():
+        cm.add_argument(f"--{flag}", type=typ, default=None, help=help_)
     return p
 
 
@@ -215,6 +247,36 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from synthetic.compare import CompareConfig, plot_compare, run_compare, to_markdown
+
+    options = _load_config_file(args.config) if args.config else {}
+    task = args.task if args.task is not None else options.pop("task", None)
+    if task is not None:
+        tasks = {"regression": ("regression",), "classification": ("classification",),
+                 "both": ("regression", "classification")}
+        if task not in tasks:
+            raise ConfigError(f"--task: must be regression, classification or both, got {task!r}")
+        options["tasks"] = tasks[task]
+    for flag in _CMP_FLAGS:
+        val = getattr(args, flag.replace("-", "_"))
+        if val is not None:
+            options[flag.replace("-", "_")] = val
+    if isinstance(options.get("methods"), str):
+        options["methods"] = tuple(m for m in options["methods"].split(",") if m)
+    cfg = CompareConfig.from_options(**options)
+    out = Path(args.out)
+    result = run_compare(cfg)
+    write_json_atomic(out / "compare.json", result)
+    md = to_markdown(result)
+    (out / "compare.md").write_text(md)
+    print(md, end="")
+    print(f"wrote {out / 'compare.json'}, {out / 'compare.md'}")
+    if not args.no_plot:
+        print(f"wrote {plot_compare(result, out / 'compare.png')}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = _build_parser().parse_args(argv)
@@ -224,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # results independent of the core count.
         torch.set_num_threads(1)
         handler = {"rank-recovery": _cmd_rank_recovery, "bilevel-convergence": _cmd_bilevel,
-                   "tune": _cmd_tune}[args.experiment]
+                   "tune": _cmd_tune, "compare": _cmd_compare}[args.experiment]
         return handler(args)
     except ConfigError as e:
         print(f"fedlora: error: {e}", file=sys.stderr)

@@ -14,7 +14,7 @@ import torch
 
 from fedlora.errors import ConfigError
 
-__all__ = ["ClientTask", "GROUND_TRUTHS", "make_clients"]
+__all__ = ["ClientTask", "GROUND_TRUTHS", "make_clients", "TASKS", "make_heterogeneous_clients"]
 
 GROUND_TRUTHS = ("independent", "shared-private")
 
@@ -94,4 +94,82 @@ def make_clients(
         X = torch.randn(n_samples, d_in, generator=g, dtype=dtype)
         Y = X @ w + sd * torch.randn(n_samples, d_out, generator=g, dtype=dtype)
         clients.append(ClientTask(X[:n_train], Y[:n_train], X[n_train:], Y[n_train:], w, r, sd))
+    return clients
+
+
+# --- heterogeneous federations for `fedlora synthetic compare` (SPEC §6 "compare") ---------------
+
+TASKS = ("regression", "classification")
+
+
+def make_heterogeneous_clients(
+    task: str,
+    seed: int,
+    heterogeneity: float,
+    *,
+    n_clients: int = 4,
+    d_in: int = 10,
+    d_out: int = 10,
+    shared_rank: int = 2,
+    private_rank: int = 2,
+    n_train: tuple[int, ...] = (60, 80, 100, 120),
+    n_test: int = 500,
+    noise_std: float = 0.5,
+    singular_value: float = 1.0,
+    dtype: torch.dtype = torch.float64,
+) -> list[ClientTask]:
+    """M clients with W_k* = S + h·P_k: S shared (rank ``shared_rank``), P_k private (rank
+    ``private_rank``, directions orthogonal to S's), all non-zero singular values ``singular_value``.
+
+    ``heterogeneity`` h ≥ 0 is a knob: h = 0 gives identical clients. Everything random (S, P_k, X,
+    the noise) is drawn from ``seed`` alone, in the same order for every h, so an h-sweep at one
+    seed changes only h.
+
+    ``regression``: Y = X W_k* + ε, ε ~ N(0, noise_std²) (Y: (n, d_out)).
+    ``classification``: d_out = C classes, labels y = argmax(X W_k* + G), G i.i.d. standard Gumbel —
+    an exact draw from softmax(X W_k*) (the Gumbel-max trick), so W_k* is the Bayes-optimal
+    logit map and the test cross-entropy has a floor. Y: (n,) int64; ``noise_std`` is unused.
+
+    Client k has ``n_train[k]`` training and ``n_test`` test samples (unequal n_k make the weighted
+    mean w_k ∝ n_k differ from the unweighted one). ``true_rank`` is rank W_k*.
+    """
+    if task not in TASKS:
+        raise ConfigError(f"--task must be one of {', '.join(TASKS)}, got {task!r}")
+    if not (isinstance(heterogeneity, (int, float)) and heterogeneity >= 0):
+        raise ConfigError(f"--heterogeneity values must be numbers ≥ 0, got {heterogeneity!r}")
+    if n_clients < 1:
+        raise ConfigError(f"--clients must be ≥ 1, got {n_clients}")
+    if len(n_train) != n_clients:
+        raise ConfigError(f"--n-train needs one value per client ({n_clients}), got {len(n_train)}")
+    if any(n < 1 for n in n_train) or n_test < 1:
+        raise ConfigError(f"--n-train and --n-test must be ≥ 1, got {tuple(n_train)}, {n_test}")
+    if not 1 <= shared_rank <= min(d_in, d_out):
+        raise ConfigError(f"--shared-rank must be in [1, min(d_in, d_out) = {min(d_in, d_out)}], got {shared_rank}")
+    room = min(d_in, d_out) - shared_rank
+    if not 0 <= private_rank <= room:
+        raise ConfigError(f"--private-rank must be in [0, min(d_in, d_out) − shared rank = {room}], got {private_rank}")
+    if noise_std < 0 or singular_value <= 0:
+        raise ConfigError(f"need noise_std ≥ 0 and singular_value > 0, got {noise_std}, {singular_value}")
+    g = torch.Generator().manual_seed(seed)
+    u_s = _orthonormal(d_in, d_in, g, dtype)
+    v_s = _orthonormal(d_out, d_out, g, dtype)
+    shared = singular_value * u_s[:, :shared_rank] @ v_s[:, :shared_rank].T
+    privates = []
+    for _ in range(n_clients):
+        u_p = u_s[:, shared_rank:] @ _orthonormal(d_in - shared_rank, private_rank, g, dtype)
+        v_p = v_s[:, shared_rank:] @ _orthonormal(d_out - shared_rank, private_rank, g, dtype)
+        privates.append(singular_value * u_p @ v_p.T)
+    clients = []
+    for k, p in enumerate(privates):
+        w = shared + heterogeneity * p
+        n = n_train[k] + n_test
+        X = torch.randn(n, d_in, generator=g, dtype=dtype)
+        if task == "regression":
+            Y = X @ w + noise_std * torch.randn(n, d_out, generator=g, dtype=dtype)
+        else:
+            gumbel = -torch.log(-torch.log(torch.rand(n, d_out, generator=g, dtype=dtype).clamp_min(1e-300)))
+            Y = torch.argmax(X @ w + gumbel, dim=-1)
+        rank = shared_rank + (private_rank if heterogeneity > 0 else 0)
+        clients.append(ClientTask(X[:n_train[k]], Y[:n_train[k]], X[n_train[k]:], Y[n_train[k]:], w, rank,
+                                  noise_std if task == "regression" else 0.0))
     return clients
