@@ -129,6 +129,7 @@ _CMP_FLAGS: dict[str, tuple[Any, str]] = {
     "n-test": (int, "test samples per client (default 500)"),
     "val-fraction": (float, "share of each client's training data held out to choose the step size (default 0.2)"),
     "noise-std": (float, "regression noise standard deviation (default 0.5)"),
+    "sample-fraction": (float, "share of clients drawn each round, in (0, 1] (default 1: all)"),
     "rank-tol": (float, "numerical rank: count σ_i > tol·σ_1 (default 0.02)"),
 }
 

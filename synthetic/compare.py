@@ -126,6 +126,7 @@ class CompareConfig:
     rank: int = 4
     lr_grid: tuple[float, ...] = DEFAULT_LR_GRID
     rank_tol: float = 0.02
+    sample_fraction: float = 1.0  # clients drawn per round and federation (McMahan's C)
     method_options: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def validate(self) -> "CompareConfig":
@@ -171,6 +172,10 @@ class CompareConfig:
                                              for v in self.lr_grid), "lr-grid",
              "a comma-separated list of finite numbers > 0", self.lr_grid)
         need(0 < self.rank_tol < 1, "rank-tol", "in (0, 1)", self.rank_tol)
+        need(isinstance(self.sample_fraction, (int, float)) and 0 < self.sample_fraction <= 1, "sample-fraction",
+             "in (0, 1]", self.sample_fraction)
+        need(self.sample_fraction == 1 or "centralized" not in self.methods, "sample-fraction",
+             "1 when centralized is compared (pooled training has no clients to sample)", self.sample_fraction)
         need(isinstance(self.method_options, dict), "config", "a table method_options = {method: {option: value}}",
              self.method_options)
         bad = sorted(set(self.method_options) - set(known))
@@ -273,7 +278,8 @@ def run_compare(cfg: CompareConfig, *, log=print) -> dict[str, Any]:
             for lr in cfg.lr_grid:
                 res = run_method(name, data, lr=float(lr), rounds=cfg.rounds, local_steps=cfg.local_steps,
                                  options=spec.options, adapter=spec.adapter, lr_arg=spec.lr_arg,
-                                 rank_tol=cfg.rank_tol)
+                                 rank_tol=cfg.rank_tol, sample_fraction=cfg.sample_fraction,
+                                 sample_seed=cfg.seed_offset)
                 by_lr[float(lr)] = res
                 runs_log.append({"task": task, "method": name, "lr": float(lr), "wall_s": res.wall_s,
                                  "error": res.error})

@@ -27,7 +27,7 @@ from torch.func import functional_call
 
 from fedlora.adapter import LoRALinear
 from fedlora.errors import ConfigError
-from fedlora.methods import Method, get_method
+from fedlora.methods import Method, create_method, get_method
 from fedlora.simulator import Federation, run_rounds
 
 from .data import ClientTask
@@ -121,12 +121,10 @@ def method_seed(seed: int, method: str) -> int:
 
 def build_method(name: str, lr: float, options: Mapping[str, Any], lr_arg: str = "lr") -> Method:
     """Instantiate a registered method; an unknown option becomes a one-line ``ConfigError``."""
-    cls = get_method(name)
-    allowed = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
-    unknown = sorted(set(options) - set(allowed))
-    if unknown or lr_arg not in allowed:
-        raise ConfigError(f"{name}: unknown option(s) {unknown or [lr_arg]}; allowed: {', '.join(allowed)}")
-    return cls(**{**options, lr_arg: lr})
+    allowed = [p for p in inspect.signature(get_method(name).__init__).parameters if p != "self"]
+    if lr_arg not in allowed:
+        raise ConfigError(f"{name}: has no step-size option {lr_arg!r}; allowed: {', '.join(allowed)}")
+    return create_method(name, **{**options, lr_arg: lr})
 
 
 def _init_layer(layer: LoRALinear, fed: Federation, seeds: Sequence[int], name: str, adapter: Mapping[str, Any]) -> None:
@@ -189,7 +187,8 @@ def _objectives(layer: LoRALinear, data: StackedData):
 def run_method(name: str, data: StackedData, *, lr: float, rounds: int, local_steps: int,
                options: Mapping[str, Any] | None = None, adapter: Mapping[str, Any] | None = None,
                lr_arg: str = "lr", client_weights: Sequence[float] | None = None,
-               rank_tol: float = 0.02, record_payloads: bool = False) -> RunResult:
+               rank_tol: float = 0.02, record_payloads: bool = False, sample_fraction: float = 1.0,
+               sample_seed: int = 0) -> RunResult:
     """Train ``name`` on every federation of ``data`` at once; evaluate each client's final model.
 
     ``adapter``: ``LoRALinear`` keyword arguments; default ``method.adapter_kwargs()``.
@@ -198,6 +197,7 @@ def run_method(name: str, data: StackedData, *, lr: float, rounds: int, local_st
     (Per-FedAvg's one local step). Numerical failures (NaN, a failed factorisation) do not raise:
     they come back as ``error`` and non-finite metrics, so a step-size grid can go on.
     ``record_payloads``: also keep every upload/download ``Payload`` (for byte accounting tests).
+    ``sample_fraction``, ``sample_seed``: client sampling per round (``fedlora.simulator.Federation``).
     """
     weights = [float(w) for w in client_weights] if client_weights is not None else data.client_sizes
     options = dict(options or {})
@@ -208,7 +208,8 @@ def run_method(name: str, data: StackedData, *, lr: float, rounds: int, local_st
         options.setdefault("seed", [method_seed(s, name) % 2**31 for s in data.group_seeds])
     method = build_method(name, lr, options, lr_arg)
     adapter = dict(adapter) if adapter is not None else dict(method.adapter_kwargs())
-    fed = Federation(n_groups=data.n_groups, n_clients=data.n_clients, client_weights=weights)
+    fed = Federation(n_groups=data.n_groups, n_clients=data.n_clients, client_weights=weights,
+                     sample_fraction=sample_fraction, sample_seed=sample_seed)
     G = fed.n_replicas
     layer = LoRALinear(data.d_in, data.d_out, stack=G, dtype=torch.float64, **adapter)
     if data.task == "classification" and getattr(method, "output_fn", False) is None:

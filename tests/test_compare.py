@@ -154,8 +154,22 @@ def test_unknown_method_lists_the_allowed_ones(capsys):
     ({"method_options": {"hetlora": {"r_min": 3, "r_max": 2}}}, "hetlora: need 1 ≤ r_min ≤ r_max"),
     ({"heterogeneity": [0, 0]}, "--heterogeneity: must be a list without repeats"),
     ({"stepsize": 1}, "unknown compare option(s) ['stepsize']"),
+    ({"method_options": {"ffa": {"client_ranks": [1, 2, 3, 4]}}}, "ffa: per-client rank budgets (client_ranks) are not supported"),
+    ({"sample_fraction": 0}, "--sample-fraction: must be in (0, 1]"),
+    ({"sample_fraction": 0.5}, "--sample-fraction: must be 1 when centralized is compared"),
 ])
 def test_bad_config_file_exits_2_with_one_line(capsys, tmp_path, cfg, match):
     path = tmp_path / "c.json"
     path.write_text(json.dumps(cfg))
     assert match in _error(capsys, ["--config", str(path)])
+
+
+def test_client_sampling_in_compare_counts_only_participants(tmp_path):
+    cfg = CompareConfig.from_options(**{**TINY, "methods": ("fedavg", "rolora"), "clients": 4, "n_train": (8, 8, 8, 8),
+                                        "sample_fraction": 0.5, "tasks": ("regression",), "lr_grid": (0.01,)})
+    res = run_compare(cfg, log=lambda *_: None)
+    for r in res["results"]:
+        for s in r["seeds"]:
+            per_round = [[c["bytes_up_per_round"][t] for c in s["clients"]] for t in range(cfg.rounds)]
+            # ⌈0.5·4⌉ = 2 clients upload each round, the other two send nothing
+            assert all(sum(b > 0 for b in row) == 2 for row in per_round), (r["method"], per_round)

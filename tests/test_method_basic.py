@@ -405,3 +405,15 @@ def test_model_structure_and_method_options_checked():
     for name, cls in [("fedavg", FedAvgLoRA), ("ffa", FFALoRA), ("rolora", RoLoRA), ("fedsa", FedSALoRA),
                       ("flora", FLoRA), ("centralized", Centralized), ("local", Local)]:
         assert get_method(name) is cls and cls().adapter_kwargs() == {"rank": 8}
+
+
+def test_create_method_names_bad_options_and_rank_budget_support():
+    from fedlora.methods import create_method
+
+    assert create_method("rolora", rank=2, lr=0.1).rank == 2
+    with pytest.raises(ConfigError, match=r"ffa: per-client rank budgets \(client_ranks\).*flexlora.*hetlora.*lora-a2"):
+        create_method("ffa", rank=4, client_ranks=[1, 2])
+    with pytest.raises(ConfigError, match=r"fedavg: unknown option\(s\) \['lr_b'\]; allowed: rank, lr"):
+        create_method("fedavg", lr_b=0.1)
+    with pytest.raises(ConfigError, match="unknown method 'fedprox'; available: .*rolora"):
+        create_method("fedprox")

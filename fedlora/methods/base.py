@@ -20,7 +20,7 @@ from torch import nn
 from ..errors import ConfigError
 from ..payload import Payload
 
-__all__ = ["Method", "Objective", "Sampler", "register", "get_method", "available_methods"]
+__all__ = ["Method", "Objective", "Sampler", "register", "get_method", "create_method", "available_methods"]
 
 
 #: params (name → tensor, the model's trainable parameters or substitutes) × batch → loss per replica (G,)
@@ -40,6 +40,32 @@ def register(cls: type["Method"]) -> type["Method"]:
 
 def available_methods() -> list[str]:
     return sorted(_REGISTRY)
+
+
+#: option names that mean "clients have different ranks", and the methods that support that
+_RANK_BUDGET_OPTIONS = ("client_ranks", "ranks", "initial_ranks")
+
+
+def create_method(name: str, **options: Any) -> "Method":
+    """Instantiate the registered method ``name`` with constructor ``options``.
+
+    Unknown options fail with a ``ConfigError`` that lists the allowed ones (and, for per-client rank
+    budgets given to a method with one rank for everyone, the methods that do support them).
+    """
+    import inspect
+
+    cls = get_method(name)
+    allowed = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        budgets = [u for u in unknown if u in _RANK_BUDGET_OPTIONS]
+        if budgets:
+            het = sorted(n for n, c in _REGISTRY.items()
+                         if any(o in inspect.signature(c.__init__).parameters for o in _RANK_BUDGET_OPTIONS))
+            raise ConfigError(f"{name}: per-client rank budgets ({', '.join(budgets)}) are not supported — every "
+                              f"client has rank r here; methods with heterogeneous ranks: {', '.join(het)}")
+        raise ConfigError(f"{name}: unknown option(s) {unknown}; allowed: {', '.join(allowed)}")
+    return cls(**options)
 
 
 def get_method(name: str) -> type["Method"]:
