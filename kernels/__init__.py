@@ -25,7 +25,8 @@ from .lora_linear import (FUSE_MAX_M, HAS_TRITON, MAX_RANK, fold_adapters, inter
 from .reference import check_lora_shapes, lora_linear_reference
 
 __all__ = ["lora_linear", "lora_linear_reference", "check_lora_shapes", "lora_linear_triton",
-           "lora_linear_multi", "fold_adapters", "backend_for", "MAX_RANK", "FUSE_MAX_M", "HAS_TRITON"]
+           "lora_linear_multi", "fold_adapters", "backend_for", "interpreter_active", "MAX_RANK", "FUSE_MAX_M",
+           "HAS_TRITON"]
 
 _BACKENDS = ("auto", "triton", "reference")
 

@@ -313,7 +313,7 @@ class _SegLoRAFunction(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True: keep the backward differentiable
             dx, da, db = _torch_grads(x, weight, a_cat, b_cat, dy, ctx.offsets, (need_x, need_a, need_b))
             return (dx, None, None, da, db) + none3
-        offsets, lens, precision, seg_t = ctx.offsets, ctx.lens, ctx.precision, ctx.seg_t
+        lens, precision, seg_t = ctx.lens, ctx.precision, ctx.seg_t
         M, K = x.shape
         G, R, _ = a_cat.shape
         dx = da = db = ds = None

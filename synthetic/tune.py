@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-import torch
 
 from .closed_forms import best_two_level_fit, mse
 from .rank_recovery import RankRecoveryConfig, _data_for, run_rank_recovery

@@ -3,7 +3,6 @@ per-client training by hand, uploads carry exactly the selected ranks, the serve
 dilutes (never renormalises), round parity, byte counts, client sampling, bad inputs."""
 from __future__ import annotations
 
-import copy
 import struct
 
 import pytest

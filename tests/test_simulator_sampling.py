@@ -68,7 +68,7 @@ class _Spy:
 
     def __init__(self, method, layer):
         self.start, self.before_download, self.weights, self.uploads = [], [], [], []
-        begin, download, aggregate, upload = method.begin_round, method.download, method.aggregate, method.upload
+        begin, download, aggregate = method.begin_round, method.download, method.aggregate
         params = lambda: (layer.lora_A.detach().clone(), layer.lora_B.detach().clone())  # noqa: E731
         self._downloads = 0
 

@@ -205,5 +205,16 @@ class Method(abc.ABC):
         """Write the server's state into replica ``replica``; return what was sent to it."""
 
     # helpers shared by subclasses -------------------------------------------------------------
+    def _upload(self, replica: int, names: Sequence[str]) -> Payload:
+        """Replica ``replica``'s slice of ``names``, detached copies: what is sent is a snapshot."""
+        return Payload({n: self.params[n][replica].detach().clone() for n in names})
+
+    def _write(self, replica: int, state: Mapping[str, torch.Tensor]) -> Payload:
+        """Copy the server's tensors into ``replica``'s slice; what was sent is exactly ``state``."""
+        with torch.no_grad():
+            for n, v in state.items():
+                self.params[n][replica].copy_(v)
+        return Payload(dict(state))
+
     def _names(self, *suffixes: str) -> list[str]:
         return [n for n in self.params if n.rsplit(".", 1)[-1] in suffixes]

@@ -109,17 +109,6 @@ class FactorLoRA(Method):
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
 
-    def _upload(self, replica: int, names: Sequence[str]) -> Payload:
-        # a detached copy: what is sent is a snapshot, with no autograd history and no aliasing
-        return Payload({n: self.params[n][replica].detach().clone() for n in names})
-
-    def _write(self, replica: int, state: Mapping[str, torch.Tensor]) -> Payload:
-        """Copy the server's tensors into ``replica``'s slice; what was sent is exactly ``state``."""
-        with torch.no_grad():
-            for n, v in state.items():
-                self.params[n][replica].copy_(v)
-        return Payload(dict(state))
-
 
 @register
 class FedAvgLoRA(FactorLoRA):

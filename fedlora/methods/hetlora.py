@@ -11,7 +11,6 @@ the zero-padding), so its gradients there vanish and the batched step equals per
 """
 from __future__ import annotations
 
-import math
 from typing import Mapping, Sequence
 
 import torch

@@ -128,7 +128,7 @@ class PerFedAvgLoRA(Method):
         return out
 
     def upload(self, replica: int) -> Payload:
-        return Payload({n: self.params[n][replica].detach().clone() for n in self.x_names})
+        return self._upload(replica, self.x_names)
 
     @staticmethod
     def aggregate(payloads: Sequence[Payload], weights: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -136,7 +136,4 @@ class PerFedAvgLoRA(Method):
         return fedavg_factors([p.tensors for p in payloads], weights)
 
     def download(self, replica: int, state: Mapping[str, torch.Tensor]) -> Payload:
-        with torch.no_grad():
-            for n, v in state.items():
-                self.params[n][replica].copy_(v)
-        return Payload(dict(state))
+        return self._write(replica, state)

@@ -97,7 +97,7 @@ class PF2LoRA(Method):
 
     def upload(self, replica: int) -> Payload:
         # Only the common adapter leaves the client (Alg. 1 line 8); y_k stays local.
-        return Payload({n: self.params[n][replica] for n in self.x_names})
+        return self._upload(replica, self.x_names)
 
     @staticmethod
     def aggregate(payloads: Sequence[Payload], weights: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -105,7 +105,4 @@ class PF2LoRA(Method):
         return fedavg_factors([p.tensors for p in payloads], weights)
 
     def download(self, replica: int, state: Mapping[str, torch.Tensor]) -> Payload:
-        with torch.no_grad():
-            for n, v in state.items():
-                self.params[n][replica].copy_(v)
-        return Payload(dict(state))
+        return self._write(replica, state)
