@@ -3,6 +3,7 @@
     python bench/kernels_gpu.py                 # full grid (bf16)
     python bench/kernels_gpu.py --quick         # M ∈ {16, 2048}, d = 4096
     python bench/kernels_gpu.py --M 1 128 --d 4096 --ranks 8+2
+    python bench/kernels_gpu.py --smoke --out /tmp/smoke   # CPU, Triton interpreter, no GPU needed
 
 For every (tokens M, d_in = d_out = d, rank r+r̃) it times, with ``triton.testing.do_bench``
 (warm-up, median), forward and forward+backward of:
@@ -14,16 +15,30 @@ For every (tokens M, d_in = d_out = d, rank r+r̃) it times, with ``triton.testi
 
 Achieved TB/s (minimum-traffic byte model) and TFLOP/s are reported next to the device ceilings
 measured here: peak HBM bandwidth from a large device-to-device copy, peak bf16 matmul TFLOP/s
-from an 8192³ matmul. Results: printed, and written as JSON + markdown to bench/results/.
+from an 8192³ matmul. Every variant's forward output and gradients are also compared once (outside
+the timing) with a float64 eager reference (``rel_err``, ``grad_rel_err``: max |got − ref| / max |ref|).
+Results: printed, and written as JSON + markdown to bench/results/.
+
+``--smoke`` runs the same code path on CPU under the Triton interpreter (TRITON_INTERPRET=1, set by
+the script when triton is not imported yet) at tiny sizes (M ∈ {1, 17}, d = 32, ranks 4+2 and 8),
+float32, no torch.compile baseline, a wall-clock median timer in place of ``do_bench`` and of the
+device ceilings — timings are meaningless. It exits 1 when any variant's output or gradient is
+off the float64 reference by more than 1e-4 (relative), or a timed call failed. Files go to
+``--out`` (default: a fresh temporary directory, never bench/results unless asked).
 """
 from __future__ import annotations
 
 import argparse
 import datetime as _dt
 import json
+import math
+import os
 import pathlib
 import re
+import statistics
 import sys
+import tempfile
+import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -34,6 +49,13 @@ import torch.nn.functional as F  # noqa: E402
 M_ALL = [1, 16, 128, 2048, 8192]
 D_ALL = [1024, 4096, 8192]
 RANKS_ALL = [(8, 2), (16, 4), (64, 0)]
+
+SMOKE_M = [1, 17]
+SMOKE_D = [32]
+SMOKE_RANKS = ["4+2", "8"]
+SMOKE_TOL = 1e-4  # relative, float32 kernels vs float64 reference
+SMOKE_DEVICE = "CPU interpreter smoke"
+SMOKE_NOTE = "smoke: CPU interpreter, timings meaningless"
 
 
 def _parse_rank(s: str):
@@ -46,17 +68,49 @@ def measure_ceilings(do_bench):
     n = 1 << 30  # 1 Gi fp32 elements = 4 GiB
     src = torch.empty(n, dtype=torch.float32, device="cuda")
     dst = torch.empty_like(src)
-    t = do_bench(lambda: dst.copy_(src), warmup=10, rep=50, return_mode="median") * 1e-3
+    t = do_bench(lambda dst=dst, src=src: dst.copy_(src), warmup=10, rep=50, return_mode="median") * 1e-3
     hbm = 2 * src.numel() * src.element_size() / t / 1e12
     del src, dst
     k = 8192
     a = torch.randn(k, k, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(k, k, dtype=torch.bfloat16, device="cuda")
-    t = do_bench(lambda: a @ b, warmup=10, rep=50, return_mode="median") * 1e-3
+    t = do_bench(lambda a=a, b=b: a @ b, warmup=10, rep=50, return_mode="median") * 1e-3
     tflops = 2 * k ** 3 / t / 1e12
     del a, b
     torch.cuda.empty_cache()
     return hbm, tflops
+
+
+def wall_median_ms(fn, warmup=1, rep=3):
+    """Smoke-mode timer: plain wall-clock median (ms) of ``rep`` calls after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(rep):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3
+
+
+def smoke_ceilings():
+    """Smoke-mode stand-ins for the device ceilings (small CPU copy and matmul; meaningless)."""
+    src = torch.randn(1 << 20)
+    dst = torch.empty_like(src)
+    t = wall_median_ms(lambda: dst.copy_(src)) * 1e-3
+    hbm = 2 * src.numel() * src.element_size() / t / 1e12
+    k = 128
+    a, b = torch.randn(k, k), torch.randn(k, k)
+    t = wall_median_ms(lambda: a @ b) * 1e-3
+    return hbm, 2 * k ** 3 / t / 1e12
+
+
+def rel_err(got, ref) -> float:
+    """max |got − ref| / max |ref| (inf when got has non-finite entries)."""
+    got, ref = got.detach().double(), ref.detach().double()
+    if got.shape != ref.shape or not torch.isfinite(got).all():
+        return float("inf")
+    return ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
 
 def cost_model(M, d_in, d_out, R, esize, bwd):
@@ -78,19 +132,45 @@ def base_cost(M, d_in, d_out, esize, bwd):
     return (M * d_in + 2 * d_in * d_out + 2 * M * d_out + M * d_in) * esize, 4 * M * d_in * d_out
 
 
+def _prepare_smoke_env() -> str | None:
+    """Smoke mode: the interpreter must be on before triton is first imported. Returns an error or None."""
+    if "triton" in sys.modules:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            return ("--smoke needs TRITON_INTERPRET=1 before triton is imported, and triton is already "
+                    "imported in this process without it; run the script in a fresh process")
+    else:
+        os.environ["TRITON_INTERPRET"] = "1"
+    os.environ.setdefault("FEDLORA_KERNELS_POISON", "1")  # unwritten kernel outputs show up as NaN
+    return None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--M", type=int, nargs="+", default=M_ALL)
-    ap.add_argument("--d", type=int, nargs="+", default=D_ALL)
-    ap.add_argument("--ranks", nargs="+", default=[f"{r}+{rc}" for r, rc in RANKS_ALL])
+    ap.add_argument("--M", type=int, nargs="+", default=None, help=f"default {M_ALL} ({SMOKE_M} with --smoke)")
+    ap.add_argument("--d", type=int, nargs="+", default=None, help=f"default {D_ALL} ({SMOKE_D} with --smoke)")
+    ap.add_argument("--ranks", nargs="+", default=None,
+                    help=f"r+r̃ each; default {[f'{r}+{rc}' for r, rc in RANKS_ALL]} ({SMOKE_RANKS} with --smoke)")
     ap.add_argument("--quick", action="store_true", help="M ∈ {16, 2048}, d = 4096")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU + Triton interpreter, tiny sizes, float32, checks every variant against a float64 "
+                         "reference (exit 1 past 1e-4); timings meaningless")
+    ap.add_argument("--out", default=None,
+                    help="output directory (default bench/results; with --smoke a fresh temporary directory)")
     args = ap.parse_args(argv)
+    smoke = args.smoke
+    if smoke and args.quick:
+        ap.error("--quick and --smoke exclude each other")
 
-    if not torch.cuda.is_available():
+    if smoke:
+        msg = _prepare_smoke_env()
+        if msg:
+            print(f"kernels_gpu.py: {msg}", file=sys.stderr)
+            return 2
+    elif not torch.cuda.is_available():
         print("kernels_gpu.py: no CUDA device available — this benchmark needs a GPU "
-              "(run `pytest bench/ --benchmark-only` for the CPU reference microbenchmarks).", file=sys.stderr)
+              "(run `pytest bench/ --benchmark-only` for the CPU reference microbenchmarks, or "
+              "`python bench/kernels_gpu.py --smoke` for a CPU check of this script).", file=sys.stderr)
         return 2
     try:
         import triton
@@ -102,16 +182,57 @@ def main(argv=None) -> int:
 
     import kernels
 
+    if smoke:
+        from kernels.lora_linear import _load_triton
+
+        try:
+            interp = _load_triton().INTERPRET
+        except ValueError as exc:
+            print(f"kernels_gpu.py: {exc}", file=sys.stderr)
+            return 2
+        if not interp:
+            print("kernels_gpu.py: --smoke: the Triton kernels were loaded without the interpreter in this "
+                  "process; run the script in a fresh process", file=sys.stderr)
+            return 2
+
     if args.quick:
         args.M, args.d = [16, 2048], [4096]
+    if args.M is None:
+        args.M = SMOKE_M if smoke else M_ALL
+    if args.d is None:
+        args.d = SMOKE_D if smoke else D_ALL
+    if args.ranks is None:
+        args.ranks = SMOKE_RANKS if smoke else [f"{r}+{rc}" for r, rc in RANKS_ALL]
     ranks = [_parse_rank(s) for s in args.ranks]
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 512)
-    dev = torch.cuda.get_device_name()
-    dtype = torch.bfloat16
-    esize = 2
-    print(f"device: {dev}; torch {torch.__version__}; triton {triton.__version__}; dtype bf16")
-    hbm, peak = measure_ceilings(do_bench)
-    print(f"measured ceilings: HBM {hbm:.2f} TB/s (copy), bf16 matmul {peak:.1f} TFLOP/s (8192³)")
+    use_compile = not (args.no_compile or smoke)
+    if use_compile:
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 512)
+    if smoke:
+        torch.set_num_threads(1)  # tiny problems: thread spin-up costs more than it saves
+        device, dtype, esize, dtype_name = "cpu", torch.float32, 4, "fp32"
+        dev = SMOKE_DEVICE
+        out = pathlib.Path(args.out) if args.out else pathlib.Path(tempfile.mkdtemp(prefix="kernels_gpu_smoke_"))
+
+        def timer(fn):
+            return wall_median_ms(fn)
+
+        timer_name = f"wall-clock median ({SMOKE_NOTE})"
+        print(f"device: {dev} ({SMOKE_NOTE}); torch {torch.__version__}; triton {triton.__version__}; "
+              f"dtype {dtype_name}")
+        hbm, peak = smoke_ceilings()
+        print(f"stand-in ceilings ({SMOKE_NOTE}): copy {hbm:.4f} TB/s, fp32 matmul {peak:.4f} TFLOP/s")
+    else:
+        device, dtype, esize, dtype_name = "cuda", torch.bfloat16, 2, "bf16"
+        dev = torch.cuda.get_device_name()
+        out = pathlib.Path(args.out) if args.out else ROOT / "bench" / "results"
+
+        def timer(fn):
+            return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+        timer_name = "triton.testing.do_bench median"
+        print(f"device: {dev}; torch {torch.__version__}; triton {triton.__version__}; dtype {dtype_name}")
+        hbm, peak = measure_ceilings(do_bench)
+        print(f"measured ceilings: HBM {hbm:.2f} TB/s (copy), bf16 matmul {peak:.1f} TFLOP/s (8192³)")
 
     def eager(x, w, a, b, s1, c, d, s2):
         y = F.linear(x, w) + F.linear(F.linear(x, a), b) * s1
@@ -119,7 +240,7 @@ def main(argv=None) -> int:
             y = y + F.linear(F.linear(x, c), d) * s2
         return y
 
-    compiled = None if args.no_compile else torch.compile(eager, dynamic=False)
+    compiled = torch.compile(eager, dynamic=False) if use_compile else None
 
     def fused(x, w, a, b, s1, c, d, s2):
         return kernels.lora_linear_triton(x, w, None, a, b, s1, c, d, s2)
@@ -127,44 +248,68 @@ def main(argv=None) -> int:
     def base(x, w, a, b, s1, c, d, s2):
         return F.linear(x, w)
 
-    variants = [("fused", fused), ("eager", eager)] + ([("compile", compiled)] if compiled else []) + [
+    variants = [("fused", fused), ("eager", eager)] + ([("compile", compiled)] if compiled is not None else []) + [
         ("base", base)]
-    rows = []
-    g = torch.Generator(device="cuda").manual_seed(0)
+    rows, failures = [], []
+    g = torch.Generator(device=device).manual_seed(0)
     for d_ in args.d:
-        w = (torch.randn(d_, d_, device="cuda", generator=g, dtype=torch.float32) / d_ ** 0.5).to(dtype)
+        w = (torch.randn(d_, d_, device=device, generator=g, dtype=torch.float32) / d_ ** 0.5).to(dtype)
         for r, rc in ranks:
-            a = (torch.randn(r, d_, device="cuda", generator=g) / d_ ** 0.5).to(dtype).requires_grad_()
-            b = (torch.randn(d_, r, device="cuda", generator=g) * 0.1).to(dtype).requires_grad_()
+            a = (torch.randn(r, d_, device=device, generator=g) / d_ ** 0.5).to(dtype).requires_grad_()
+            b = (torch.randn(d_, r, device=device, generator=g) * 0.1).to(dtype).requires_grad_()
             c = dd = None
             if rc:
-                c = (torch.randn(rc, d_, device="cuda", generator=g) / d_ ** 0.5).to(dtype).requires_grad_()
-                dd = (torch.randn(d_, rc, device="cuda", generator=g) * 0.1).to(dtype).requires_grad_()
+                c = (torch.randn(rc, d_, device=device, generator=g) / d_ ** 0.5).to(dtype).requires_grad_()
+                dd = (torch.randn(d_, rc, device=device, generator=g) * 0.1).to(dtype).requires_grad_()
             R = r + rc
             for M in args.M:
-                x = torch.randn(M, d_, device="cuda", generator=g, dtype=torch.float32).to(dtype).requires_grad_()
-                gy = torch.randn(M, d_, device="cuda", generator=g, dtype=torch.float32).to(dtype)
-                with torch.no_grad():  # sanity: fused vs eager in bf16
+                x = torch.randn(M, d_, device=device, generator=g, dtype=torch.float32).to(dtype).requires_grad_()
+                gy = torch.randn(M, d_, device=device, generator=g, dtype=torch.float32).to(dtype)
+                with torch.no_grad():  # sanity: fused vs eager in the benchmark dtype
                     ref = eager(x, w, a, b, 0.5, c, dd, 2.0).float()
                     got = fused(x, w, a, b, 0.5, c, dd, 2.0).float()
                     err = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+                # float64 oracle (same operands, upcast): outputs and gradients, for every variant
+                lora_in = [t for t in (x, a, b, c, dd) if t is not None]
+                x64, w64, a64, b64, gy64 = (t.detach().double().requires_grad_(t.requires_grad)
+                                            for t in (x, w, a, b, gy))
+                c64 = None if c is None else c.detach().double().requires_grad_()
+                d64 = None if dd is None else dd.detach().double().requires_grad_()
+                ref64 = {}
+                for kind, y64, ins64 in (
+                        ("lora", eager(x64, w64, a64, b64, 0.5, c64, d64, 2.0),
+                         [t for t in (x64, a64, b64, c64, d64) if t is not None]),
+                        ("base", F.linear(x64, w64), [x64])):
+                    ref64[kind] = (y64.detach(), torch.autograd.grad(y64, ins64, gy64))
                 for name, fn in variants:
+                    inputs = [x] if name == "base" else lora_in
+                    y_ref, g_ref = ref64["base" if name == "base" else "lora"]
+                    try:
+                        with torch.no_grad():
+                            v_err = rel_err(fn(x, w, a, b, 0.5, c, dd, 2.0), y_ref)
+                        y = fn(x, w, a, b, 0.5, c, dd, 2.0)
+                        grads = torch.autograd.grad(y, inputs, gy)
+                        del y
+                        g_err = max(rel_err(gt, gr) for gt, gr in zip(grads, g_ref, strict=True))
+                        del grads
+                    except Exception as exc:  # report, keep going
+                        print(f"  {name} M={M} d={d_} r={r}+{rc}: error check FAILED {exc!r}")
+                        v_err = g_err = float("nan")
                     for bwd in (False, True):
                         if not bwd:
-                            def call(fn=fn):
+                            def call(fn=fn, x=x, w=w, a=a, b=b, c=c, dd=dd):
                                 with torch.no_grad():
                                     return fn(x, w, a, b, 0.5, c, dd, 2.0)
                         else:
-                            inputs = [x] if name == "base" else [t for t in (x, a, b, c, dd) if t is not None]
-
-                            def call(fn=fn, inputs=inputs):
+                            def call(fn=fn, inputs=inputs, x=x, w=w, a=a, b=b, c=c, dd=dd, gy=gy):
                                 y = fn(x, w, a, b, 0.5, c, dd, 2.0)
                                 return torch.autograd.grad(y, inputs, gy)
                         try:
-                            ms = do_bench(call, warmup=25, rep=100, return_mode="median")
+                            ms = timer(call)
                         except Exception as exc:  # report, keep going
                             print(f"  {name} M={M} d={d_} r={r}+{rc} bwd={bwd}: FAILED {exc!r}")
                             ms = float("nan")
+                        del call
                         byts, flops = (base_cost(M, d_, d_, esize, bwd) if name == "base"
                                        else cost_model(M, d_, d_, R, esize, bwd))
                         t = ms * 1e-3
@@ -172,42 +317,68 @@ def main(argv=None) -> int:
                                "M": M, "d": d_, "r": r, "r_client": rc, "ms": ms,
                                "TB/s": byts / t / 1e12, "TFLOP/s": flops / t / 1e12,
                                "%HBM": 100 * byts / t / 1e12 / hbm, "%peak": 100 * flops / t / 1e12 / peak,
-                               "fused_vs_eager_rel_err": err}
+                               "fused_vs_eager_rel_err": err, "rel_err": v_err,
+                               "grad_rel_err": g_err}
                         rows.append(row)
+                        e_row = g_err if bwd else v_err
                         print(f"{name:8s} {row['pass']:8s} M={M:5d} d={d_:5d} r={r}+{rc}: {ms:8.4f} ms "
                               f"{row['TB/s']:6.2f} TB/s ({row['%HBM']:5.1f}%) {row['TFLOP/s']:7.1f} TFLOP/s "
-                              f"({row['%peak']:5.1f}%)  err={err:.1e}")
-                del x, gy
-            torch.cuda.empty_cache()
+                              f"({row['%peak']:5.1f}%)  err={e_row:.1e}")
+                        if smoke:
+                            what = f"{name} {row['pass']} M={M} d={d_} r={r}+{rc}"
+                            if not e_row <= SMOKE_TOL:  # catches NaN too
+                                failures.append(f"{what}: rel err {e_row:.3g} > {SMOKE_TOL:g}")
+                            if not all(map(math.isfinite, (ms, row["TB/s"], row["TFLOP/s"], row["%HBM"],
+                                                     row["%peak"]))):
+                                failures.append(f"{what}: non-finite timing {ms!r}")
+                del x, gy, x64, w64, a64, b64, c64, d64, gy64, ref64
+            if not smoke:
+                torch.cuda.empty_cache()
 
-    out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     slug = re.sub(r"[^A-Za-z0-9]+", "_", dev).strip("_").lower()
     stamp = _dt.datetime.now().strftime("%Y%m%d_%H%M%S")
-    meta = {"device": dev, "torch": torch.__version__, "triton": triton.__version__, "dtype": "bf16",
-            "ceiling_hbm_TBps": hbm, "ceiling_bf16_TFLOPs": peak, "timer": "triton.testing.do_bench median",
-            "rows": rows}
+    meta = {"device": dev, "torch": torch.__version__, "triton": triton.__version__, "dtype": dtype_name,
+            "ceiling_hbm_TBps": hbm, f"ceiling_{dtype_name}_TFLOPs": peak, "timer": timer_name,
+            "smoke": smoke, "rows": rows}
+    if smoke:
+        meta.update(note=SMOKE_NOTE, tolerance=SMOKE_TOL, failures=failures)
     (out / f"kernels_gpu_{slug}_{stamp}.json").write_text(json.dumps(meta, indent=1))
-    lines = [f"# fused LoRA linear — {dev}", "",
-             f"torch {torch.__version__}, triton {triton.__version__}, bf16, d_in = d_out = d; ceilings measured "
-             f"here: HBM {hbm:.2f} TB/s (copy), bf16 matmul {peak:.1f} TFLOP/s. Times: do_bench median (ms).", "",
-             "| pass | M | d | r+r̃ | fused ms | eager ms | compile ms | base ms | fused/base | fused TB/s (%HBM) "
-             "| fused TFLOP/s (%peak) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    if smoke:
+        intro = (f"**{SMOKE_NOTE}.** torch {torch.__version__}, triton {triton.__version__} (TRITON_INTERPRET=1), "
+                 f"fp32, d_in = d_out = d; stand-in ceilings (small CPU copy / matmul): {hbm:.4f} TB/s, "
+                 f"{peak:.4f} TFLOP/s. Times: wall-clock median (ms). Errors vs a float64 reference, "
+                 f"tolerance {SMOKE_TOL:g}: {'all within' if not failures else f'{len(failures)} FAILED'}.")
+    else:
+        intro = (f"torch {torch.__version__}, triton {triton.__version__}, bf16, d_in = d_out = d; ceilings measured "
+                 f"here: HBM {hbm:.2f} TB/s (copy), bf16 matmul {peak:.1f} TFLOP/s. Times: do_bench median (ms).")
+    lines = [f"# fused LoRA linear — {dev}", "", intro, "",
+             ("| pass | M | d | r+r̃ | fused ms | eager ms | compile ms | base ms | fused/base | fused TB/s (%HBM) "
+              "| fused TFLOP/s (%peak) | max rel err |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     key = {}
     for row in rows:
         key.setdefault((row["pass"], row["M"], row["d"], row["r"], row["r_client"]), {})[row["variant"]] = row
     for (p, M, d_, r, rc), v in key.items():
         f_, e_, c_, b_ = (v.get(n, {}).get("ms", float("nan")) for n in ("fused", "eager", "compile", "base"))
         fr = v.get("fused", {})
-        lines.append(f"| {p} | {M} | {d_} | {r}+{rc} | {f_:.4f} | {e_:.4f} | {c_:.4f} | {b_:.4f} | {f_ / b_:.2f} | "
+        errs = [(row["grad_rel_err"] if p == "fwd+bwd" else row["rel_err"]) for row in v.values()]
+        max_err = max(errs, key=lambda e: float("inf") if math.isnan(e) else e)  # NaN ranks highest
+        ratio = f_ / b_ if b_ else float("nan")
+        lines.append(f"| {p} | {M} | {d_} | {r}+{rc} | {f_:.4f} | {e_:.4f} | {c_:.4f} | {b_:.4f} | {ratio:.2f} | "
                      f"{fr.get('TB/s', float('nan')):.2f} ({fr.get('%HBM', float('nan')):.0f}%) | "
-                     f"{fr.get('TFLOP/s', float('nan')):.1f} ({fr.get('%peak', float('nan')):.0f}%) |")
+                     f"{fr.get('TFLOP/s', float('nan')):.1f} ({fr.get('%peak', float('nan')):.0f}%) | "
+                     f"{max_err:.1e} |")
     md = "\n".join(lines) + "\n"
     (out / f"kernels_gpu_{slug}_{stamp}.md").write_text(md)
     print()
     print(md)
     print(f"written: {out}/kernels_gpu_{slug}_{stamp}.{{json,md}}")
+    if failures:
+        print(f"kernels_gpu.py --smoke: {len(failures)} check(s) FAILED (tolerance {SMOKE_TOL:g}):", file=sys.stderr)
+        for f in failures:
+            print(f"  {f}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,0 +1,110 @@
+"""bench/kernels_gpu.py --smoke: the whole GPU-benchmark script path, on CPU under the Triton interpreter.
+
+Each case runs the script's ``main([...])`` in a fresh subprocess, because TRITON_INTERPRET must be set
+before triton is first imported (another test may already have imported it in this process).
+The smoke mode checks every variant's output and gradients against a float64 reference and exits
+non-zero past 1e-4; ``test_smoke_fails_on_wrong_fused_op`` shows that check bites.
+"""
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "kernels_gpu.py"
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+
+# loads the script as a module and calls main(argv); PATCH (optional) runs first, with `kernels` imported
+_RUNNER = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("kernels_gpu", {script!r})
+mod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mod)
+import kernels
+{patch}
+sys.exit(mod.main(json.loads({argv!r})))
+"""
+
+NUMERIC = ("ms", "TB/s", "TFLOP/s", "%HBM", "%peak", "fused_vs_eager_rel_err", "rel_err", "grad_rel_err")
+
+
+def _run(argv, patch="", timeout=120):
+    env = {**os.environ, "TRITON_INTERPRET": "1", "FEDLORA_KERNELS": "triton", "FEDLORA_KERNELS_POISON": "1",
+           "OMP_NUM_THREADS": "1"}
+    code = _RUNNER.format(script=str(SCRIPT), patch=patch, argv=json.dumps([str(a) for a in argv]))
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    return proc, time.perf_counter() - t0
+
+
+def test_smoke_runs_whole_script_on_cpu_interpreter(tmp_path):
+    out = tmp_path / "res"
+    proc, elapsed = _run(["--smoke", "--out", out])
+    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    assert elapsed < 60, f"smoke run took {elapsed:.1f} s"
+
+    jsons, mds = sorted(out.glob("kernels_gpu_*.json")), sorted(out.glob("kernels_gpu_*.md"))
+    assert len(jsons) == 1 and len(mds) == 1, sorted(p.name for p in out.iterdir())
+    meta = json.loads(jsons[0].read_text())
+    assert meta["device"] == "CPU interpreter smoke" and meta["smoke"] is True
+    assert meta["dtype"] == "fp32" and "timings meaningless" in meta["note"]
+    assert meta["failures"] == []
+    assert math.isfinite(meta["ceiling_hbm_TBps"]) and math.isfinite(meta["ceiling_fp32_TFLOPs"])
+
+    # one row per (M, d, ranks, variant, pass); compile baseline skipped in smoke mode
+    expected = set(itertools.product([1, 17], [32], [(4, 2), (8, 0)], ["fused", "eager", "base"],
+                                     ["fwd", "fwd+bwd"]))
+    keys = [(r["M"], r["d"], (r["r"], r["r_client"]), r["variant"], r["pass"]) for r in meta["rows"]]
+    assert len(keys) == len(set(keys)) and set(keys) == expected, sorted(set(keys) ^ expected)
+    for row in meta["rows"]:
+        assert row["device"] == "CPU interpreter smoke"
+        for k in NUMERIC:
+            assert isinstance(row[k], float) and math.isfinite(row[k]), (k, row)
+        assert row["ms"] > 0
+        assert row["rel_err"] <= 1e-4 and row["grad_rel_err"] <= 1e-4, row
+
+    md = mds[0].read_text()
+    assert md.startswith("# fused LoRA linear — CPU interpreter smoke")
+    assert "smoke: CPU interpreter, timings meaningless" in md
+    table = [ln for ln in md.splitlines() if ln.startswith("| ")]
+    assert table[0].startswith("| pass | M | d |")
+    assert len(table) == 1 + 2 * 2 * 2  # header + pass × M × ranks (d fixed)
+    print(f"smoke run: {elapsed:.1f} s")
+
+
+# the fused op with a plausible bug: forward drops the client adapter / backward scales dX by 1.001
+_WRONG_FWD = """
+def _wrong(x, w, bias, a, b, s1=1.0, c=None, d=None, s2=1.0, **kw):
+    return kernels.lora_linear_reference(x, w, bias, a, b, s1)
+kernels.lora_linear_triton = _wrong
+"""
+_WRONG_GRAD = """
+_orig = kernels.lora_linear_triton
+def _wrong(x, *args, **kw):
+    x = x + (1e-3 * x - (1e-3 * x).detach())  # same values, dX scaled by 1.001
+    return _orig(x, *args, **kw)
+kernels.lora_linear_triton = _wrong
+"""
+
+
+@pytest.mark.parametrize("patch,bad_passes", [(_WRONG_FWD, {"fwd", "fwd+bwd"}), (_WRONG_GRAD, {"fwd+bwd"})],
+                         ids=["fwd", "grad"])
+def test_smoke_fails_on_wrong_fused_op(tmp_path, patch, bad_passes):
+    proc, _ = _run(["--smoke", "--M", "17", "--ranks", "4+2", "--out", tmp_path], patch=patch)
+    assert proc.returncode == 1, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert "check(s) FAILED" in proc.stderr, proc.stderr[-3000:]
+    meta = json.loads(next(tmp_path.glob("kernels_gpu_*.json")).read_text())
+    # only the broken variant is flagged, in exactly the passes the bug affects
+    flagged = {f.split()[1] for f in meta["failures"]}
+    assert all(f.startswith("fused ") for f in meta["failures"]) and flagged == bad_passes, meta["failures"]
