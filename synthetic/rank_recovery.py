@@ -295,6 +295,8 @@ class _Worker:
 def _start_workers(cfg: RankRecoveryConfig, names: list[str]) -> dict[str, _Worker]:
     """Start ``names`` in child processes, at most ``jobs − 1`` of them (this process is one job)."""
     jobs = cfg.jobs or min(len(cfg.methods), os.cpu_count() or 1)
+    if not sys.executable:  # an embedded interpreter cannot start a child: run everything here
+        return {}
     return {n: _Worker(n, cfg) for n in names[:max(0, jobs - 1)]}
 
 
