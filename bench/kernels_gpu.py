@@ -13,6 +13,16 @@ For every (tokens M, d_in = d_out = d, rank r+r̃) it times, with ``triton.testi
 * ``compile`` — ``torch.compile`` of the eager function,
 * ``base``    — the frozen base alone: X W0ᵀ forward, dX = dY W0 backward (the floor to beat).
 
+Multi-client (``--K``, default 8; 2 with ``--smoke``): for every configuration with r̃ > 0 and M ≥ K,
+``kernels.lora_linear_multi`` (backend 'triton', one launch) on the same M rows split into K equal
+segments (rows k·M//K … (k+1)·M//K − 1 use client k's own C_k, D_k; A, B and W0 shared; sizes
+differ by one row when K ∤ M) is timed forward and forward+backward. ``multi/single`` is its time
+over the single-client fused op's on the same M rows (the ``fused`` row: ``lora_linear_triton``
+with one client's C, D); the goal is ≤ 1.2 at K = 8, M = 8192, d = 4096, r = 8+2, bf16 (in the
+default sweep). Its output and gradients (X, A, B, every C_k, D_k) are checked against a float64
+reference made of K separate ``lora_linear_reference`` calls, one per segment. JSON: ``multi_rows``;
+markdown: a second table, "multi-client".
+
 Achieved TB/s (minimum-traffic byte model) and TFLOP/s are reported next to the device ceilings
 measured here: peak HBM bandwidth from a large device-to-device copy, peak bf16 matmul TFLOP/s
 from an 8192³ matmul. Every variant's forward output and gradients are also compared once (outside
@@ -22,9 +32,9 @@ Results: printed, and written as JSON + markdown to bench/results/.
 ``--smoke`` runs the same code path on CPU under the Triton interpreter (TRITON_INTERPRET=1, set by
 the script when triton is not imported yet) at tiny sizes (M ∈ {1, 17}, d = 32, ranks 4+2 and 8),
 float32, no torch.compile baseline, a wall-clock median timer in place of ``do_bench`` and of the
-device ceilings — timings are meaningless. It exits 1 when any variant's output or gradient is
-off the float64 reference by more than 1e-4 (relative), or a timed call failed. Files go to
-``--out`` (default: a fresh temporary directory, never bench/results unless asked).
+device ceilings — timings are meaningless. It exits 1 when any variant's (the multi-client op's
+included) output or gradient is off the float64 reference by more than 1e-4 (relative), or a timed
+call failed. Files go to ``--out`` (default: a fresh temporary directory, never bench/results unless asked).
 """
 from __future__ import annotations
 
@@ -48,11 +58,14 @@ import torch.nn.functional as F  # noqa: E402
 
 M_ALL = [1, 16, 128, 2048, 8192]
 D_ALL = [1024, 4096, 8192]
-RANKS_ALL = [(8, 2), (16, 4), (64, 0)]
+RANKS_ALL = [(8, 2), (16, 4), (64, 0)]  # (8, 2) × M = 8192 × d = 4096: the multi-client goal's configuration
+K_GPU = 8  # clients in the multi-client measurement
+MULTI_GOAL = 1.2  # multi-client (K = 8) time ≤ 1.2 × one client's op on the same total rows
 
 SMOKE_M = [1, 17]
 SMOKE_D = [32]
 SMOKE_RANKS = ["4+2", "8"]
+SMOKE_K = 2
 SMOKE_TOL = 1e-4  # relative, float32 kernels vs float64 reference
 SMOKE_DEVICE = "CPU interpreter smoke"
 SMOKE_NOTE = "smoke: CPU interpreter, timings meaningless"
@@ -132,6 +145,18 @@ def base_cost(M, d_in, d_out, esize, bwd):
     return (M * d_in + 2 * d_in * d_out + 2 * M * d_out + M * d_in) * esize, 4 * M * d_in * d_out
 
 
+def make_call(fn, fn_args, inputs, gy, bwd):
+    """The timed closure: ``fn(*fn_args)`` without autograd, or forward + ``autograd.grad`` wrt ``inputs``."""
+    if not bwd:
+        def call():
+            with torch.no_grad():
+                return fn(*fn_args)
+    else:
+        def call():
+            return torch.autograd.grad(fn(*fn_args), inputs, gy)
+    return call
+
+
 def _prepare_smoke_env() -> str | None:
     """Smoke mode: the interpreter must be on before triton is first imported. Returns an error or None."""
     if "triton" in sys.modules:
@@ -151,6 +176,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", nargs="+", default=None,
                     help=f"r+r̃ each; default {[f'{r}+{rc}' for r, rc in RANKS_ALL]} ({SMOKE_RANKS} with --smoke)")
     ap.add_argument("--quick", action="store_true", help="M ∈ {16, 2048}, d = 4096")
+    ap.add_argument("--K", type=int, default=None,
+                    help=f"clients in the multi-client measurement (default {K_GPU}; {SMOKE_K} with --smoke)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU + Triton interpreter, tiny sizes, float32, checks every variant against a float64 "
@@ -204,6 +231,9 @@ def main(argv=None) -> int:
     if args.ranks is None:
         args.ranks = SMOKE_RANKS if smoke else [f"{r}+{rc}" for r, rc in RANKS_ALL]
     ranks = [_parse_rank(s) for s in args.ranks]
+    K = args.K if args.K is not None else (SMOKE_K if smoke else K_GPU)
+    if K < 1:
+        ap.error("--K must be ≥ 1")
     use_compile = not (args.no_compile or smoke)
     if use_compile:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 512)
@@ -248,9 +278,12 @@ def main(argv=None) -> int:
     def base(x, w, a, b, s1, c, d, s2):
         return F.linear(x, w)
 
+    def multi(x, w, a, b, s1, ck, dk, s2, offs):
+        return kernels.lora_linear_multi(x, w, None, a, b, ck, dk, offs, s1, s2, backend="triton")
+
     variants = [("fused", fused), ("eager", eager)] + ([("compile", compiled)] if compiled is not None else []) + [
         ("base", base)]
-    rows, failures = [], []
+    rows, multi_rows, failures = [], [], []
     g = torch.Generator(device=device).manual_seed(0)
     for d_ in args.d:
         w = (torch.randn(d_, d_, device=device, generator=g, dtype=torch.float32) / d_ ** 0.5).to(dtype)
@@ -261,6 +294,10 @@ def main(argv=None) -> int:
             if rc:
                 c = (torch.randn(rc, d_, device=device, generator=g) / d_ ** 0.5).to(dtype).requires_grad_()
                 dd = (torch.randn(d_, rc, device=device, generator=g) * 0.1).to(dtype).requires_grad_()
+            ck = dk = None  # the K clients' own adapters, for the multi-client measurement
+            if rc and any(M >= K for M in args.M):
+                ck = (torch.randn(K, rc, d_, device=device, generator=g) / d_ ** 0.5).to(dtype).requires_grad_()
+                dk = (torch.randn(K, d_, rc, device=device, generator=g) * 0.1).to(dtype).requires_grad_()
             R = r + rc
             for M in args.M:
                 x = torch.randn(M, d_, device=device, generator=g, dtype=torch.float32).to(dtype).requires_grad_()
@@ -331,6 +368,53 @@ def main(argv=None) -> int:
                             if not all(map(math.isfinite, (ms, row["TB/s"], row["TFLOP/s"], row["%HBM"],
                                                      row["%peak"]))):
                                 failures.append(f"{what}: non-finite timing {ms!r}")
+                if ck is not None and M >= K:
+                    offs = [k * M // K for k in range(K + 1)]
+                    ck64, dk64 = (t.detach().double().requires_grad_() for t in (ck, dk))
+                    m_in, m_in64 = [x, a, b, ck, dk], [x64, a64, b64, ck64, dk64]
+                    y64 = torch.cat([kernels.lora_linear_reference(x64[offs[k]:offs[k + 1]], w64, None, a64, b64,
+                                                                   0.5, ck64[k], dk64[k], 2.0) for k in range(K)])
+                    g64 = torch.autograd.grad(y64, m_in64, gy64)
+                    m_args = (x, w, a, b, 0.5, ck, dk, 2.0, offs)
+                    try:
+                        with torch.no_grad():
+                            m_err = rel_err(multi(*m_args), y64)
+                        grads = torch.autograd.grad(multi(*m_args), m_in, gy)
+                        m_gerr = max(rel_err(gt, gr) for gt, gr in zip(grads, g64, strict=True))
+                        del grads
+                    except Exception as exc:  # report, keep going
+                        print(f"  multi M={M} d={d_} r={r}+{rc} K={K}: error check FAILED {exc!r}")
+                        m_err = m_gerr = float("nan")
+                    del y64, g64
+                    for bwd in (False, True):
+                        p_name = "fwd+bwd" if bwd else "fwd"
+                        call = make_call(multi, m_args, m_in, gy, bwd)
+                        try:
+                            ms = timer(call)
+                        except Exception as exc:  # report, keep going
+                            print(f"  multi M={M} d={d_} r={r}+{rc} K={K} bwd={bwd}: FAILED {exc!r}")
+                            ms = float("nan")
+                        del call
+                        # one client's op on the same M rows = the fused row timed above (same operands);
+                        # a broken fused op is flagged by its own rows, here it only makes the ratio NaN
+                        single = next(rw["ms"] for rw in rows if rw["variant"] == "fused" and rw["pass"] == p_name
+                                      and (rw["M"], rw["d"], rw["r"], rw["r_client"]) == (M, d_, r, rc))
+                        ratio = ms / single if single else float("nan")
+                        row = {"device": dev, "variant": "multi", "pass": p_name,
+                               "M": M, "d": d_, "r": r, "r_client": rc, "K": K, "seg_offsets": offs,
+                               "ms": ms, "single_ms": single, "multi_over_single": ratio,
+                               "rel_err": m_err, "grad_rel_err": m_gerr}
+                        multi_rows.append(row)
+                        e_row = m_gerr if bwd else m_err
+                        print(f"{'multi':8s} {p_name:8s} M={M:5d} d={d_:5d} r={r}+{rc} K={K}: {ms:8.4f} ms vs "
+                              f"single client {single:8.4f} ms = {ratio:5.2f}×  err={e_row:.1e}")
+                        if smoke:
+                            what = f"multi {p_name} M={M} d={d_} r={r}+{rc} K={K}"
+                            if not e_row <= SMOKE_TOL:  # catches NaN too
+                                failures.append(f"{what}: rel err {e_row:.3g} > {SMOKE_TOL:g}")
+                            if not math.isfinite(ms):
+                                failures.append(f"{what}: non-finite timing {ms!r}")
+                    del ck64, dk64, m_in, m_in64, m_args
                 del x, gy, x64, w64, a64, b64, c64, d64, gy64, ref64
             if not smoke:
                 torch.cuda.empty_cache()
@@ -340,7 +424,7 @@ def main(argv=None) -> int:
     stamp = _dt.datetime.now().strftime("%Y%m%d_%H%M%S")
     meta = {"device": dev, "torch": torch.__version__, "triton": triton.__version__, "dtype": dtype_name,
             "ceiling_hbm_TBps": hbm, f"ceiling_{dtype_name}_TFLOPs": peak, "timer": timer_name,
-            "smoke": smoke, "rows": rows}
+            "smoke": smoke, "rows": rows, "multi_K": K, "multi_goal_ratio": MULTI_GOAL, "multi_rows": multi_rows}
     if smoke:
         meta.update(note=SMOKE_NOTE, tolerance=SMOKE_TOL, failures=failures)
     (out / f"kernels_gpu_{slug}_{stamp}.json").write_text(json.dumps(meta, indent=1))
@@ -369,6 +453,21 @@ def main(argv=None) -> int:
                      f"{fr.get('TB/s', float('nan')):.2f} ({fr.get('%HBM', float('nan')):.0f}%) | "
                      f"{fr.get('TFLOP/s', float('nan')):.1f} ({fr.get('%peak', float('nan')):.0f}%) | "
                      f"{max_err:.1e} |")
+    lines += ["", "## multi-client", "",
+              (f"`lora_linear_multi`, K = {K} equal (±1) row segments (own C_k, D_k each; shared A, B, W0; one launch) "
+               f"vs the single-client fused op on the same M rows. Goal: multi/single ≤ {MULTI_GOAL:g} at K = 8, "
+               f"M = 8192, d = 4096, r = 8+2 (bf16). Max rel err: output (fwd) or gradients (fwd+bwd) vs K "
+               f"float64 reference calls."), ""]
+    if multi_rows:
+        lines += ["| pass | M | d | r+r̃ | K | multi ms | single ms | multi/single | max rel err |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for row in multi_rows:
+            e_row = row["grad_rel_err"] if row["pass"] == "fwd+bwd" else row["rel_err"]
+            lines.append(f"| {row['pass']} | {row['M']} | {row['d']} | {row['r']}+{row['r_client']} | {row['K']} | "
+                         f"{row['ms']:.4f} | {row['single_ms']:.4f} | {row['multi_over_single']:.2f} | "
+                         f"{e_row:.1e} |")
+    else:
+        lines.append(f"(no configuration with r̃ > 0 and M ≥ K = {K})")
     md = "\n".join(lines) + "\n"
     (out / f"kernels_gpu_{slug}_{stamp}.md").write_text(md)
     print()

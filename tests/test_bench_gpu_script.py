@@ -3,7 +3,8 @@
 Each case runs the script's ``main([...])`` in a fresh subprocess, because TRITON_INTERPRET must be set
 before triton is first imported (another test may already have imported it in this process).
 The smoke mode checks every variant's output and gradients against a float64 reference and exits
-non-zero past 1e-4; ``test_smoke_fails_on_wrong_fused_op`` shows that check bites.
+non-zero past 1e-4; ``test_smoke_fails_on_wrong_fused_op`` and ``test_smoke_fails_on_wrong_multi_op`` show
+that check bites (the latter for the multi-client ``lora_linear_multi`` measurement).
 """
 from __future__ import annotations
 
@@ -74,12 +75,33 @@ def test_smoke_runs_whole_script_on_cpu_interpreter(tmp_path):
         assert row["ms"] > 0
         assert row["rel_err"] <= 1e-4 and row["grad_rel_err"] <= 1e-4, row
 
+    # multi-client: K = 2 segments, only where r̃ > 0 and M ≥ K → (M=17, 4+2), both passes
+    assert meta["multi_K"] == 2 and meta["multi_goal_ratio"] == 1.2
+    multi = meta["multi_rows"]
+    assert sorted((r["M"], r["d"], r["r"], r["r_client"], r["pass"]) for r in multi) == [
+        (17, 32, 4, 2, "fwd"), (17, 32, 4, 2, "fwd+bwd")], multi
+    for row in multi:
+        assert row["variant"] == "multi" and row["K"] == 2 and row["seg_offsets"] == [0, 8, 17], row
+        for k in ("ms", "single_ms", "multi_over_single", "rel_err", "grad_rel_err"):
+            assert isinstance(row[k], float) and math.isfinite(row[k]), (k, row)
+        assert row["ms"] > 0 and row["single_ms"] > 0
+        assert math.isclose(row["multi_over_single"], row["ms"] / row["single_ms"])
+        fused_ms = [f["ms"] for f in meta["rows"] if f["variant"] == "fused" and f["pass"] == row["pass"]
+                    and (f["M"], f["d"], f["r"], f["r_client"]) == (row["M"], row["d"], row["r"], row["r_client"])]
+        assert fused_ms == [row["single_ms"]], (fused_ms, row)  # one client's fused op, same M rows
+        assert row["rel_err"] <= 1e-4 and row["grad_rel_err"] <= 1e-4, row
+
     md = mds[0].read_text()
     assert md.startswith("# fused LoRA linear — CPU interpreter smoke")
     assert "smoke: CPU interpreter, timings meaningless" in md
-    table = [ln for ln in md.splitlines() if ln.startswith("| ")]
+    main_md, _, multi_md = md.partition("## multi-client")
+    table = [ln for ln in main_md.splitlines() if ln.startswith("| ")]
     assert table[0].startswith("| pass | M | d |")
     assert len(table) == 1 + 2 * 2 * 2  # header + pass × M × ranks (d fixed)
+    m_table = [ln for ln in multi_md.splitlines() if ln.startswith("| ")]
+    assert m_table[0].startswith("| pass | M | d | r+r̃ | K | multi ms | single ms | multi/single |"), multi_md
+    assert len(m_table) == 1 + 2 and all(ln.startswith(("| fwd | 17 | 32 | 4+2 | 2 |",
+                                                         "| fwd+bwd | 17 | 32 | 4+2 | 2 |")) for ln in m_table[1:])
     print(f"smoke run: {elapsed:.1f} s")
 
 
@@ -108,3 +130,26 @@ def test_smoke_fails_on_wrong_fused_op(tmp_path, patch, bad_passes):
     # only the broken variant is flagged, in exactly the passes the bug affects
     flagged = {f.split()[1] for f in meta["failures"]}
     assert all(f.startswith("fused ") for f in meta["failures"]) and flagged == bad_passes, meta["failures"]
+
+
+# the multi-client op with a plausible bug: every segment uses client 0's adapter (C_0, D_0)
+_WRONG_MULTI = """
+_orig_multi = kernels.lora_linear_multi
+def _wrong(x, weight, bias, a, b, c, d, seg_offsets, *args, **kw):
+    K = c.shape[0]
+    return _orig_multi(x, weight, bias, a, b, torch.cat([c[:1]] * K), torch.cat([d[:1]] * K), seg_offsets,
+                       *args, **kw)
+import torch
+kernels.lora_linear_multi = _wrong
+"""
+
+
+def test_smoke_fails_on_wrong_multi_op(tmp_path):
+    proc, _ = _run(["--smoke", "--M", "17", "--ranks", "4+2", "--out", tmp_path], patch=_WRONG_MULTI)
+    assert proc.returncode == 1, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert "check(s) FAILED" in proc.stderr, proc.stderr[-3000:]
+    meta = json.loads(next(tmp_path.glob("kernels_gpu_*.json")).read_text())
+    # only the multi-client measurement is flagged (output and gradients); the single-client variants pass
+    flagged = {f.split()[1] for f in meta["failures"]}
+    assert all(f.startswith("multi ") for f in meta["failures"]) and flagged == {"fwd", "fwd+bwd"}, meta["failures"]
+    assert all(r["rel_err"] > 1e-4 and r["grad_rel_err"] > 1e-4 for r in meta["multi_rows"]), meta["multi_rows"]
