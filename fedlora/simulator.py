@@ -81,11 +81,14 @@ def run_rounds(
     """Run ``rounds`` rounds; return one record per round.
 
     Each record holds ``round``, ``step`` (local steps done so far), ``bytes_up`` / ``bytes_down``
-    (lists over replicas, measured from the serialised payloads; 0 for clients sampled out),
-    ``participants`` (per replica, bool), ``wall_s`` and whatever ``evaluate(round)`` returns, called
-    after the download — i.e. on the model each client holds. Every client of a federation receives
-    the new global state (so all are evaluated on it); only participants' downloads are counted,
-    as only they would be sent it at the start of their next round.
+    (lists over replicas, measured from the serialised payloads), ``participants`` (per replica,
+    bool), ``wall_s`` and whatever ``evaluate(round)`` returns, called after the download — i.e. on
+    the model each client holds. Every client of a federation is given the new global state (so
+    all are evaluated on it). Upload bytes count for the round's participants only. Download bytes
+    count for the clients that need what was sent: when the download is the full state, the clients
+    drawn for the next round (they receive it before training; after the last round, everyone);
+    when it is an increment (``method.incremental_download``: FLoRA's stack to merge, RoLoRA's one
+    factor), every client, as each must apply every increment to stay current.
     """
     if rounds < 1 or local_steps < 1:
         raise ConfigError(f"rounds and local_steps must be ≥ 1, got {rounds}, {local_steps}")
@@ -111,9 +114,11 @@ def run_rounds(
             for i, p in zip(reps, payloads):
                 bytes_up[i] = p.nbytes
             state = method.aggregate(payloads, normalise_weights(weights[active[g]], len(reps)))
+            receivers = (range(K) if method.incremental_download or rnd == rounds - 1
+                         else federation.participants(rnd + 1, g))
             for i in federation.replicas_of(g):
                 sent = method.download(i, state).nbytes
-                if i in reps:
+                if i % K in receivers:
                     bytes_down[i] = sent
         record = {"round": rnd + 1, "step": (rnd + 1) * local_steps,
                   "bytes_up": bytes_up, "bytes_down": bytes_down,

@@ -188,3 +188,27 @@ def test_unrolled_fast_path_equals_explicit_hvp_of_eq4():
     for a, b in zip(h_fast + yp_fast, h_hvp + yp_hvp):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     assert max(float(t.abs().max()) for t in h_fast) > 1e-3  # a real, non-zero direction
+
+
+def test_finite_difference_step_is_per_replica():
+    """A replica's finite-difference hypergradient must not depend on the other replicas in the
+    stack (δ = fd_eps/‖v‖ per replica): replica 0 alone == replica 0 next to a 1000× larger one."""
+    # float32: the central difference is exact in exact arithmetic here (∇_x F is quadratic in y),
+    # so only rounding shows a δ set by the other replica — and float32 rounding shows it clearly
+    X, Y = (t.float() for t in _data(2))
+    Y = torch.stack([Y[0], 1000 * Y[1]])
+    layer = _pf2_layer(2).float()
+    solo = _pf2_layer(1).float()
+    with torch.no_grad():
+        for n, p in solo.named_parameters():
+            p.copy_(getattr(layer, n)[:1])
+    h = {}
+    for name, lay, data in (("stack", layer, (X, Y)), ("solo", solo, (X[:1], Y[:1]))):
+        m = PF2LoRA(upper_lr=0.01, lower_lr=0.05, upper_optimizer="sgd", rank=3, client_rank=2,
+                    hypergradient="finite-difference")
+        m.setup(lay, list(range(lay.stack)))
+        m.local_step(_objective(lay), lambda d=data: d)
+        h[name] = lay.lora_A[0].detach().clone()
+    torch.testing.assert_close(h["stack"], h["solo"], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ConfigError, match="fd_eps must be a finite number > 0"):
+        PF2LoRA(fd_eps=0.0)

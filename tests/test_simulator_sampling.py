@@ -130,14 +130,38 @@ def test_weights_renormalised_over_participants_and_global_state():
         torch.testing.assert_close(layer.lora_A[i].detach(), want, rtol=1e-14, atol=1e-14)
 
 
-def test_bytes_zero_for_sampled_out_clients():
+def test_bytes_counted_for_who_sends_and_who_needs_the_download():
+    """Uploads: this round's participants. Downloads of the full state (FedAvg): the clients drawn
+    for the next round, who receive it before training (after the last round: everyone)."""
     fed, hist, _, m, _ = _run_fedavg()
     full = m.upload(0).nbytes
-    for h in hist:
+    for t, h in enumerate(hist):
+        nxt = hist[t + 1]["participants"] if t + 1 < len(hist) else [True] * fed.n_replicas
         for i, active in enumerate(h["participants"]):
             assert h["bytes_up"][i] == (full if active else 0)
-            assert h["bytes_down"][i] == (full if active else 0)
+            assert h["bytes_down"][i] == (full if nxt[i] else 0)
         assert sum(h["participants"]) == fed.n_groups * 2
+
+
+def test_incremental_downloads_count_for_every_client():
+    """FLoRA's download is a stack each client merges, so every client needs it every round."""
+    from fedlora.methods import create_method
+
+    G, K = 4, 4
+    layer = LoRALinear(5, 5, 2, stack=G, dtype=torch.float64)
+    with torch.no_grad():
+        layer.lora_A[:] = layer.lora_A[0].clone()
+    m = create_method("flora", rank=2, lr=0.01)
+    fed = Federation(1, K, sample_fraction=0.5, sample_seed=1)
+    m.setup(layer, fed.replica_clients)
+    X = torch.randn(G, 10, 5, dtype=torch.float64)
+
+    def objective(params, batch):
+        return (layer.forward_with(params, batch) ** 2).mean(dim=(-2, -1))
+
+    hist = run_rounds(m, fed, objective, lambda: X, rounds=3, local_steps=1)
+    for h in hist:
+        assert all(b > 0 for b in h["bytes_down"]) and sum(b > 0 for b in h["bytes_up"]) == 2
 
 
 def test_full_participation_takes_no_snapshot_and_matches_fraction_one():

@@ -43,10 +43,15 @@ class FlexLoRAResult(NamedTuple):
 def _core_svd(core: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Thin SVD of a small float64 matrix (m, n): U (m, p), S (p,), Vh (p, n), p = min(m, n)."""
     scale = core.abs().max()
-    if scale == 0 or not torch.isfinite(scale):
+    if not torch.isfinite(scale):
+        # inputs are checked finite, so this is float64 overflow of their product: never return a
+        # silently wrong (zero) ΔW
+        raise ConfigError("flexlora: the aggregated ΔW overflows float64 (factor entries too large); "
+                          "rescale the adapters")
+    if scale == 0:
         m, n = core.shape
         p = min(m, n)
-        eye = torch.eye(max(m, n), dtype=core.dtype)
+        eye = torch.eye(max(m, n), dtype=core.dtype, device=core.device)
         return eye[:m, :p].clone(), core.new_zeros(p), eye[:p, :n].clone()
     c = core / scale
     try:
@@ -104,7 +109,7 @@ def _complete_columns(basis: torch.Tensor, m: int) -> torch.Tensor:
     if basis.shape[1] + m > d:
         raise ConfigError(f"cannot complete {basis.shape[1]} vectors by {m} more in dimension {d}")
     gen = torch.Generator().manual_seed(0)
-    g = torch.randn(d, m, generator=gen, dtype=torch.float64).to(basis.dtype)
+    g = torch.randn(d, m, generator=gen, dtype=torch.float64).to(basis.dtype).to(basis.device)
     for _ in range(2):
         g = g - basis @ (basis.T @ g)
     q, _ = torch.linalg.qr(g)

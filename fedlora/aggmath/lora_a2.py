@@ -107,7 +107,7 @@ def select_ranks(scores: Mapping[str, torch.Tensor], budget: int) -> dict[str, t
     budget = int(budget)
     cat = torch.cat(flat)
     order = torch.sort(cat, descending=True, stable=True).indices[: budget * n]
-    chosen = torch.zeros(total, dtype=torch.bool)
+    chosen = torch.zeros(total, dtype=torch.bool, device=cat.device)
     chosen[order] = True
     out, start = {}, 0
     for m, s in zip(names, flat):

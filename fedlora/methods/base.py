@@ -81,6 +81,9 @@ class Method(abc.ABC):
     name: ClassVar[str] = ""
     #: rank of the client (never communicated) adapter this method needs; 0 = none
     needs_client_adapter: ClassVar[bool] = False
+    #: the download is an increment every client must apply (not the full state): the simulator
+    #: then counts its bytes for every client each round, sampled or not
+    incremental_download: ClassVar[bool] = False
 
     def adapter_kwargs(self) -> dict[str, Any]:
         """The adapter structure this method needs, as ``LoRALinear`` keyword arguments
@@ -144,8 +147,9 @@ class Method(abc.ABC):
         return snap
 
     def restore(self, snap: Mapping[str, Any], replicas: Sequence[int]) -> None:
-        """Put ``replicas`` back to ``snap`` (stack dimension 0). AdamW's scalar step counter is
-        shared by the stack and is not rewound (it only enters the bias correction)."""
+        """Put ``replicas`` back to ``snap`` (stack dimension 0): parameters, stacked buffers,
+        optimizer state with a replica dimension — ``fedlora.optim.StackedAdamW`` keeps its step
+        count per replica, so Adam's bias correction rewinds with the moments — and extra state."""
         if not replicas:
             return
         idx = torch.as_tensor(list(replicas), dtype=torch.long)

@@ -11,7 +11,7 @@ step that trains a chosen subset of the factors.
 
 Optimizer state: one optimizer over the stacked factors, so every replica (client) has its own
 AdamW moments; they are kept across rounds (the download overwrites the parameters, not the
-moments), as PF2LoRA does. AdamW's scalar step counter is shared by the stack. A factor frozen in
+moments), as PF2LoRA does; AdamW is ``fedlora.optim.StackedAdamW`` (a step count per client). A factor frozen in
 a step keeps ``.grad = None``, so the optimizer skips it (no moment update, no weight decay).
 """
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 
 from ..aggregation import fedavg_factors
 from ..errors import ConfigError
+from ..optim import StackedAdamW
 from ..payload import Payload
 from .base import Method, Objective, Sampler, register
 
@@ -95,7 +96,7 @@ class FactorLoRA(Method):
 
     def _make_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         if self.optimizer == "adamw":
-            return torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
+            return StackedAdamW(params, lr=self.lr, weight_decay=self.weight_decay)
         return torch.optim.SGD(params, lr=self.lr, weight_decay=self.weight_decay)
 
     def _train(self, objective: Objective, sample: Sampler, names: Sequence[str]) -> None:

@@ -44,6 +44,7 @@ import torch
 from ..adapter import LoRALinear
 from ..aggmath.flexlora import flexlora_aggregate
 from ..errors import ConfigError
+from ..optim import StackedAdamW
 from ..payload import Payload
 from .base import Method, Objective, Sampler, register
 
@@ -119,7 +120,7 @@ class FlexLoRA(Method):
     def _new_optimizer(self) -> None:
         ps = [self.params[n] for _, a, b, _ in self.layers for n in (a, b)]
         self.opt = (torch.optim.SGD(ps, lr=self.lr, weight_decay=self.weight_decay) if self.optimizer == "sgd"
-                    else torch.optim.AdamW(ps, lr=self.lr, weight_decay=self.weight_decay))
+                    else StackedAdamW(ps, lr=self.lr, weight_decay=self.weight_decay))
 
     @torch.no_grad()
     def _apply_rank_mask(self) -> None:

@@ -48,6 +48,7 @@ class FLoRA(FactorLoRA):
     ranks (per-client r_k ≤ r, default all r), seed (fresh-adapter generator), reset_optimizer."""
 
     name = "flora"
+    incremental_download = True  # a stack to merge: every client needs every round's
 
     def __init__(self, rank: int = 8, lr: float = 5e-4, optimizer: str = "adamw", weight_decay: float = 0.0,
                  ranks: Sequence[int] | None = None, seed: int | Sequence[int] = 0,
@@ -68,7 +69,9 @@ class FLoRA(FactorLoRA):
             raise ConfigError(f"flora: {len(self.ranks)} ranks for {self.n_clients} clients")
         per_client = self.ranks or [self.rank] * self.n_clients
         self.client_ranks = torch.tensor([per_client[k] for k in self.replica_clients])  # (G,)
-        self._rank_mask = (torch.arange(self.rank)[None, :] < self.client_ranks[:, None])  # (G, r)
+        dev = next(iter(self.params.values())).device
+        self._rank_mask = (torch.arange(self.rank, device=dev)[None, :]
+                           < self.client_ranks.to(dev)[:, None])  # (G, r)
         self.layers: list[LoRALinear] = []
         for a, _ in self.pairs:
             prefix = a[: -len("lora_A")].rstrip(".")
@@ -97,7 +100,7 @@ class FLoRA(FactorLoRA):
         if self.reset_optimizer and self._merged:
             if len(self._merged) == len(self.replica_clients):
                 self.opt.state.clear()  # every replica restarted: a brand-new optimizer
-            else:  # some replicas restarted: zero their moments (the shared step counter stays)
+            else:  # some replicas restarted: zero their moments and (StackedAdamW) step counts
                 idx = torch.tensor(sorted(self._merged))
                 for st in self.opt.state.values():
                     for v in st.values():

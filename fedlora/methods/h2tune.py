@@ -79,8 +79,15 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..aggmath.h2tune import kl_softmax, server_mean, sparsify_support, to_client, to_global
+from ..aggmath.h2tune import (
+    kl_softmax,
+    server_mean,
+    sparsify_support,
+    to_client,
+    to_global,
+)
 from ..errors import ConfigError
+from ..optim import StackedAdamW
 from ..payload import Payload
 from .base import Method, Objective, Sampler, register
 
@@ -126,6 +133,9 @@ class H2Tune(Method):
     ``output_fn`` (params, batch) → logits (G, …, C) for eq. 7's KL; ``receive`` 'target' | 'replace';
     ``support_by`` 'phi_r' (|Φ⊙R|) | 'phi'; ``omega_init`` 'identity' | 'depth'; ``r_init_std`` and
     ``seed`` for the shared R init; ``optimizer`` 'adamw' | 'sgd' (weight decay 0: ν is explicit).
+    App. A's Algorithm 1 writes plain SGD steps (η, η′); AdamW is our default for parity with the
+    other methods' local training — ``optimizer="sgd"`` is the paper's rule. With AdamW, moments of
+    entries off the current support keep decaying while those entries are frozen.
     """
 
     name = "h2tune"
@@ -230,7 +240,7 @@ class H2Tune(Method):
         shared = self._leaf("lora_R") + self._leaf("lora_Phi") + [self.omega]
         specific = self._leaf("lora_A") + self._leaf("lora_B")
         make = (lambda ps, lr: torch.optim.SGD(ps, lr=lr)) if self.optimizer == "sgd" else (
-            lambda ps, lr: torch.optim.AdamW(ps, lr=lr, weight_decay=0.0))  # ν is explicit in eq. 7
+            lambda ps, lr: StackedAdamW(ps, lr=lr, weight_decay=0.0))  # ν is explicit in eq. 7
         self.opt_shared = make(shared, self.shared_lr)
         self.opt_specific = make(specific, self.lr)
 

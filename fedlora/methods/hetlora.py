@@ -17,6 +17,7 @@ import torch
 
 from ..aggregation import hetlora_aggregate
 from ..errors import ConfigError
+from ..optim import StackedAdamW
 from ..payload import Payload
 from .base import Method, Objective, Sampler, register
 
@@ -72,7 +73,7 @@ class HetLoRA(Method):
         self._set_ranks(torch.tensor([init[k] for k in replica_clients]))  # (G,)
         params = [self.params[self.a_name], self.params[self.b_name]]
         self.opt = (torch.optim.SGD(params, lr=self.lr) if self.optimizer == "sgd"
-                    else torch.optim.AdamW(params, lr=self.lr, weight_decay=0.0))
+                    else StackedAdamW(params, lr=self.lr, weight_decay=0.0))
         self._apply_rank_mask()
 
     # masks over the r_max slots, recomputed only when the ranks change ---------------------

@@ -40,6 +40,7 @@ def bilevel_direction(
     batches: Sequence[Any],
     mode: str = "exact",
     fd_eps: float = 1e-3,
+    per_replica: bool = False,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Return (h, y⁺) for one PF2LoRA local step. Inputs are not modified.
 
@@ -50,7 +51,11 @@ def bilevel_direction(
         batches: (π, ξ, ξ̃, ζ) — four draws as in Algorithm 1 line 4 — or two (inner, outer):
             π = ζ = inner, ξ = ξ̃ = outer, as in the paper's pseudocode (App. E).
         mode: one of ``HYPERGRADIENT_MODES``.
+        per_replica: x and y carry independent replicas along dim 0 (F sums them); the finite-
+            difference step δ = fd_eps/‖v‖ is then taken per replica (exact mode is per replica anyway).
     """
+    if not (fd_eps > 0 and fd_eps < float("inf")):
+        raise ConfigError(f"fd_eps must be a finite number > 0, got {fd_eps!r}")
     if mode not in HYPERGRADIENT_MODES:
         raise ConfigError(f"hypergradient mode must be one of {HYPERGRADIENT_MODES}, got {mode!r}")
     if len(batches) == 2:
@@ -94,6 +99,18 @@ def bilevel_direction(
     if mode == "exact":
         g_y_zeta = g_y_pi if reuse else _grad(F(xs, ys, zeta), ys, create_graph=True)
         mixed = _grad(sum((gi * vi).sum() for gi, vi in zip(g_y_zeta, v)), xs)
+    elif per_replica:
+        # One δ per replica (dim 0): a client's step must not depend on the other clients' ‖v‖.
+        sq = sum((vi.double() ** 2).reshape(vi.shape[0], -1).sum(1) for vi in v)  # (G,)
+        delta = torch.where(sq > 0, fd_eps / sq.sqrt().clamp_min(1e-300), torch.zeros_like(sq))
+
+        def per(t, d):  # δ broadcast over a replica's slice
+            return d.to(t.dtype).reshape(-1, *([1] * (t.dim() - 1)))
+
+        plus = _grad(F(xs, [(yi + per(vi, delta) * vi).detach() for yi, vi in zip(ys, v)], zeta), xs)
+        minus = _grad(F(xs, [(yi - per(vi, delta) * vi).detach() for yi, vi in zip(ys, v)], zeta), xs)
+        inv = torch.where(delta > 0, 1 / (2 * delta).clamp_min(1e-300), torch.zeros_like(delta))  # v = 0 ⇒ HVP 0
+        mixed = [(p - m) * per(p, inv) for p, m in zip(plus, minus)]
     else:
         vnorm = torch.sqrt(sum((vi.double() ** 2).sum() for vi in v)).item()
         if vnorm == 0.0:

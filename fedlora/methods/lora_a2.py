@@ -20,7 +20,9 @@ One round of one client (Algorithm 2, eq. 4–6), the trained factor being B (A-
    (eq. 6, "ΔB ← ΔB ⊙ M before each backpropagation"): gradients are masked and after each step
    B ← where(M, B, B⁰), which also keeps weight decay off the unselected coordinates;
 4. upload only the selected columns of ΔB and their int indices (§4.2 "uploads B_k ⊙ M_k").
-Server (Algorithm 1): B_new = B_saved + Σ_k w_k ΔB_k, w_k normalised over the round's participants; a
+Server (Algorithm 1): B_new = B_saved + Σ_k w_k ΔB_k, w_k normalised over the round's participants
+(Algorithm 1 normalises over all K clients' data, Σ_{k=1}^K |D_k|; SPEC §4 normalises over the
+participants, as FedAvg does, so a sampled round does not shrink the update); a
 coordinate that only some clients selected gets Σ_{k selecting} w_k ΔB_k — diluted by the others'
 zeros, not renormalised (SPEC §4); coordinates nobody selected stay bit-for-bit. The frozen factor is
 the same broadcast tensor on every client, so the aggregate is exact: s·B_new·A = Σ_k w_k s·B_k·A.
@@ -50,9 +52,16 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ..aggmath.exact import trained_factor
-from ..aggmath.lora_a2 import (importance_scores, pack_upload, select_ranks, server_update, upload_from_tensors,
-                               upload_tensors)
+from ..aggmath.lora_a2 import (
+    importance_scores,
+    pack_upload,
+    select_ranks,
+    server_update,
+    upload_from_tensors,
+    upload_tensors,
+)
 from ..errors import ConfigError
+from ..optim import StackedAdamW
 from ..payload import Payload
 from .base import Method, Objective, Sampler, register
 
@@ -146,7 +155,7 @@ class LoRAA2(Method):
         self.budgets = [ranks[k] for k in self.replica_clients]  # r_k of each replica
         groups = [{"params": [self.params[a] for a, _ in self.modules.values()], "lr": self.lr},
                   {"params": [self.params[b] for _, b in self.modules.values()], "lr": self.lr * self.lr_ratio}]
-        self.opt = (torch.optim.AdamW(groups, lr=self.lr, weight_decay=self.weight_decay)
+        self.opt = (StackedAdamW(groups, lr=self.lr, weight_decay=self.weight_decay)
                     if self.optimizer == "adamw" else
                     torch.optim.SGD(groups, lr=self.lr, weight_decay=self.weight_decay))
         with torch.no_grad():  # the server's initial ΔW = BA, broadcast within each federation
@@ -157,7 +166,8 @@ class LoRAA2(Method):
         # the global factors each replica downloaded last (= its round start); B_saved of Algorithm 1
         self.saved = {n: self.params[n].detach().clone() for ab in self.modules.values() for n in ab}
         # selected ranks of the last round: module prefix → (G, r_G) bool
-        self.masks = {m: torch.zeros(G, self.rank, dtype=torch.bool) for m in self.modules}
+        dev = next(iter(self.saved.values())).device
+        self.masks = {m: torch.zeros(G, self.rank, dtype=torch.bool, device=dev) for m in self.modules}
         self._start: dict[str, torch.Tensor] = {}
         self._factor = None
         self._selected, self._n_probe = False, 0

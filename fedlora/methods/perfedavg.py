@@ -25,12 +25,14 @@ variant it ran, so the cheaper first-order one is the default.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping, Sequence
 
 import torch
 
 from ..aggregation import fedavg_factors
 from ..errors import ConfigError
+from ..optim import StackedAdamW
 from ..payload import Payload
 from .base import Method, Objective, Sampler, register
 
@@ -65,13 +67,13 @@ class PerFedAvgLoRA(Method):
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
             raise ConfigError(f"perfedavg: rank must be an integer ≥ 1, got {rank!r}")
         for opt_name, val in (("lr", lr), ("inner_lr", inner_lr), ("delta", delta)):
-            if not isinstance(val, (int, float)) or not val > 0:
-                raise ConfigError(f"perfedavg: {opt_name} must be > 0, got {val!r}")
+            if not isinstance(val, (int, float)) or not (val > 0 and math.isfinite(val)):
+                raise ConfigError(f"perfedavg: {opt_name} must be a finite number > 0, got {val!r}")
         if variant not in VARIANTS:
             raise ConfigError(f"perfedavg: variant must be one of {VARIANTS}, got {variant!r}")
         if optimizer not in ("adamw", "sgd"):
             raise ConfigError(f"perfedavg: optimizer must be 'adamw' or 'sgd', got {optimizer!r}")
-        if not isinstance(weight_decay, (int, float)) or weight_decay < 0:
+        if not isinstance(weight_decay, (int, float)) or not (weight_decay >= 0 and math.isfinite(weight_decay)):
             raise ConfigError(f"perfedavg: weight_decay must be ≥ 0, got {weight_decay!r}")
         self.rank, self.lr, self.inner_lr = rank, float(lr), float(inner_lr)
         self.variant, self.delta = variant, float(delta)
@@ -87,8 +89,11 @@ class PerFedAvgLoRA(Method):
             if self.params[n].dim() != 3 or self.params[n].shape[0] != G:
                 raise ConfigError(f"perfedavg: {n} must be stacked with G={G} replicas first, "
                                   f"got shape {tuple(self.params[n].shape)}")
+            got = self.params[n].shape[-2 if n.endswith("lora_A") else -1]
+            if got != self.rank:
+                raise ConfigError(f"perfedavg: {n} has rank {got} but the method was built for rank={self.rank}")
         xs = [self.params[n] for n in self.x_names]
-        self.opt = (torch.optim.AdamW(xs, lr=self.lr, weight_decay=self.weight_decay) if self.optimizer == "adamw"
+        self.opt = (StackedAdamW(xs, lr=self.lr, weight_decay=self.weight_decay) if self.optimizer == "adamw"
                     else torch.optim.SGD(xs, lr=self.lr, weight_decay=self.weight_decay))
 
     # f(x; batch) summed over replicas: replicas are independent, so gradients stay per replica

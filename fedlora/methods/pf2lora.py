@@ -4,15 +4,21 @@ W_k = W0 + s(BA + D_k C_k): common adapter x = (A, B) of rank r, averaged every 
 client adapter y_k = (C_k, D_k) of rank r̃ < r, never communicated. Each local step:
 y ← y − α∇_y F (SGD, line 5), then x is updated along the hypergradient of eq. (4) by AdamW (the
 paper's choice for language models, §4) or SGD (line 6 as written).
+
+Not in the paper: ``upper_schedule="cosine"`` decays the upper-level step to 0 over
+``total_steps`` (App. C uses constant steps; the synthetic tuned preset uses the decay, README).
+Optimizer moments and AdamW step counts are per client (``fedlora.optim.StackedAdamW``).
 """
 from __future__ import annotations
 
+import math
 from typing import Mapping, Sequence
 
 import torch
 
 from ..aggregation import fedavg_factors
 from ..errors import ConfigError
+from ..optim import StackedAdamW
 from ..payload import Payload
 from .base import Method, Objective, Sampler, register
 from .hypergradient import HYPERGRADIENT_MODES, bilevel_direction
@@ -29,8 +35,11 @@ class PF2LoRA(Method):
                  rank: int = 8, client_rank: int = 2,
                  weight_decay: float = 0.0, hypergradient: str = "exact", batches: int = 2,
                  fd_eps: float = 1e-3, upper_schedule: str = "constant", total_steps: int | None = None) -> None:
-        if upper_lr <= 0 or lower_lr <= 0:
-            raise ConfigError(f"pf2lora: learning rates must be > 0, got upper {upper_lr}, lower {lower_lr}")
+        for opt_name, v in (("upper_lr", upper_lr), ("lower_lr", lower_lr), ("fd_eps", fd_eps)):
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ConfigError(f"pf2lora: {opt_name} must be a finite number > 0, got {v!r}")
+        if not (isinstance(weight_decay, (int, float)) and math.isfinite(weight_decay) and weight_decay >= 0):
+            raise ConfigError(f"pf2lora: weight_decay must be a finite number ≥ 0, got {weight_decay!r}")
         if not (isinstance(rank, int) and isinstance(client_rank, int) and 1 <= client_rank < rank):
             raise ConfigError(f"pf2lora: need integers 1 ≤ client_rank < rank (r̃ < r), got rank={rank!r}, "
                               f"client_rank={client_rank!r}")
@@ -69,7 +78,7 @@ class PF2LoRA(Method):
                                   f"rank={self.rank}, client_rank={self.client_rank}")
         xs = [self.params[n] for n in self.x_names]
         if self.upper_optimizer == "adamw":
-            self.opt = torch.optim.AdamW(xs, lr=self.upper_lr, weight_decay=self.weight_decay)
+            self.opt = StackedAdamW(xs, lr=self.upper_lr, weight_decay=self.weight_decay)
         else:
             self.opt = torch.optim.SGD(xs, lr=self.upper_lr, weight_decay=self.weight_decay)
         # Optional cosine decay of the upper-level step to 0 over the run (not in the paper, whose
@@ -85,7 +94,8 @@ class PF2LoRA(Method):
 
         h, y_plus = bilevel_direction(
             F, [self.params[n] for n in self.x_names], [self.params[n] for n in self.y_names],
-            self.lower_lr, [sample() for _ in range(self.batches)], self.hypergradient, self.fd_eps)
+            self.lower_lr, [sample() for _ in range(self.batches)], self.hypergradient, self.fd_eps,
+            per_replica=self.params[self.x_names[0]].dim() == 3)
         with torch.no_grad():
             for n, v in zip(self.y_names, y_plus):
                 self.params[n].copy_(v)

@@ -38,6 +38,7 @@ class RoLoRA(FactorLoRA):
     """RoLoRA. Args: rank r, lr, optimizer ("adamw" | "sgd"), weight_decay."""
 
     name = "rolora"
+    incremental_download = True  # one factor per round: a client needs every round's to stay current
 
     def setup(self, model, replica_clients) -> None:
         super().setup(model, replica_clients)

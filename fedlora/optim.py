@@ -1,0 +1,77 @@
+"""AdamW for stacked replicas: one step count per replica (dim 0 of every parameter).
+
+Methods train G independent clients as the leading dimension of one set of tensors. Adam's bias
+correction 1 − βᵗ depends on how many steps *this* client has taken; ``torch.optim.AdamW`` keeps one
+scalar count per tensor, i.e. one for the whole stack. Without client sampling every replica steps
+together and the two agree; with sampling a client that sat out rounds (its parameters and moments
+restored by ``Method.restore``) would be corrected with the others' count — e.g. fresh zero moments
+divided by 1 − β₂ᵗ ≈ 1 instead of 1 − β₂ — and take steps several times too large. Here the count is
+a per-replica tensor stored in the optimizer state, so ``Method.snapshot``/``restore`` rewind it
+with the moments.
+
+The update is torch's AdamW (Loshchilov & Hutter, decoupled weight decay), written out so the
+bias correction can be a tensor; ``torch.optim.AdamW(foreach=False)`` gives the same numbers to
+rounding when all replicas step together (tested).
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["StackedAdamW", "make_optimizer"]
+
+
+class StackedAdamW(torch.optim.Optimizer):
+    """AdamW whose step count is per replica: ``state["step"]`` has shape (G,) for a parameter of
+    shape (G, …). ``stacked=False`` treats each parameter as one replica (an ordinary AdamW)."""
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, stacked: bool = True) -> None:
+        if not lr >= 0.0:
+            raise ValueError(f"StackedAdamW: lr must be ≥ 0, got {lr}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"StackedAdamW: betas must be in [0, 1), got {betas}")
+        if not eps >= 0.0 or not weight_decay >= 0.0:
+            raise ValueError(f"StackedAdamW: eps and weight_decay must be ≥ 0, got {eps}, {weight_decay}")
+        # ``stacked`` lives in the param groups (not an attribute) so it survives deepcopy/pickle
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, stacked=stacked))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad
+                st = self.state[p]
+                lead = (p.shape[0],) if group["stacked"] and p.dim() >= 1 else ()
+                if not st:
+                    st["step"] = torch.zeros(lead, dtype=torch.float64, device=p.device)
+                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                step, m, v = st["step"], st["exp_avg"], st["exp_avg_sq"]
+                step += 1
+                shape = lead + (1,) * (p.dim() - len(lead))
+                p.mul_(1 - lr * wd)
+                m.lerp_(g, 1 - beta1)
+                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                # the order of torch's single-tensor AdamW: step_size·m / (√v / √bc2 + eps)
+                step_size = (lr / (1 - beta1 ** step)).to(p.dtype).reshape(shape)
+                bc2_sqrt = (1 - beta2 ** step).sqrt().to(p.dtype).reshape(shape)
+                p.sub_((m * step_size) / ((v.sqrt() / bc2_sqrt) + eps))
+        return loss
+
+
+def make_optimizer(name: str, params, lr: float, weight_decay: float = 0.0) -> torch.optim.Optimizer:
+    """'adamw' → :class:`StackedAdamW` (per-replica step counts), 'sgd' → ``torch.optim.SGD``.
+
+    ``params``: tensors or param-group dicts, as for any torch optimizer."""
+    if name == "adamw":
+        return StackedAdamW(params, lr=lr, weight_decay=weight_decay)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
+    raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {name!r}")
