@@ -417,3 +417,12 @@ def test_create_method_names_bad_options_and_rank_budget_support():
         create_method("fedavg", lr_b=0.1)
     with pytest.raises(ConfigError, match="unknown method 'fedprox'; available: .*rolora"):
         create_method("fedprox")
+
+
+def test_flora_aggregate_rejects_a_payload_without_its_scale():
+    from fedlora.methods import FLoRA
+    from fedlora.payload import Payload
+
+    a, b = torch.ones(2, 3, dtype=torch.float64), torch.ones(3, 2, dtype=torch.float64)
+    with pytest.raises(ConfigError, match=r"flora: payloads \[0\] lack the scale of lora_A"):
+        FLoRA.aggregate([Payload({"lora_A": a, "lora_B": b})], torch.tensor([1.0]))

@@ -203,3 +203,14 @@ def test_sampled_out_clients_with_a_larger_rank_still_get_r_k_components():
         q = min(r, RANKS[k])
         assert torch.all(layer.lora_B[i, :, q:] == 0)
         torch.testing.assert_close((layer.scale * layer.lora_B[i] @ layer.lora_A[i]).detach(), dw, atol=1e-10, rtol=0)
+
+
+def test_aggregate_rejects_payloads_without_scales_or_layers():
+    from fedlora.payload import Payload
+
+    a, b = torch.zeros(2, 4, dtype=torch.float64), torch.zeros(3, 2, dtype=torch.float64)
+    good = Payload({"lora_A": a, "lora_B": b}, {"max_rank": "2", "scale": "1.0"})
+    with pytest.raises(ConfigError, match=r"payload 1 lacks \['scale'\]"):
+        FlexLoRA.aggregate([good, Payload({"lora_A": a, "lora_B": b}, {"max_rank": "2"})], torch.tensor([0.5, 0.5]))
+    with pytest.raises(ConfigError, match=r"payload 1 lacks \['lora_B'\]"):
+        FlexLoRA.aggregate([good, Payload({"lora_A": a}, {"max_rank": "2", "scale": "1.0"})], torch.tensor([0.5, 0.5]))

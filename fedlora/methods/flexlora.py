@@ -162,6 +162,13 @@ class FlexLoRA(Method):
         """
         if not payloads:
             raise ConfigError("flexlora: aggregate needs at least one payload")
+        names = set(payloads[0].tensors)
+        for k, p in enumerate(payloads):
+            want_meta = {"max_rank"} | {n[: -len("lora_A")] + "scale" for n in names if n.endswith("lora_A")}
+            missing = sorted(want_meta - set(p.meta)) + sorted(names - set(p.tensors))
+            if missing:
+                raise ConfigError(f"flexlora: payload {k} lacks {missing}; every FlexLoRA upload carries the same "
+                                  f"layers' lora_A/lora_B, their scales and max_rank")
         max_rank = max(int(p.meta["max_rank"]) for p in payloads)
         state: dict[str, torch.Tensor] = {}
         for a_name in [n for n in payloads[0].tensors if n.rsplit(".", 1)[-1] == "lora_A"]:

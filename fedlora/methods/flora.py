@@ -131,7 +131,10 @@ class FLoRA(FactorLoRA):
             b = a[: -len("lora_A")] + "lora_B"
             As = [p.tensors[a] for p in payloads]
             Bs = [p.tensors[b] for p in payloads]
-            scales = [float(p.meta.get(_SCALE + a, "1.0")) for p in payloads]
+            missing = [k for k, p in enumerate(payloads) if _SCALE + a not in p.meta]
+            if missing:  # a wrong scale would merge a wrong ΔW without a trace
+                raise ConfigError(f"flora: payloads {missing} lack the scale of {a} (meta {_SCALE + a!r})")
+            scales = [float(p.meta[_SCALE + a]) for p in payloads]
             out[b], out[a] = flora_stack(Bs, As, weights, scales)
         return out
 
