@@ -23,7 +23,6 @@ from typing import Any, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
-from torch.func import functional_call
 
 from fedlora.adapter import LoRALinear
 from fedlora.errors import ConfigError
@@ -162,22 +161,22 @@ def _objectives(layer: LoRALinear, data: StackedData):
 
         def objective(params, b):
             X, Y, c, denom = b
-            return (((functional_call(layer, params, (X,)) - Y) ** 2).sum(dim=(-2, -1)) + c) / denom
+            return (((layer.forward_with(params, X) - Y) ** 2).sum(dim=(-2, -1)) + c) / denom
 
         def metrics(params, X, Y, mask, n):
-            err = ((functional_call(layer, params, (X,)) - Y) ** 2).sum(-1) * mask
+            err = ((layer.forward_with(params, X) - Y) ** 2).sum(-1) * mask
             return {"loss": err.sum(-1) / (n * d_out)}
     else:
         batch = (data.X_train, data.Y_train, data.mask_train, data.n_train)
 
         def objective(params, b):
             X, y, mask, n = b
-            logits = functional_call(layer, params, (X,))
+            logits = layer.forward_with(params, X)
             ce = F.cross_entropy(logits.reshape(-1, d_out), y.reshape(-1), reduction="none").view(G, -1)
             return (ce * mask).sum(-1) / n
 
         def metrics(params, X, y, mask, n):
-            logits = functional_call(layer, params, (X,))
+            logits = layer.forward_with(params, X)
             ce = F.cross_entropy(logits.reshape(-1, d_out), y.reshape(-1), reduction="none").view(G, -1)
             hit = (logits.argmax(-1) == y).to(torch.float64)
             return {"loss": (ce * mask).sum(-1) / n, "accuracy": (hit * mask).sum(-1) / n}
@@ -214,7 +213,7 @@ def run_method(name: str, data: StackedData, *, lr: float, rounds: int, local_st
     layer = LoRALinear(data.d_in, data.d_out, stack=G, dtype=torch.float64, **adapter)
     if data.task == "classification" and getattr(method, "output_fn", False) is None:
         # H²Tune's eq. 7 needs the logits of a batch as well as the loss (see its docstring)
-        method.output_fn = lambda params, batch: functional_call(layer, params, (batch[0],))
+        method.output_fn = lambda params, batch: layer.forward_with(params, batch[0])
     _init_layer(layer, fed, data.group_seeds, name, adapter)
     # Methods that draw from the global RNG (e.g. random masks) get a stream fixed by the run.
     torch.manual_seed(method_seed(data.group_seeds[0], name))
@@ -280,7 +279,7 @@ def _final_metrics(layer, method, objective, sample, metrics, data: StackedData,
         eye = torch.eye(data.d_in, dtype=torch.float64).expand(G, -1, -1)
         # The client's learned map in the paper's orientation: x ↦ x·W (W0 = 0 at the start, so
         # this is ΔW — including whatever a method merged into W0, as FLoRA does every round).
-        W = functional_call(layer, params, (eye,))
+        W = layer.forward_with(params, eye)
         ok = torch.isfinite(W).all(dim=(-2, -1))
         W_safe = torch.where(ok[:, None, None], W, torch.zeros_like(W))
         r90 = torch.where(ok, rank90(W_safe), torch.full_like(ok, -1, dtype=torch.int64))

@@ -17,10 +17,12 @@ from typing import Any, Callable, ClassVar, Mapping, Sequence
 import torch
 from torch import nn
 
+from ..aggregation import fedavg_factors
 from ..errors import ConfigError
 from ..payload import Payload
 
-__all__ = ["Method", "Objective", "Sampler", "register", "get_method", "create_method", "available_methods"]
+__all__ = ["Method", "AveragedFactors", "Objective", "Sampler", "register", "get_method", "create_method",
+           "available_methods"]
 
 
 #: params (name → tensor, the model's trainable parameters or substitutes) × batch → loss per replica (G,)
@@ -222,3 +224,20 @@ class Method(abc.ABC):
 
     def _names(self, *suffixes: str) -> list[str]:
         return [n for n in self.params if n.rsplit(".", 1)[-1] in suffixes]
+
+
+class AveragedFactors(Method):
+    """A Method whose server takes the weighted mean of every uploaded tensor, Σ_k w_k T_k
+    (``fedavg_factors``), and whose download writes that mean into the replica.
+
+    FedAvg-LoRA (002_… eq. 2), FFA-LoRA, RoLoRA (eq. 3–4), FedSA-LoRA, Per-FedAvg and PF2LoRA
+    (000_… Alg. 1 line 8) differ only in what they train and upload, so they share this server.
+    """
+
+    @staticmethod
+    def aggregate(payloads: Sequence[Payload], weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Σ_k w_k T_k for every uploaded tensor name, separately (A and B are averaged apart)."""
+        return fedavg_factors([p.tensors for p in payloads], weights)
+
+    def download(self, replica: int, state: Mapping[str, torch.Tensor]) -> Payload:
+        return self._write(replica, state)

@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import torch
 
-from ..aggregation import fedavg_factors
 from ..errors import ConfigError
 from ..optim import StackedAdamW
 from ..payload import Payload
-from .base import Method, Objective, Sampler, register
+from .base import AveragedFactors, Objective, Sampler, register
 
 __all__ = ["FedAvgLoRA", "broadcast_initial_factors"]
 
@@ -61,7 +60,7 @@ def broadcast_initial_factors(model: torch.nn.Module, groups: Sequence[Sequence[
                     p[list(g)] = p[g[0]].clone().expand(len(g), *p.shape[1:])
 
 
-class FactorLoRA(Method):
+class FactorLoRA(AveragedFactors):
     """Base of the plain-LoRA methods: factors ``lora_A`` (G, r, d_in), ``lora_B`` (G, d_out, r).
 
     Subclasses say which factors a step trains and which a client uploads. ``self.pairs`` lists
@@ -126,10 +125,3 @@ class FedAvgLoRA(FactorLoRA):
     def upload(self, replica: int) -> Payload:
         return self._upload(replica, self.a_names + self.b_names)
 
-    @staticmethod
-    def aggregate(payloads: Sequence[Payload], weights: torch.Tensor) -> dict[str, torch.Tensor]:
-        """A = Σ_k w_k A_k and B = Σ_k w_k B_k, each tensor separately (002_… eq. 2)."""
-        return fedavg_factors([p.tensors for p in payloads], weights)
-
-    def download(self, replica: int, state: Mapping[str, torch.Tensor]) -> Payload:
-        return self._write(replica, state)

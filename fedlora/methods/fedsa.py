@@ -8,14 +8,13 @@ Optimizer state per client is kept across rounds (see ``fedavg``).
 """
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import torch
 
-from ..aggregation import fedavg_factors
 from ..errors import ConfigError
 from ..payload import Payload
-from .base import Objective, Sampler, register
+from .base import AveragedFactors, Objective, Sampler, register
 from .fedavg import FactorLoRA
 
 __all__ = ["FedSALoRA"]
@@ -38,7 +37,5 @@ class FedSALoRA(FactorLoRA):
         """A = Σ_k w_k A_k (the only shared factor)."""
         if payloads and any(not n.endswith("lora_A") for n in payloads[0].tensors):
             raise ConfigError("fedsa.aggregate: clients upload only lora_A factors")
-        return fedavg_factors([p.tensors for p in payloads], weights)
+        return AveragedFactors.aggregate(payloads, weights)
 
-    def download(self, replica: int, state: Mapping[str, torch.Tensor]) -> Payload:
-        return self._write(replica, state)

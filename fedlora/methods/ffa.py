@@ -16,7 +16,6 @@ from typing import Mapping, Sequence
 
 import torch
 
-from ..aggregation import fedavg_factors
 from ..errors import ConfigError
 from ..payload import Payload
 from .base import Objective, Sampler, register
@@ -55,10 +54,3 @@ class FFALoRA(FactorLoRA):
     def upload(self, replica: int) -> Payload:
         return self._upload(replica, self.b_names)
 
-    @staticmethod
-    def aggregate(payloads: Sequence[Payload], weights: torch.Tensor) -> dict[str, torch.Tensor]:
-        """B = Σ_k w_k B_k; A is not sent (it is the shared init), so the result is exact."""
-        return fedavg_factors([p.tensors for p in payloads], weights)
-
-    def download(self, replica: int, state: Mapping[str, torch.Tensor]) -> Payload:
-        return self._write(replica, state)

@@ -64,6 +64,7 @@ from ..errors import ConfigError
 from ..optim import StackedAdamW
 from ..payload import Payload
 from .base import Method, Objective, Sampler, register
+from .fedavg import broadcast_initial_factors
 
 __all__ = ["LoRAA2"]
 
@@ -158,11 +159,7 @@ class LoRAA2(Method):
         self.opt = (StackedAdamW(groups, lr=self.lr, weight_decay=self.weight_decay)
                     if self.optimizer == "adamw" else
                     torch.optim.SGD(groups, lr=self.lr, weight_decay=self.weight_decay))
-        with torch.no_grad():  # the server's initial ΔW = BA, broadcast within each federation
-            for reps in self.groups:
-                for a, b in self.modules.values():
-                    for n in (a, b):
-                        self.params[n][reps] = self.params[n][reps[0]].clone()
+        broadcast_initial_factors(self.model, self.groups)  # the server's initial ΔW = BA, to every client
         # the global factors each replica downloaded last (= its round start); B_saved of Algorithm 1
         self.saved = {n: self.params[n].detach().clone() for ab in self.modules.values() for n in ab}
         # selected ranks of the last round: module prefix → (G, r_G) bool

@@ -30,11 +30,10 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ..aggregation import fedavg_factors
 from ..errors import ConfigError
 from ..optim import StackedAdamW
 from ..payload import Payload
-from .base import Method, Objective, Sampler, register
+from .base import AveragedFactors, Objective, Sampler, register
 
 __all__ = ["PerFedAvgLoRA"]
 
@@ -47,7 +46,7 @@ def _grad(loss: torch.Tensor, inputs: Sequence[torch.Tensor]) -> list[torch.Tens
 
 
 @register
-class PerFedAvgLoRA(Method):
+class PerFedAvgLoRA(AveragedFactors):
     """Per-FedAvg over the LoRA factors (A, B), stacked replicas.
 
     Args:
@@ -135,10 +134,3 @@ class PerFedAvgLoRA(Method):
     def upload(self, replica: int) -> Payload:
         return self._upload(replica, self.x_names)
 
-    @staticmethod
-    def aggregate(payloads: Sequence[Payload], weights: torch.Tensor) -> dict[str, torch.Tensor]:
-        """FedAvg of A and B separately: x = Σ_k w_k x_k (Fallah et al. Alg. 1, server step)."""
-        return fedavg_factors([p.tensors for p in payloads], weights)
-
-    def download(self, replica: int, state: Mapping[str, torch.Tensor]) -> Payload:
-        return self._write(replica, state)

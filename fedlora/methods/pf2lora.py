@@ -12,22 +12,20 @@ Optimizer moments and AdamW step counts are per client (``fedlora.optim.StackedA
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence
 
 import torch
 
-from ..aggregation import fedavg_factors
 from ..errors import ConfigError
 from ..optim import StackedAdamW
 from ..payload import Payload
-from .base import Method, Objective, Sampler, register
+from .base import AveragedFactors, Objective, Sampler, register
 from .hypergradient import HYPERGRADIENT_MODES, bilevel_direction
 
 __all__ = ["PF2LoRA"]
 
 
 @register
-class PF2LoRA(Method):
+class PF2LoRA(AveragedFactors):
     name = "pf2lora"
     needs_client_adapter = True
 
@@ -109,10 +107,3 @@ class PF2LoRA(Method):
         # Only the common adapter leaves the client (Alg. 1 line 8); y_k stays local.
         return self._upload(replica, self.x_names)
 
-    @staticmethod
-    def aggregate(payloads: Sequence[Payload], weights: torch.Tensor) -> dict[str, torch.Tensor]:
-        """x^{t+1} = Σ_k w_k x_k (Alg. 1 line 8 uses w_k = 1/M)."""
-        return fedavg_factors([p.tensors for p in payloads], weights)
-
-    def download(self, replica: int, state: Mapping[str, torch.Tensor]) -> Payload:
-        return self._write(replica, state)

@@ -26,7 +26,7 @@ from ..aggregation import normalise_weights
 from ..errors import ConfigError
 from ..payload import Payload
 from .base import Objective, Sampler, register
-from .fedavg import FactorLoRA
+from .fedavg import FactorLoRA, broadcast_initial_factors
 
 __all__ = ["Centralized", "Local"]
 
@@ -53,11 +53,7 @@ class Centralized(FactorLoRA):
         w = normalise_weights(self.client_weights or [1.0] * self.n_clients, self.n_clients)
         self._replica_weights = w[self.replica_clients]  # (G,) float64: w_{k(i)}
         self._trained = self.a_names + self.b_names
-        with torch.no_grad():  # one model per federation: its copies start equal
-            for n in self._trained:
-                p = self.params[n]
-                for g in self.groups:
-                    p[g] = p[g[0]].clone().expand(len(g), *p.shape[1:])
+        broadcast_initial_factors(self.model, self.groups)  # one model per federation: its copies start equal
 
     def begin_round(self, round_idx: int) -> None:
         for n in self._trained:

@@ -18,15 +18,14 @@ AdamW moments only advance in its own rounds.
 """
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import torch
 
 from ..aggmath import trained_factor
-from ..aggregation import fedavg_factors
 from ..errors import ConfigError
 from ..payload import Payload
-from .base import Objective, Sampler, register
+from .base import AveragedFactors, Objective, Sampler, register
 from .fedavg import FactorLoRA
 from .ffa import check_shared
 
@@ -64,7 +63,5 @@ class RoLoRA(FactorLoRA):
         names = set(payloads[0].tensors) if payloads else set()
         if any(n.endswith("lora_A") for n in names) and any(n.endswith("lora_B") for n in names):
             raise ConfigError("rolora.aggregate: a round averages one factor, got both lora_A and lora_B")
-        return fedavg_factors([p.tensors for p in payloads], weights)
+        return AveragedFactors.aggregate(payloads, weights)
 
-    def download(self, replica: int, state: Mapping[str, torch.Tensor]) -> Payload:
-        return self._write(replica, state)
