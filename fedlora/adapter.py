@@ -135,6 +135,18 @@ class LoRALinear(nn.Module):
         self.weight = (base + delta.to(base.dtype)).expand(*want).clone() if lead else base + delta.to(base.dtype)
         self.reset_parameters()
 
+    def replica_buffers(self) -> tuple[str, ...]:
+        """Names of the buffers that carry the replica (stack) dimension: the TriLoRA support, and W0 /
+        bias once they are per replica (after FLoRA's merge). The frozen shared base is not listed."""
+        if self.stack is None:
+            return ()
+        names = ["middle_mask"] if self.middle else []
+        if self.weight is not None and self.weight.dim() == 3:
+            names.append("weight")
+        if self.bias is not None and self.bias.dim() == 2:
+            names.append("bias")
+        return tuple(names)
+
     def middle_matrix(self) -> torch.Tensor | None:
         """I + (Φ⊙Ω)⊙R, shape ([G,] r, r), or ``None`` without a middle matrix."""
         if not self.middle:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -18,7 +18,7 @@ from .aggregation import normalise_weights
 from .errors import ConfigError
 from .methods.base import Method, Objective, Sampler
 
-__all__ = ["Federation", "run_rounds"]
+__all__ = ["Federation", "DownloadLedger", "run_rounds"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,39 @@ class Federation:
         return range(group * self.n_clients, (group + 1) * self.n_clients)
 
 
+class DownloadLedger:
+    """What each client lacks of the server's state (shared by both runtimes).
+
+    The server's state is a name → tensor dict (``Method.initial_server_state``, then
+    ``Method.server_update`` after every round). Each entry carries the round that last changed it
+    (−1: the initial state, which every client holds from the one-time broadcast); each client, the
+    round up to which it is synchronised. A client about to train downloads the entries newer than
+    its synchronisation — for FedAvg-style methods the whole adapter, for RoLoRA only the factors
+    averaged since it last took part (one factor when it took part in the previous round).
+    """
+
+    def __init__(self, n_clients: int, state: Mapping[str, torch.Tensor]) -> None:
+        self.version = {k: -1 for k in state}
+        self.synced = [-1] * n_clients
+
+    def update(self, round_idx: int, old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> list[str]:
+        """Record the server's step ``old`` → ``new`` at ``round_idx``; return the changed entries
+        (new names, or a different tensor object — ``server_update`` replaces what it changes)."""
+        for k in [k for k in self.version if k not in new]:
+            del self.version[k]
+        changed = [k for k, v in new.items() if k not in old or v is not old[k]]
+        for k in changed:
+            self.version[k] = round_idx
+        return changed
+
+    def stale(self, client: int) -> list[str]:
+        """Entries ``client`` has not received yet."""
+        return [k for k, v in self.version.items() if v > self.synced[client]]
+
+    def sync(self, client: int, round_idx: int) -> None:
+        self.synced[client] = round_idx
+
+
 def run_rounds(
     method: Method,
     federation: Federation,
@@ -83,12 +116,14 @@ def run_rounds(
     Each record holds ``round``, ``step`` (local steps done so far), ``bytes_up`` / ``bytes_down``
     (lists over replicas, measured from the serialised payloads), ``participants`` (per replica,
     bool), ``wall_s`` and whatever ``evaluate(round)`` returns, called after the download — i.e. on
-    the model each client holds. Every client of a federation is given the new global state (so
-    all are evaluated on it). Upload bytes count for the round's participants only. Download bytes
-    count for the clients that need what was sent: when the download is the full state, the clients
-    drawn for the next round (they receive it before training; after the last round, everyone);
-    when it is an increment (``method.incremental_download``: FLoRA's stack to merge, RoLoRA's one
-    factor), every client, as each must apply every increment to stay current.
+    the model each client holds. Each federation's server keeps its state (``initial_server_state``,
+    ``server_update`` after each round's ``aggregate``) and every client of a federation is given
+    the entries that changed (so all are evaluated on the current global state). Upload bytes count
+    for the round's participants only. Download bytes count when a client synchronises: the clients
+    drawn for the next round (after the last round, everyone) receive every entry that changed since
+    they last synchronised (``DownloadLedger``), measured from ``download``'s payload; when the
+    download is an increment (``method.incremental_download``: FLoRA's stack to merge), every client,
+    every round, as each must apply every increment to stay current.
     """
     if rounds < 1 or local_steps < 1:
         raise ConfigError(f"rounds and local_steps must be ≥ 1, got {rounds}, {local_steps}")
@@ -96,6 +131,8 @@ def run_rounds(
     t0 = time.perf_counter()
     weights = federation.weights
     K = federation.n_clients
+    servers = [method.initial_server_state(federation.replicas_of(g)[0]) for g in range(federation.n_groups)]
+    ledgers = [DownloadLedger(K, s) for s in servers]
     for rnd in range(rounds):
         active = [federation.participants(rnd, g) for g in range(federation.n_groups)]
         idle = [g * K + k for g in range(federation.n_groups) for k in range(K) if k not in active[g]]
@@ -113,13 +150,20 @@ def run_rounds(
             payloads = [method.upload(i) for i in reps]
             for i, p in zip(reps, payloads):
                 bytes_up[i] = p.nbytes
-            state = method.aggregate(payloads, normalise_weights(weights[active[g]], len(reps)))
+            aggregated = method.aggregate(payloads, normalise_weights(weights[active[g]], len(reps)))
+            new = method.server_update(servers[g], aggregated)
+            changed = ledgers[g].update(rnd, servers[g], new)
+            servers[g] = new
             receivers = (range(K) if method.incremental_download or rnd == rounds - 1
                          else federation.participants(rnd + 1, g))
             for i in federation.replicas_of(g):
-                sent = method.download(i, state).nbytes
-                if i % K in receivers:
-                    bytes_down[i] = sent
+                k = i % K
+                if k in receivers:  # synchronises: everything it lacks, counted
+                    keys = changed if method.incremental_download else ledgers[g].stale(k)
+                    bytes_down[i] = method.download(i, {n: new[n] for n in keys}).nbytes
+                    ledgers[g].sync(k, rnd)
+                else:  # kept current for evaluation; counted when it next synchronises
+                    method.download(i, {n: new[n] for n in changed})
         record = {"round": rnd + 1, "step": (rnd + 1) * local_steps,
                   "bytes_up": bytes_up, "bytes_down": bytes_down,
                   "participants": [(i % K) in active[i // K] for i in range(federation.n_replicas)],

@@ -14,6 +14,7 @@ from fedlora.aggmath import discordance, exact_delta
 from fedlora.errors import ConfigError
 from fedlora.methods import Centralized, FedAvgLoRA, FedSALoRA, FFALoRA, FLoRA, Local, RoLoRA, get_method
 from fedlora.methods.fedavg import broadcast_initial_factors
+from fedlora.methods.ffa import check_shared
 from fedlora.payload import Payload
 from fedlora.simulator import Federation, run_rounds
 
@@ -112,7 +113,7 @@ def test_stacked_steps_equal_per_client_steps(name, round_idx, optimizer):
 def test_fedavg_averages_factors_separately_and_is_discordant():
     layer = _layer(3)
     m = FedAvgLoRA(rank=R, lr=0.01)
-    m.setup(layer, [0, 1, 2])
+    m.bind(layer, [0, 1, 2])  # clients' factors after local training: all different
     w = torch.tensor([0.2, 0.3, 0.5], dtype=F64)
     ups = [m.upload(i) for i in range(3)]
     state = FedAvgLoRA.aggregate(ups, w)
@@ -383,12 +384,19 @@ def test_bad_options_raise(cls, kw, match):
 
 
 @pytest.mark.parametrize("cls", [FFALoRA, RoLoRA])
-def test_clients_must_share_the_frozen_a(cls):
-    layer = _layer(4)  # independent A per replica
+def test_setup_broadcasts_the_initial_adapter_and_the_frozen_a_is_checked(cls):
+    layer = _layer(4)  # independent A, B per replica, as LoRALinear draws them
+    A0, B0 = layer.lora_A.detach().clone(), layer.lora_B.detach().clone()
+    cls(rank=R, lr=0.01).setup(layer, [0, 1, 0, 1])  # two federations of two clients
+    for reps in ([0, 1], [2, 3]):  # the server's one-time broadcast, per federation
+        for i in reps:
+            assert torch.equal(layer.lora_A[i], A0[reps[0]]) and torch.equal(layer.lora_B[i], B0[reps[0]])
+    assert not torch.equal(layer.lora_A[0], layer.lora_A[2])  # federations keep their own adapter
+    # the check behind the broadcast: a frozen factor that differs is refused, not trained on
+    m = cls(rank=R, lr=0.01)
+    m.bind(_layer(4), [0, 1, 0, 1])
     with pytest.raises(ConfigError, match="frozen factor must be identical"):
-        cls(rank=R, lr=0.01).setup(layer, [0, 1, 0, 1])
-    broadcast_initial_factors(layer, [[0, 1], [2, 3]])  # per federation is enough
-    cls(rank=R, lr=0.01).setup(layer, [0, 1, 0, 1])
+        check_shared(m.name, m.params, m.a_names, m.groups)
 
 
 def test_model_structure_and_method_options_checked():

@@ -69,10 +69,20 @@ def _round(method, objective, batch, rnd, steps):
 
 
 def _communicate(method, weights, replicas):
+    """One server step of a federation: aggregate, the server's update of its global factors, download.
+    The server's state is kept on the method object between calls (first call: the round start, i.e.
+    the trained factor's ``_start`` and the untouched frozen factor of the first replica)."""
     payloads = [method.upload(i) for i in replicas]
     state = LoRAA2.aggregate(payloads, weights)
+    server = getattr(method, "_test_server", None)
+    if server is None:
+        r0 = replicas[0]
+        server = {n: (method._start[n] if n in method._start else method.params[n]).detach()[r0].clone()
+                  for ab in method.modules.values() for n in ab}
+    method._test_server = method.server_update(server, state)
+    changed = {n: v for n, v in method._test_server.items() if v is not server[n]}
     for i in replicas:
-        method.download(i, state)
+        method.download(i, changed)
     return payloads, state
 
 
@@ -363,7 +373,7 @@ def test_client_sampling_restores_idle_replicas_and_keeps_federations_in_sync():
             reps = list(fed.replicas_of(g))
             for n, p in model.named_parameters():
                 for i in reps:
-                    assert torch.equal(p[i], p[reps[0]]) and torch.equal(m.saved[n][i], p[i])
+                    assert torch.equal(p[i], p[reps[0]])
         seen.append({k: v.clone() for k, v in m.masks.items()})
         return {}
 
@@ -393,14 +403,19 @@ def test_registry_adapter_kwargs_and_purity():
     _randomise(model)
     m = LoRAA2(rank=4, client_ranks=[2, 3])
     m.setup(model, [0, 1])
+    server = m.initial_server_state(0)
+    assert set(server) == {"lora_A", "lora_B"}
     _round(m, _objective(model), _data(2), 0, 2)
     ups = [m.upload(0), m.upload(1)]
     snap = [{k: v.clone() for k, v in p.tensors.items()} for p in ups]
     state = LoRAA2.aggregate(ups, torch.tensor([0.5, 0.5], dtype=D64))
     assert set(state) == {"lora_B.delta"} and state["lora_B.delta"].shape == (4, 4)
     assert all(torch.equal(p.tensors[k], s[k]) for p, s in zip(ups, snap) for k in s)
-    sent = m.download(0, state)
-    assert set(sent.tensors) == {"lora_A", "lora_B"}  # the full global a returning client needs
+    new = m.server_update(server, state)
+    torch.testing.assert_close(new["lora_B"], (server["lora_B"] + state["lora_B.delta"]), rtol=0, atol=0)
+    assert new["lora_A"] is server["lora_A"]  # untouched in a B-round: nothing to send
+    sent = m.download(0, {"lora_B": new["lora_B"]})
+    assert set(sent.tensors) == {"lora_B"} and torch.equal(model.lora_B[0], new["lora_B"])
     back = Payload.from_bytes(ups[0].to_bytes())
     torch.testing.assert_close(LoRAA2.aggregate([back, ups[1]], torch.tensor([0.5, 0.5]))["lora_B.delta"],
                                state["lora_B.delta"], rtol=0, atol=0)

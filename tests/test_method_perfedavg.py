@@ -53,7 +53,7 @@ def _sampler(batches):
 
 def _method(variant, layer, alpha=0.3, beta=0.05, **kw):
     m = PerFedAvgLoRA(rank=R, lr=beta, inner_lr=alpha, variant=variant, optimizer="sgd", **kw)
-    m.setup(layer, list(range(G)))
+    m.bind(layer, list(range(G)))  # generic x per replica: no initial broadcast
     return m
 
 
@@ -163,7 +163,7 @@ def test_round_fedavg_of_factors_and_payload_bytes():
     layer = _layer()
     batches = _lora_batches(4)
     m = PerFedAvgLoRA(rank=R, lr=1e-2, inner_lr=1e-2, variant="hessian-free")  # AdamW outer (default)
-    m.setup(layer, list(range(G)))
+    m.bind(layer, list(range(G)))  # generic x per replica: no initial broadcast
     fed = Federation(1, G, client_weights=[1.0, 2.0, 5.0])
     hist = run_rounds(m, fed, _lora_objective(layer), _sampler(batches), rounds=2, local_steps=3)
     for i in range(1, G):  # after the download every client holds the same averaged factors

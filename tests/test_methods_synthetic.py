@@ -41,7 +41,7 @@ def test_pf2lora_stacked_step_equals_per_client_eq4():
     layer = _pf2_layer(G)
     ref = copy.deepcopy(layer)
     m = PF2LoRA(upper_lr=0.01, lower_lr=0.05, upper_optimizer="sgd", rank=3, client_rank=2)
-    m.setup(layer, [0, 1, 2])
+    m.bind(layer, [0, 1, 2])  # bind, not setup: generic, different x per replica (no initial broadcast)
     m.local_step(_objective(layer), lambda: (X, Y))
     alpha, eta = 0.05, 0.01
     for i in range(G):  # the same step computed one client at a time, from eq. (4) by hand

@@ -22,7 +22,7 @@ from ..errors import ConfigError
 from ..payload import Payload
 
 __all__ = ["Method", "AveragedFactors", "Objective", "Sampler", "register", "get_method", "create_method",
-           "available_methods"]
+           "available_methods", "broadcast_initial_factors"]
 
 
 #: params (name → tensor, the model's trainable parameters or substitutes) × batch → loss per replica (G,)
@@ -77,6 +77,22 @@ def get_method(name: str) -> type["Method"]:
         raise ConfigError(f"unknown method {name!r}; available: {', '.join(available_methods())}") from None
 
 
+def broadcast_initial_factors(model: torch.nn.Module, groups: Sequence[Sequence[int]],
+                              suffixes: Sequence[str] = ("lora_A", "lora_B")) -> None:
+    """Copy the first replica's factors of every federation to its other replicas, in place.
+
+    The server's one-time broadcast of the initial adapter (FFA-LoRA, RoLoRA need identical frozen
+    factors on all clients; ``LoRALinear`` draws an independent A per replica). ``groups``: the
+    replicas of each federation, e.g. ``method.groups`` or
+    ``[list(fed.replicas_of(g)) for g in range(fed.n_groups)]``.
+    """
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.rsplit(".", 1)[-1] in suffixes:
+                for g in groups:
+                    p[list(g)] = p[g[0]].clone().expand(len(g), *p.shape[1:])
+
+
 class Method(abc.ABC):
     """One federated algorithm. Subclasses set ``name`` and implement the abstract hooks."""
 
@@ -95,18 +111,155 @@ class Method(abc.ABC):
             raise NotImplementedError(f"{type(self).__name__} must define adapter_kwargs() or a `rank`")
         return {"rank": rank}
 
-    def setup(self, model: nn.Module, replica_clients: Sequence[int]) -> None:
-        """Bind to ``model``; ``replica_clients[i]`` is the client index k of replica i.
+    #: names (last component) of the factors the server holds and broadcasts to every client once,
+    #: before the first round (SPEC §4: every protocol starts from ONE server adapter — FFA-LoRA and
+    #: RoLoRA need the frozen factor identical everywhere, FedAvg-style methods average from a common
+    #: start). Factors not listed are personal and drawn per client (PF2LoRA's C, D; H²Tune's A, B).
+    global_factors: ClassVar[tuple[str, ...]] = ("lora_A", "lora_B")
+
+    def setup(self, model: nn.Module, replica_clients: Sequence[int], n_clients: int | None = None) -> None:
+        """Bind to ``model`` and put the protocol's initial state on every replica: ``bind`` then
+        ``init_state``. ``replica_clients[i]`` is the client index k of replica i.
 
         Replicas are group-major (see ``fedlora.simulator.Federation``): replica i belongs to
         federation ``i // n_clients``; ``self.groups`` lists each federation's replicas.
+        ``n_clients``: clients per federation (default ``max(replica_clients) + 1``).
+        """
+        self.bind(model, replica_clients, n_clients)
+        self.init_state()
+
+    def bind(self, model: nn.Module, replica_clients: Sequence[int], n_clients: int | None = None) -> None:
+        """Attach to ``model`` WITHOUT changing any value: parameter names, optimizers, per-replica
+        configuration (ranks, budgets, densities of the client each replica holds).
+
+        The LLM runtime binds once per pass, with the pass's participants in the slots, then loads
+        their client state records (``load_replica_state``); the synthetic simulator binds once
+        (through ``setup``). Subclasses extend it and call ``super().bind`` first. Only trainable
+        parameters (``requires_grad``) are the method's: a frozen base model is not.
         """
         self.model = model
         self.replica_clients = list(replica_clients)
-        self.n_clients = max(self.replica_clients) + 1
+        if not self.replica_clients or any(not isinstance(k, int) or k < 0 for k in self.replica_clients):
+            raise ConfigError(f"{self.name}: replica_clients must be a non-empty list of client indices ≥ 0, "
+                              f"got {replica_clients!r}")
+        self.n_clients = max(self.replica_clients) + 1 if n_clients is None else int(n_clients)
+        if self.n_clients <= max(self.replica_clients):
+            raise ConfigError(f"{self.name}: n_clients={self.n_clients} but replica_clients names client "
+                              f"{max(self.replica_clients)}")
         G = len(self.replica_clients)
         self.groups = [list(range(g, min(g + self.n_clients, G))) for g in range(0, G, self.n_clients)]
-        self.params = dict(model.named_parameters())
+        self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+    def init_state(self) -> None:
+        """The protocol's state before round 0 on the bound replicas (subclasses extend it): here,
+        the server's one-time broadcast of the initial adapter — each federation's first replica's
+        ``global_factors`` copied to its other replicas (not counted as traffic)."""
+        if self.global_factors:
+            broadcast_initial_factors(self.model, self.groups, self.global_factors)
+
+    # the server's state (both runtimes) ------------------------------------------------------
+    def initial_server_state(self, replica: int) -> dict[str, torch.Tensor]:
+        """The server's state before round 0, read off ``replica`` (a replica that holds the
+        broadcast initial adapter). Default: none — the first aggregate becomes the state."""
+        return {}
+
+    def server_update(self, state: Mapping[str, torch.Tensor], aggregated: Mapping[str, torch.Tensor]
+                      ) -> dict[str, torch.Tensor]:
+        """Pure: the server's new state after a round, from its old state and this round's
+        ``aggregate``. Default: the aggregate's entries replace the old ones (the others stay), so
+        e.g. RoLoRA's server holds the latest A and the latest B. Entries that changed are what a
+        client that synchronised before this round must download (``fedlora.simulator.DownloadLedger``)."""
+        return {**state, **aggregated}
+
+    # client state records (SPEC §8): everything replica i keeps between rounds -----------------
+    def _stacked_buffers(self) -> dict[str, torch.Tensor]:
+        """Buffers with a replica dimension (TriLoRA supports, a per-replica merged W0), by name."""
+        out = {}
+        for mod_name, mod in self.model.named_modules():
+            for b in getattr(mod, "replica_buffers", lambda: ())():
+                out[f"{mod_name}.{b}" if mod_name else b] = getattr(mod, b)
+        return out
+
+    def _optimizer_attrs(self) -> dict[str, torch.optim.Optimizer]:
+        return {a: o for a, o in sorted(vars(self).items()) if isinstance(o, torch.optim.Optimizer)}
+
+    def _named_trainables(self) -> dict[str, torch.Tensor]:
+        """Name → tensor of everything an optimizer of this method may hold: the model's trainable
+        parameters and the method's own (e.g. H²Tune's Ω, as ``attr.omega``)."""
+        out = dict(self.params)
+        out.update({f"attr.{a}": v for a, v in sorted(vars(self).items()) if isinstance(v, nn.Parameter)})
+        return out
+
+    def replica_state(self, replica: int) -> dict[str, torch.Tensor]:
+        """Replica ``replica``'s client state record: a flat name → tensor dict (safetensors-ready)
+        with its trainable parameters (``param:``), stacked buffers (``buffer:``), optimizer state
+        (``optim:<attr>:<param>:<key>``: moments and StackedAdamW step counts) and method state
+        (``extra:``: ranks, masks, received global matrices…). Copies, detached.
+
+        ``load_replica_state`` puts it back into any replica of a model bound with the same method
+        and options: a client's numbers do not depend on the slot it trains in."""
+        G = len(self.replica_clients)
+        out: dict[str, torch.Tensor] = {}
+        for n, p in self.params.items():
+            out[f"param:{n}"] = p.detach()[replica].clone()
+        for n, b in self._stacked_buffers().items():
+            out[f"buffer:{n}"] = b[replica].clone()
+        names = {id(t): n for n, t in self._named_trainables().items()}
+        for attr, opt in self._optimizer_attrs().items():
+            for p, st in opt.state.items():
+                for k, v in st.items():
+                    if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == G:
+                        out[f"optim:{attr}:{names[id(p)]}:{k}"] = v[replica].clone()
+        for k, v in self._extra_state().items():
+            out[f"extra:{k}"] = v[replica].clone()
+        return out
+
+    def load_replica_state(self, replica: int, record: Mapping[str, torch.Tensor]) -> None:
+        """Write a client state record (``replica_state``) into replica ``replica``. Optimizer state
+        the record does not hold is reset to a fresh optimizer's (zero moments, step 0)."""
+        G = len(self.replica_clients)
+        stacked = self._stacked_buffers()
+        named = self._named_trainables()
+        opts = self._optimizer_attrs()
+        extra: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for opt in opts.values():  # what the record does not hold is fresh
+                for st in opt.state.values():
+                    for v in st.values():
+                        if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == G:
+                            v[replica] = 0
+            for key, v in record.items():
+                kind, _, rest = key.partition(":")
+                if kind == "param":
+                    if rest not in self.params:
+                        raise ConfigError(f"{self.name}: record entry {key!r} names no trainable parameter of the model")
+                    self.params[rest][replica] = v
+                elif kind == "buffer":
+                    if rest not in stacked:
+                        raise ConfigError(f"{self.name}: record entry {key!r} names no per-replica buffer")
+                    stacked[rest][replica] = v
+                elif kind == "optim":
+                    attr, pname, k = rest.split(":")
+                    if attr not in opts or pname not in named:
+                        raise ConfigError(f"{self.name}: record entry {key!r} names no optimizer state of this method")
+                    p = named[pname]
+                    st = opts[attr].state[p]
+                    if k not in st:  # a fresh optimizer: state is created on first use
+                        st[k] = torch.zeros((G, *v.shape), dtype=v.dtype, device=p.device)
+                    st[k][replica] = v
+                elif kind == "extra":
+                    extra[rest] = v
+                else:
+                    raise ConfigError(f"{self.name}: unknown record entry {key!r}")
+            if extra:
+                full = self._extra_state()
+                missing = sorted(set(full) - set(extra))
+                if missing or set(extra) - set(full):
+                    raise ConfigError(f"{self.name}: record's method state {sorted(extra)} does not match "
+                                      f"this method's {sorted(full)}")
+                for k, v in extra.items():
+                    full[k][replica] = v
+                self._restore_extra_state(full, torch.tensor([replica]))
 
     @staticmethod
     def check_seed(method: str, seed: Any) -> Any:
@@ -139,8 +292,7 @@ class Method(abc.ABC):
         """Everything a round may change on a replica: parameters, buffers with a stack dimension,
         optimizer moments, and method state from ``_extra_state``. Restored by ``restore``."""
         snap: dict[str, Any] = {"params": {n: p.detach().clone() for n, p in self.params.items()},
-                                "buffers": {n: b.clone() for n, b in self.model.named_buffers()
-                                            if b is not None and b.dim() >= 1},
+                                "buffers": {n: b.clone() for n, b in self._stacked_buffers().items()},
                                 "opt": {}, "extra": self._extra_state()}
         for opt in self._optimizers():
             for p, st in opt.state.items():
@@ -159,9 +311,9 @@ class Method(abc.ABC):
             for n, p in self.params.items():
                 if p.dim() >= 1 and p.shape[0] == len(self.replica_clients):
                     p[idx] = snap["params"][n][idx]
-            for n, b in self.model.named_buffers():
+            for n, b in self._stacked_buffers().items():
                 old = snap["buffers"].get(n)
-                if old is not None and b.dim() >= 1 and b.shape[0] == len(self.replica_clients):
+                if old is not None and old.shape == b.shape:
                     b[idx] = old[idx]
             G = len(self.replica_clients)
             for opt in self._optimizers():
@@ -178,7 +330,7 @@ class Method(abc.ABC):
         self._restore_extra_state(snap["extra"], idx)
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
-        return [o for o in vars(self).values() if isinstance(o, torch.optim.Optimizer)]
+        return list(self._optimizer_attrs().values())
 
     def _extra_state(self) -> dict[str, torch.Tensor]:
         """Per-replica method state (tensors with the replica dimension first), e.g. ranks."""

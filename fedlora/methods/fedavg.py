@@ -25,7 +25,7 @@ import torch
 from ..errors import ConfigError
 from ..optim import StackedAdamW
 from ..payload import Payload
-from .base import AveragedFactors, Objective, Sampler, register
+from .base import AveragedFactors, Objective, Sampler, broadcast_initial_factors, register
 
 __all__ = ["FedAvgLoRA", "broadcast_initial_factors"]
 
@@ -44,22 +44,6 @@ def check_lora_options(method: str, rank, lr, optimizer, weight_decay) -> None:
         raise ConfigError(f"{method}: weight_decay must be a finite number ≥ 0, got {weight_decay!r}")
 
 
-def broadcast_initial_factors(model: torch.nn.Module, groups: Sequence[Sequence[int]],
-                              suffixes: Sequence[str] = ("lora_A", "lora_B")) -> None:
-    """Copy the first replica's factors of every federation to its other replicas, in place.
-
-    The server's one-time broadcast of the initial adapter (FFA-LoRA, RoLoRA need identical frozen
-    factors on all clients; ``LoRALinear`` draws an independent A per replica). ``groups``: the
-    replicas of each federation, e.g. ``method.groups`` or
-    ``[list(fed.replicas_of(g)) for g in range(fed.n_groups)]``.
-    """
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.rsplit(".", 1)[-1] in suffixes:
-                for g in groups:
-                    p[list(g)] = p[g[0]].clone().expand(len(g), *p.shape[1:])
-
-
 class FactorLoRA(AveragedFactors):
     """Base of the plain-LoRA methods: factors ``lora_A`` (G, r, d_in), ``lora_B`` (G, d_out, r).
 
@@ -72,8 +56,8 @@ class FactorLoRA(AveragedFactors):
         check_lora_options(self.name, rank, lr, optimizer, weight_decay)
         self.rank, self.lr, self.optimizer, self.weight_decay = int(rank), float(lr), optimizer, float(weight_decay)
 
-    def setup(self, model, replica_clients) -> None:
-        super().setup(model, replica_clients)
+    def bind(self, model, replica_clients, n_clients=None) -> None:
+        super().bind(model, replica_clients, n_clients)
         a_names = self._names("lora_A")
         if not a_names:
             raise ConfigError(f"{self.name}: the model has no LoRA factors (no parameter named *lora_A)")

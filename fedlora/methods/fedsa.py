@@ -25,6 +25,7 @@ class FedSALoRA(FactorLoRA):
     """FedSA-LoRA. Args: rank r, lr, optimizer ("adamw" | "sgd"), weight_decay."""
 
     name = "fedsa"
+    global_factors = ("lora_A",)  # B_k is each client's own from the start
 
     def local_step(self, objective: Objective, sample: Sampler) -> None:
         self._train(objective, sample, self.a_names + self.b_names)

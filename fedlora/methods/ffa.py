@@ -44,8 +44,8 @@ class FFALoRA(FactorLoRA):
 
     name = "ffa"
 
-    def setup(self, model, replica_clients) -> None:
-        super().setup(model, replica_clients)
+    def init_state(self) -> None:
+        super().init_state()  # the server's broadcast of the initial adapter
         check_shared(self.name, self.params, self.a_names, self.groups)
 
     def local_step(self, objective: Objective, sample: Sampler) -> None:

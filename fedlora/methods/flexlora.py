@@ -89,8 +89,8 @@ class FlexLoRA(Method):
         self.rank, self.lr, self.client_ranks = rank, float(lr), client_ranks
         self.optimizer, self.weight_decay, self.reset_optimizer = optimizer, float(weight_decay), reset_optimizer
 
-    def setup(self, model, replica_clients) -> None:
-        super().setup(model, replica_clients)
+    def bind(self, model, replica_clients, n_clients=None) -> None:
+        super().bind(model, replica_clients, n_clients)
         G = len(self.replica_clients)
         # one entry per adapted layer: (name prefix, A name, B name, layer scale s)
         self.layers: list[tuple[str, str, str, float]] = []
@@ -115,7 +115,10 @@ class FlexLoRA(Method):
         device = self.params[self.layers[0][1]].device
         self._rank_mask = (torch.arange(self.rank)[None, :] < self.ranks[:, None]).to(dtype=dtype, device=device)
         self._new_optimizer()
-        self._apply_rank_mask()
+
+    def init_state(self) -> None:
+        super().init_state()  # the server's adapter to every client…
+        self._apply_rank_mask()  # …of which client k keeps its first r_k components
 
     def _new_optimizer(self) -> None:
         ps = [self.params[n] for _, a, b, _ in self.layers for n in (a, b)]

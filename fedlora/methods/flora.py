@@ -62,8 +62,8 @@ class FLoRA(FactorLoRA):
         seed = self.check_seed("flora", seed)
         self.ranks, self.seed, self.reset_optimizer = ranks, seed, bool(reset_optimizer)
 
-    def setup(self, model, replica_clients) -> None:
-        super().setup(model, replica_clients)
+    def bind(self, model, replica_clients, n_clients=None) -> None:
+        super().bind(model, replica_clients, n_clients)
         G = len(self.replica_clients)
         if self.ranks is not None and len(self.ranks) != self.n_clients:
             raise ConfigError(f"flora: {len(self.ranks)} ranks for {self.n_clients} clients")
@@ -78,14 +78,19 @@ class FLoRA(FactorLoRA):
             layer = model.get_submodule(prefix) if prefix else model
             if not isinstance(layer, LoRALinear):
                 raise ConfigError(f"flora: {a} must belong to a LoRALinear (FLoRA merges into its W0)")
+            self.layers.append(layer)
+        self._round = -1
+        self._merged: set[int] = set()
+
+    def init_state(self) -> None:
+        super().init_state()  # the server's adapter to every client
+        G = len(self.replica_clients)
+        for layer in self.layers:
             with torch.no_grad():  # per-replica frozen base: each federation merges its own ΔW
                 A = layer.lora_A
                 base = layer.weight if layer.weight is not None else A.new_zeros(layer.out_features, layer.in_features)
                 if base.dim() == 2:
                     layer.weight = base.to(A.dtype).expand(G, *base.shape).clone()
-            self.layers.append(layer)
-        self._round = -1
-        self._merged: set[int] = set()
         self._apply_rank_mask()
 
     @torch.no_grad()

@@ -186,8 +186,10 @@ class H2Tune(Method):
         return {"rank": self.rank, "middle": True}
 
     # set-up --------------------------------------------------------------------------------
-    def setup(self, model: nn.Module, replica_clients: Sequence[int]) -> None:
-        super().setup(model, replica_clients)
+    global_factors = ()  # A_k, B_k are private (task-specific); the shared R is seeded in init_state
+
+    def bind(self, model: nn.Module, replica_clients: Sequence[int], n_clients: int | None = None) -> None:
+        super().bind(model, replica_clients, n_clients)
         G, K, r = len(self.replica_clients), self.n_clients, self.rank
         r_names = self._names("lora_R")
         if not r_names:
@@ -228,21 +230,25 @@ class H2Tune(Method):
                 j = l if self.omega_init == "identity" else (round(l * (L_g - 1) / (Lk - 1)) if Lk > 1 else 0)
                 om[i, l, j] = 1.0
         self.omega = nn.Parameter(om.to(device))
-        self._seed_R()
-        # initial KL target: the server mean of each federation's initial uploads
+        # the KL target R_g each replica received last (filled by init_state / download / a record)
         self.global_R = {t: torch.zeros(G, L_g, r, r, dtype=dtype, device=device) for t in self.types}
-        for reps in self.groups:
-            state = self.aggregate([self.upload(i) for i in reps], torch.full((len(reps),), 1.0 / len(reps)))
-            for i in reps:
-                for t in self.types:
-                    self.global_R[t][i] = state[_pname(t, "lora_R")]
-        self._choose_support()
         shared = self._leaf("lora_R") + self._leaf("lora_Phi") + [self.omega]
         specific = self._leaf("lora_A") + self._leaf("lora_B")
         make = (lambda ps, lr: torch.optim.SGD(ps, lr=lr)) if self.optimizer == "sgd" else (
             lambda ps, lr: StackedAdamW(ps, lr=lr, weight_decay=0.0))  # ν is explicit in eq. 7
         self.opt_shared = make(shared, self.shared_lr)
         self.opt_specific = make(specific, self.lr)
+
+    def init_state(self) -> None:
+        super().init_state()
+        self._seed_R()
+        # initial KL target: the server mean of each federation's initial uploads
+        for reps in self.groups:
+            state = self.aggregate([self.upload(i) for i in reps], torch.full((len(reps),), 1.0 / len(reps)))
+            for i in reps:
+                for t in self.types:
+                    self.global_R[t][i] = state[_pname(t, "lora_R")]
+        self._choose_support()
 
     @torch.no_grad()
     def _seed_R(self) -> None:

@@ -58,23 +58,28 @@ class HetLoRA(Method):
         """The server's rank r_max; each client uses its first r_k slots."""
         return {"rank": self.r_max}
 
-    def setup(self, model, replica_clients) -> None:
-        super().setup(model, replica_clients)
+    def bind(self, model, replica_clients, n_clients=None) -> None:
+        super().bind(model, replica_clients, n_clients)
         self.a_name, = self._names("lora_A")
         self.b_name, = self._names("lora_B")
         A = self.params[self.a_name]
         if A.dim() != 3 or A.shape[-2] != self.r_max:
             raise ConfigError(f"hetlora: the model must hold stacked factors of rank r_max={self.r_max}, "
                               f"got lora_A of shape {tuple(A.shape)}")
-        n_clients = max(replica_clients) + 1
+        n_clients = self.n_clients
         init = self.initial_ranks or hetlora_initial_ranks(n_clients, self.r_min, self.r_max)
         if len(init) != n_clients:
             raise ConfigError(f"hetlora: {len(init)} initial ranks for {n_clients} clients")
-        self._set_ranks(torch.tensor([init[k] for k in replica_clients]))  # (G,)
+        self._initial_ranks = torch.tensor([init[k] for k in self.replica_clients])  # (G,)
+        self._set_ranks(self._initial_ranks.clone())  # placeholder until init_state / a loaded record
         params = [self.params[self.a_name], self.params[self.b_name]]
         self.opt = (torch.optim.SGD(params, lr=self.lr) if self.optimizer == "sgd"
                     else StackedAdamW(params, lr=self.lr, weight_decay=0.0))
-        self._apply_rank_mask()
+
+    def init_state(self) -> None:
+        super().init_state()  # the server's rank-r_max adapter to every client
+        self._set_ranks(self._initial_ranks.clone())
+        self._apply_rank_mask()  # distribution by truncation: client k keeps its first r_k slots
 
     # masks over the r_max slots, recomputed only when the ranks change ---------------------
     def _set_ranks(self, ranks: torch.Tensor) -> None:

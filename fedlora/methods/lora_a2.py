@@ -27,12 +27,11 @@ coordinate that only some clients selected gets Σ_{k selecting} w_k ΔB_k — d
 zeros, not renormalised (SPEC §4); coordinates nobody selected stay bit-for-bit. The frozen factor is
 the same broadcast tensor on every client, so the aggregate is exact: s·B_new·A = Σ_k w_k s·B_k·A.
 
-Where the server's state lives. ``aggregate`` must be pure and gets only payloads and weights, but
-the update needs B_saved. Every replica already holds the global factors it downloaded last (its
-round start, identical across a federation), so the payload carries only the sparse deltas,
-``aggregate`` returns the dense weighted delta ``{"<module>.lora_B.delta": Σ_k w_k ΔB_k}`` (float64)
-and ``download`` adds it to the replica's saved global copy — no simulator change needed, and no
-dense factor travels upwards. The saved copy is method state kept per replica (``_extra_state``).
+Where the server's state lives. ``aggregate`` must be pure and gets only payloads and weights, so it
+returns the dense weighted delta ``{"<module>.lora_B.delta": Σ_k w_k ΔB_k}`` (float64); the server
+holds the global factors (B_saved of Algorithm 1, ``initial_server_state``) and adds the delta
+(``server_update``); a client downloads the global factors that changed since it last synchronised
+(the modules somebody selected), dense — no dense factor travels upwards.
 
 Probe length (the paper's "probe epoch" is not sized; SPEC: "a probe epoch gives ΔB"):
 ``probe_steps=None`` (default) makes the probe as long as the round's local training: the round's
@@ -41,9 +40,9 @@ masked steps with the same objective and sampler (so a round costs 2× the local
 ``probe_steps=P`` instead runs P probe steps inside the round's first ``local_step`` call, after which
 every ``local_step`` call is one masked step.
 
-Initial broadcast: Algorithm 1 initialises one ΔW = BA on the server; ``setup`` copies each
-federation's first replica's A and B into its other replicas (not counted as traffic), since
-exactness needs the frozen factor to be identical on all clients.
+Initial broadcast: Algorithm 1 initialises one ΔW = BA on the server; ``init_state`` (the
+``Method`` default) copies each federation's first replica's A and B into its other replicas (not
+counted as traffic), since exactness needs the frozen factor to be identical on all clients.
 """
 from __future__ import annotations
 
@@ -64,7 +63,6 @@ from ..errors import ConfigError
 from ..optim import StackedAdamW
 from ..payload import Payload
 from .base import Method, Objective, Sampler, register
-from .fedavg import broadcast_initial_factors
 
 __all__ = ["LoRAA2"]
 
@@ -129,8 +127,8 @@ class LoRAA2(Method):
         return {"rank": self.rank, "alpha": 16.0}
 
     # set-up ----------------------------------------------------------------------------------
-    def setup(self, model, replica_clients) -> None:
-        super().setup(model, replica_clients)
+    def bind(self, model, replica_clients, n_clients=None) -> None:
+        super().bind(model, replica_clients, n_clients)
         G = len(self.replica_clients)
         a_names, b_names = self._names("lora_A"), self._names("lora_B")
         if not a_names:
@@ -159,11 +157,8 @@ class LoRAA2(Method):
         self.opt = (StackedAdamW(groups, lr=self.lr, weight_decay=self.weight_decay)
                     if self.optimizer == "adamw" else
                     torch.optim.SGD(groups, lr=self.lr, weight_decay=self.weight_decay))
-        broadcast_initial_factors(self.model, self.groups)  # the server's initial ΔW = BA, to every client
-        # the global factors each replica downloaded last (= its round start); B_saved of Algorithm 1
-        self.saved = {n: self.params[n].detach().clone() for ab in self.modules.values() for n in ab}
         # selected ranks of the last round: module prefix → (G, r_G) bool
-        dev = next(iter(self.saved.values())).device
+        dev = self.params[next(iter(self.modules.values()))[0]].device
         self.masks = {m: torch.zeros(G, self.rank, dtype=torch.bool, device=dev) for m in self.modules}
         self._start: dict[str, torch.Tensor] = {}
         self._factor = None
@@ -252,14 +247,11 @@ class LoRAA2(Method):
 
     # client sampling ------------------------------------------------------------------------
     def _extra_state(self) -> dict[str, torch.Tensor]:
-        return ({f"mask:{m}": v.clone() for m, v in self.masks.items()}
-                | {f"saved:{n}": v.clone() for n, v in self.saved.items()})
+        return {f"mask:{m}": v.clone() for m, v in self.masks.items()}
 
     def _restore_extra_state(self, extra: Mapping[str, torch.Tensor], idx: torch.Tensor) -> None:
         for m in self.masks:
             self.masks[m][idx] = extra[f"mask:{m}"][idx]
-        for n in self.saved:
-            self.saved[n][idx] = extra[f"saved:{n}"][idx]
 
     # communication ----------------------------------------------------------------------------
     def upload(self, replica: int) -> Payload:
@@ -279,7 +271,7 @@ class LoRAA2(Method):
     @staticmethod
     def aggregate(payloads: Sequence[Payload], weights: torch.Tensor) -> dict[str, torch.Tensor]:
         """Σ_k w_k ΔB_k per module (float64, dense (d_out, r_G) / (r_G, d_in)), keyed
-        ``"<module>.lora_B.delta"``; ``download`` adds it to B_saved (Algorithm 1). Modules no client
+        ``"<module>.lora_B.delta"``; ``server_update`` adds it to B_saved (Algorithm 1). Modules no client
         selected are absent (their delta is 0). Pure: built on ``aggmath.lora_a2.server_update``."""
         if not payloads:
             raise ConfigError("lora-a2 aggregate: need at least one payload")
@@ -301,16 +293,30 @@ class LoRAA2(Method):
         delta = server_update(zero, uploads, weights, factor)  # 0 + Σ_k w_k ΔB_k, diluted
         return {m + _DELTA: d for m, d in delta.items()}
 
+    # the server ------------------------------------------------------------------------------
+    def initial_server_state(self, replica: int) -> dict[str, torch.Tensor]:
+        """Algorithm 1's initial global factors (the broadcast A and B of every module)."""
+        return {n: self.params[n][replica].detach().clone() for ab in self.modules.values() for n in ab}
+
+    def server_update(self, state: Mapping[str, torch.Tensor], aggregated: Mapping[str, torch.Tensor]
+                      ) -> dict[str, torch.Tensor]:
+        """Algorithm 1: B ← B_saved + Σ_k w_k ΔB_k (float64 sum, stored in the factor's dtype) for
+        the modules in ``aggregated``; the others keep their tensors (nothing changed, nothing sent)."""
+        new = dict(state)
+        for key, d in aggregated.items():
+            n = key[: -len(_DELTA)]
+            if not key.endswith(_DELTA) or n not in state:
+                raise ConfigError(f"lora-a2 server: unexpected aggregate entry {key!r}")
+            old = state[n]
+            new[n] = (old.to(torch.float64) + d.to(device=old.device, dtype=torch.float64)).to(old.dtype)
+        return new
+
     def download(self, replica: int, state: Mapping[str, torch.Tensor]) -> Payload:
-        """B ← B_saved + Σ_k w_k ΔB_k for the modules in ``state``; returns the full global A and B
-        (dense), which a client that skipped rounds needs."""
+        """Write the server's global factors in ``state`` (those that changed since the client last
+        synchronised) into the replica; what is sent is exactly those dense factors."""
         with torch.no_grad():
-            for key, d in state.items():
-                n = key[: -len(_DELTA)]
-                if not key.endswith(_DELTA) or n not in self.saved:
-                    raise ConfigError(f"lora-a2 download: unexpected state entry {key!r}")
-                saved = self.saved[n][replica]
-                saved.copy_((saved.to(torch.float64) + d.to(torch.float64)).to(saved.dtype))
-            for n, v in self.saved.items():
-                self.params[n][replica] = v[replica]
-        return Payload({n: v[replica].clone() for n, v in self.saved.items()})
+            for n, v in state.items():
+                if n not in self.params or not n.endswith(("lora_A", "lora_B")):
+                    raise ConfigError(f"lora-a2 download: unexpected state entry {n!r}")
+                self.params[n][replica] = v
+        return Payload(dict(state))

@@ -78,8 +78,8 @@ class PerFedAvgLoRA(AveragedFactors):
         self.variant, self.delta = variant, float(delta)
         self.optimizer, self.weight_decay = optimizer, float(weight_decay)
 
-    def setup(self, model, replica_clients) -> None:
-        super().setup(model, replica_clients)
+    def bind(self, model, replica_clients, n_clients=None) -> None:
+        super().bind(model, replica_clients, n_clients)
         self.x_names = self._names("lora_A", "lora_B")
         if not self.x_names:
             raise ConfigError("perfedavg: the model has no lora_A/lora_B parameters")

@@ -62,8 +62,8 @@ class PF2LoRA(AveragedFactors):
         """Common adapter of rank r, client adapter of rank r̃ (SPEC §4 defaults r = 8, r̃ = 2)."""
         return {"rank": self.rank, "client_rank": self.client_rank}
 
-    def setup(self, model, replica_clients) -> None:
-        super().setup(model, replica_clients)
+    def bind(self, model, replica_clients, n_clients=None) -> None:
+        super().bind(model, replica_clients, n_clients)
         self.x_names = self._names("lora_A", "lora_B")
         self.y_names = self._names("lora_C", "lora_D")
         if not self.y_names:

@@ -26,7 +26,7 @@ from ..aggregation import normalise_weights
 from ..errors import ConfigError
 from ..payload import Payload
 from .base import Objective, Sampler, register
-from .fedavg import FactorLoRA, broadcast_initial_factors
+from .fedavg import FactorLoRA
 
 __all__ = ["Centralized", "Local"]
 
@@ -48,12 +48,12 @@ class Centralized(FactorLoRA):
                 raise ConfigError(f"centralized: client_weights: {e}") from None
         self.client_weights = None if client_weights is None else list(client_weights)
 
-    def setup(self, model, replica_clients) -> None:
-        super().setup(model, replica_clients)
+    def bind(self, model, replica_clients, n_clients=None) -> None:
+        super().bind(model, replica_clients, n_clients)
         w = normalise_weights(self.client_weights or [1.0] * self.n_clients, self.n_clients)
         self._replica_weights = w[self.replica_clients]  # (G,) float64: w_{k(i)}
         self._trained = self.a_names + self.b_names
-        broadcast_initial_factors(self.model, self.groups)  # one model per federation: its copies start equal
+    # init_state (inherited): the broadcast makes one model per federation — its copies start equal
 
     def begin_round(self, round_idx: int) -> None:
         for n in self._trained:
@@ -93,6 +93,7 @@ class Local(FactorLoRA):
     """No-communication reference. Args: rank r, lr, optimizer ("adamw" | "sgd"), weight_decay."""
 
     name = "local"
+    global_factors = ()  # no server: every client starts from its own draw
 
     def local_step(self, objective: Objective, sample: Sampler) -> None:
         self._train(objective, sample, self.a_names + self.b_names)

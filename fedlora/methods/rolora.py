@@ -37,12 +37,15 @@ class RoLoRA(FactorLoRA):
     """RoLoRA. Args: rank r, lr, optimizer ("adamw" | "sgd"), weight_decay."""
 
     name = "rolora"
-    incremental_download = True  # one factor per round: a client needs every round's to stay current
+    # one factor per round; a client that sat out gets every factor averaged since (DownloadLedger)
 
-    def setup(self, model, replica_clients) -> None:
-        super().setup(model, replica_clients)
-        check_shared(self.name, self.params, self.a_names, self.groups)  # round 0 freezes A
+    def bind(self, model, replica_clients, n_clients=None) -> None:
+        super().bind(model, replica_clients, n_clients)
         self.factor = trained_factor(0)  # before any begin_round: round 0 (B)
+
+    def init_state(self) -> None:
+        super().init_state()  # the server's broadcast of the initial adapter
+        check_shared(self.name, self.params, self.a_names, self.groups)  # round 0 freezes A
 
     def begin_round(self, round_idx: int) -> None:
         self.factor = trained_factor(round_idx)  # 'B' on even rounds, 'A' on odd ones
