@@ -116,6 +116,15 @@ class Method(abc.ABC):
     #: RoLoRA need the frozen factor identical everywhere, FedAvg-style methods average from a common
     #: start). Factors not listed are personal and drawn per client (PF2LoRA's C, D; H²Tune's A, B).
     global_factors: ClassVar[tuple[str, ...]] = ("lora_A", "lora_B")
+    #: a trainable classifier head (LLM runtime; parameters ``*.head_weight`` / ``*.head_bias`` with the
+    #: replica dimension) is "shared" — trained, uploaded and averaged like the common adapter —,
+    #: "personal" — trained, never sent — or "frozen" (SPEC §8; no head parameters at all then).
+    #: ``default_head`` is the paper's setting, ``head_modes`` what the method supports.
+    default_head: ClassVar[str] = "shared"
+    head_modes: ClassVar[tuple[str, ...]] = ("frozen", "shared", "personal")
+    #: the clients end with one common model (evaluated as "the global model"); False for
+    #: personalised-only methods (FedSA's B_k, H²Tune's private A_k, B_k, Local)
+    has_global_model: ClassVar[bool] = True
 
     def setup(self, model: nn.Module, replica_clients: Sequence[int], n_clients: int | None = None) -> None:
         """Bind to ``model`` and put the protocol's initial state on every replica: ``bind`` then
@@ -150,6 +159,25 @@ class Method(abc.ABC):
         self.groups = [list(range(g, min(g + self.n_clients, G))) for g in range(0, G, self.n_clients)]
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
 
+    @property
+    def head_mode(self) -> str:
+        """How this instance treats a trainable head (the runtime sets it; default ``default_head``)."""
+        return self.__dict__.get("_head_mode", self.default_head)
+
+    @head_mode.setter
+    def head_mode(self, mode: str) -> None:
+        if mode not in self.head_modes:
+            raise ConfigError(f"{self.name}: head must be one of {', '.join(self.head_modes)}, got {mode!r}")
+        self.__dict__["_head_mode"] = mode
+
+    def head_names(self) -> list[str]:
+        """The trainable head's parameters (empty when the model has none or the head is frozen)."""
+        return [] if self.head_mode == "frozen" else self._names("head_weight", "head_bias")
+
+    def shared_head_names(self) -> list[str]:
+        """The head parameters a client uploads (the head is averaged like the common adapter)."""
+        return self.head_names() if self.head_mode == "shared" else []
+
     def init_state(self) -> None:
         """The protocol's state before round 0 on the bound replicas (subclasses extend it): here,
         the server's one-time broadcast of the initial adapter — each federation's first replica's
@@ -170,6 +198,15 @@ class Method(abc.ABC):
         e.g. RoLoRA's server holds the latest A and the latest B. Entries that changed are what a
         client that synchronised before this round must download (``fedlora.simulator.DownloadLedger``)."""
         return {**state, **aggregated}
+
+    def global_replica(self, replica: int) -> None:
+        """Prepare ``replica`` to hold the global model before the server's full state is downloaded
+        into it (evaluation of the global model): e.g. HetLoRA's and FlexLoRA's full server rank."""
+
+    def apply_to_base(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Methods whose download is an increment of the frozen base (FLoRA): merge the round's
+        ``state`` into the shared base model once, on the server side (LLM runtime)."""
+        raise NotImplementedError(f"{self.name} does not merge into the base model")
 
     # client state records (SPEC §8): everything replica i keeps between rounds -----------------
     def _stacked_buffers(self) -> dict[str, torch.Tensor]:

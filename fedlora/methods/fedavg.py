@@ -75,7 +75,8 @@ class FactorLoRA(AveragedFactors):
             self.pairs.append((a, b))
         self.a_names = [a for a, _ in self.pairs]
         self.b_names = [b for _, b in self.pairs]
-        self.opt = self._make_optimizer([self.params[n] for n in self.a_names + self.b_names])
+        self.heads = self.head_names()  # a trained classifier head (LLM runtime), [] otherwise
+        self.opt = self._make_optimizer([self.params[n] for n in self.a_names + self.b_names + self.heads])
 
     def _make_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         if self.optimizer == "adamw":
@@ -104,8 +105,8 @@ class FedAvgLoRA(FactorLoRA):
     name = "fedavg"
 
     def local_step(self, objective: Objective, sample: Sampler) -> None:
-        self._train(objective, sample, self.a_names + self.b_names)
+        self._train(objective, sample, self.a_names + self.b_names + self.heads)
 
     def upload(self, replica: int) -> Payload:
-        return self._upload(replica, self.a_names + self.b_names)
+        return self._upload(replica, self.a_names + self.b_names + self.shared_head_names())
 

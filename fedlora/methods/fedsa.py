@@ -26,17 +26,19 @@ class FedSALoRA(FactorLoRA):
 
     name = "fedsa"
     global_factors = ("lora_A",)  # B_k is each client's own from the start
+    default_head = "personal"  # client-specific knowledge, like B_k
+    has_global_model = False
 
     def local_step(self, objective: Objective, sample: Sampler) -> None:
-        self._train(objective, sample, self.a_names + self.b_names)
+        self._train(objective, sample, self.a_names + self.b_names + self.heads)
 
     def upload(self, replica: int) -> Payload:
-        return self._upload(replica, self.a_names)  # B_k is private: never uploaded
+        return self._upload(replica, self.a_names + self.shared_head_names())  # B_k is private: never uploaded
 
     @staticmethod
     def aggregate(payloads: Sequence[Payload], weights: torch.Tensor) -> dict[str, torch.Tensor]:
         """A = Σ_k w_k A_k (the only shared factor)."""
-        if payloads and any(not n.endswith("lora_A") for n in payloads[0].tensors):
-            raise ConfigError("fedsa.aggregate: clients upload only lora_A factors")
+        if payloads and any(not n.endswith(("lora_A", "head_weight", "head_bias")) for n in payloads[0].tensors):
+            raise ConfigError("fedsa.aggregate: clients upload only lora_A factors (and a shared head)")
         return AveragedFactors.aggregate(payloads, weights)
 

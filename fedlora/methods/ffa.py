@@ -43,14 +43,15 @@ class FFALoRA(FactorLoRA):
     """FFA-LoRA. Args: rank r, lr, optimizer ("adamw" | "sgd"), weight_decay."""
 
     name = "ffa"
+    default_head = "frozen"  # Sun et al.'s setup (SPEC §8)
 
     def init_state(self) -> None:
         super().init_state()  # the server's broadcast of the initial adapter
         check_shared(self.name, self.params, self.a_names, self.groups)
 
     def local_step(self, objective: Objective, sample: Sampler) -> None:
-        self._train(objective, sample, self.b_names)  # A keeps grad None: frozen at its init
+        self._train(objective, sample, self.b_names + self.heads)  # A keeps grad None: frozen at its init
 
     def upload(self, replica: int) -> Payload:
-        return self._upload(replica, self.b_names)
+        return self._upload(replica, self.b_names + self.shared_head_names())
 

@@ -43,6 +43,7 @@ import torch
 
 from ..adapter import LoRALinear
 from ..aggmath.flexlora import flexlora_aggregate
+from ..aggregation import fedavg_factors
 from ..errors import ConfigError
 from ..optim import StackedAdamW
 from ..payload import Payload
@@ -70,6 +71,7 @@ class FlexLoRA(Method):
     """
 
     name = "flexlora"
+    head_modes = ("frozen", "shared")
 
     def __init__(self, rank: int = 8, lr: float = 5e-4, client_ranks: Sequence[int] | None = None,
                  optimizer: str = "adamw", weight_decay: float = 0.0, reset_optimizer: bool = True) -> None:
@@ -121,7 +123,7 @@ class FlexLoRA(Method):
         self._apply_rank_mask()  # …of which client k keeps its first r_k components
 
     def _new_optimizer(self) -> None:
-        ps = [self.params[n] for _, a, b, _ in self.layers for n in (a, b)]
+        ps = [self.params[n] for _, a, b, _ in self.layers for n in (a, b)] + [self.params[n] for n in self.head_names()]
         self.opt = (torch.optim.SGD(ps, lr=self.lr, weight_decay=self.weight_decay) if self.optimizer == "sgd"
                     else StackedAdamW(ps, lr=self.lr, weight_decay=self.weight_decay))
 
@@ -138,7 +140,7 @@ class FlexLoRA(Method):
             self._new_optimizer()
 
     def local_step(self, objective: Objective, sample: Sampler) -> None:
-        names = [n for _, a, b, _ in self.layers for n in (a, b)]
+        names = [n for _, a, b, _ in self.layers for n in (a, b)] + self.head_names()
         loss = objective({n: self.params[n] for n in names}, sample()).sum()  # Σ over replicas
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -154,6 +156,8 @@ class FlexLoRA(Method):
             tensors[a] = self.params[a][replica, :r].detach().clone()
             tensors[b] = self.params[b][replica, :, :r].detach().clone()
             meta[pre + "scale"] = repr(s)
+        for n in self.shared_head_names():  # a trained head is averaged with the data weights
+            tensors[n] = self.params[n][replica].detach().clone()
         return Payload(tensors, meta)
 
     @staticmethod
@@ -184,7 +188,15 @@ class FlexLoRA(Method):
             res = flexlora_aggregate(Bs, As, weights, scales, ranks_out=[r_cap], out_scales=[1.0])
             (us, vt), = res.factors
             state[pre + "lora_B"], state[a_name] = us, vt
+        heads = [n for n in payloads[0].tensors if n.endswith(("head_weight", "head_bias"))]
+        if heads:  # a trained classifier head: the data-weighted mean (FedAvg)
+            state.update(fedavg_factors([{n: p.tensors[n] for n in heads} for p in payloads], weights))
         return state
+
+    def global_replica(self, replica: int) -> None:
+        """The global model is the server's ΔW at the largest rank the federation may hold."""
+        self.ranks[replica] = self.rank
+        self._rank_mask[replica] = 1
 
     def download(self, replica: int, state: Mapping[str, torch.Tensor]) -> Payload:
         """Write the best rank-r_k approximation into the replica: B = U_r Σ_r / s, A = V_rᵀ.
@@ -194,7 +206,13 @@ class FlexLoRA(Method):
         r = int(self.ranks[replica])
         sent = {}
         with torch.no_grad():
+            for n in self.shared_head_names():
+                if n in state:
+                    self.params[n][replica] = state[n]
+                    sent[n] = state[n]
             for _, a, b, s in self.layers:
+                if a not in state:
+                    continue
                 us, vt = state[b], state[a]
                 q = min(r, us.shape[1])
                 new_b, new_a = us[:, :q] / s, vt[:q]

@@ -32,6 +32,7 @@ import torch
 
 from ..adapter import LoRALinear
 from ..aggmath import flora_merge, flora_stack
+from ..aggregation import fedavg_factors
 from ..errors import ConfigError
 from ..payload import Payload
 from .base import Objective, Sampler, register
@@ -49,6 +50,10 @@ class FLoRA(FactorLoRA):
 
     name = "flora"
     incremental_download = True  # a stack to merge: every client needs every round's
+    #: one frozen base shared by every client of one federation (the LLM runtime): the server merges
+    #: each round's stack into it once (``apply_to_base``) and a client's download only restarts its
+    #: adapters; False (the synthetic testbed): each replica holds and merges its own W0
+    shared_base: bool = False
 
     def __init__(self, rank: int = 8, lr: float = 5e-4, optimizer: str = "adamw", weight_decay: float = 0.0,
                  ranks: Sequence[int] | None = None, seed: int | Sequence[int] = 0,
@@ -85,7 +90,7 @@ class FLoRA(FactorLoRA):
     def init_state(self) -> None:
         super().init_state()  # the server's adapter to every client
         G = len(self.replica_clients)
-        for layer in self.layers:
+        for layer in ([] if self.shared_base else self.layers):
             with torch.no_grad():  # per-replica frozen base: each federation merges its own ΔW
                 A = layer.lora_A
                 base = layer.weight if layer.weight is not None else A.new_zeros(layer.out_features, layer.in_features)
@@ -114,7 +119,7 @@ class FLoRA(FactorLoRA):
         self._merged = set()
 
     def local_step(self, objective: Objective, sample: Sampler) -> None:
-        self._train(objective, sample, self.a_names + self.b_names)
+        self._train(objective, sample, self.a_names + self.b_names + self.heads)
         self._apply_rank_mask()  # slots ≥ r_k stay exactly 0 (AdamW's weight decay/moments could move them)
 
     def upload(self, replica: int) -> Payload:
@@ -124,6 +129,8 @@ class FLoRA(FactorLoRA):
             tensors[a] = self.params[a][replica, :r].detach().clone()
             tensors[b] = self.params[b][replica, :, :r].detach().clone()
             meta[_SCALE + a] = repr(float(layer.scale))
+        for n in self.shared_head_names():
+            tensors[n] = self.params[n][replica].detach().clone()
         return Payload(tensors, meta)
 
     @staticmethod
@@ -141,26 +148,57 @@ class FLoRA(FactorLoRA):
                 raise ConfigError(f"flora: payloads {missing} lack the scale of {a} (meta {_SCALE + a!r})")
             scales = [float(p.meta[_SCALE + a]) for p in payloads]
             out[b], out[a] = flora_stack(Bs, As, weights, scales)
+        heads = [n for n in payloads[0].tensors if n.endswith(("head_weight", "head_bias"))]
+        out.update(fedavg_factors([{n: p.tensors[n] for n in heads} for p in payloads], weights) if heads else {})
         return out
 
-    def _fresh_generator(self, replica: int, layer_idx: int) -> torch.Generator:
+    def server_update(self, state: Mapping[str, torch.Tensor], aggregated: Mapping[str, torch.Tensor]
+                      ) -> dict[str, torch.Tensor]:
+        """The round's stack (and head); with a shared base also the number of merges so far, which
+        seeds the fresh adapters every client restarts from."""
+        new = {**state, **aggregated}
+        if self.shared_base:
+            done = int(state["merges"]) if "merges" in state else 0
+            new["merges"] = torch.tensor(done + 1, dtype=torch.int64)
+        return new
+
+    @torch.no_grad()
+    def apply_to_base(self, state: Mapping[str, torch.Tensor]) -> None:
+        """W0 ← W0 + B_stack A_stack in every adapted layer of the shared base (float64 product), once
+        per round on the server side (the LLM runtime's one base for all clients)."""
+        if not self.shared_base:
+            raise ConfigError("flora.apply_to_base: only with a shared base (shared_base=True)")
+        for (a, b), layer in zip(self.pairs, self.layers):
+            layer.weight.copy_(flora_merge(layer.weight, state[b].to(layer.weight.device),
+                                           state[a].to(layer.weight.device)))
+
+    def _fresh_generator(self, replica: int, layer_idx: int, round_idx: int) -> torch.Generator:
         """Same (seed, round, federation, layer) → same numbers on every client of the federation."""
         fs = self.federation_seed(replica // self.n_clients)
-        key = ((fs * 1_000_003 + self._round + 1) * 104_729 + layer_idx) % (2**63)
+        key = ((fs * 1_000_003 + round_idx + 1) * 104_729 + layer_idx) % (2**63)
         return torch.Generator().manual_seed(key)
 
     def download(self, replica: int, state: Mapping[str, torch.Tensor]) -> Payload:
+        """Merge the stack into the replica's W0 (with a shared base: already merged by
+        ``apply_to_base``), restart fresh adapters, take the averaged head if one is trained."""
         r = int(self.client_ranks[replica])
+        if self.shared_base and "merges" not in state:
+            return Payload(dict(state))  # nothing merged yet: the initial adapters stand
+        round_key = int(state["merges"]) - 1 if self.shared_base else self._round
         with torch.no_grad():
             for j, ((a, b), layer) in enumerate(zip(self.pairs, self.layers)):
-                # W0_i ← W0_i + B_stack A_stack (float64 product), then fresh PEFT adapters
-                layer.weight[replica] = flora_merge(layer.weight[replica], state[b], state[a])
-                A = self.params[a]
+                if not self.shared_base:  # W0_i ← W0_i + B_stack A_stack (float64 product)
+                    layer.weight[replica] = flora_merge(layer.weight[replica], state[b], state[a])
+                A = self.params[a]  # then fresh PEFT adapters
                 bound = 1.0 / math.sqrt(A.shape[-1])  # kaiming_uniform_(a=√5) on (r, d_in), as LoRALinear
-                fresh = torch.rand(A.shape[1:], generator=self._fresh_generator(replica, j), dtype=A.dtype)
+                fresh = torch.rand(A.shape[1:], generator=self._fresh_generator(replica, j, round_key),
+                                   dtype=A.dtype)
                 fresh = fresh.mul_(2 * bound).sub_(bound)
                 fresh[r:] = 0
                 A[replica] = fresh.to(A.device)
                 self.params[b][replica].zero_()
+            for n in self.shared_head_names():
+                if n in state:
+                    self.params[n][replica] = state[n]
         self._merged.add(replica)
         return Payload(dict(state))

@@ -139,6 +139,9 @@ class H2Tune(Method):
     """
 
     name = "h2tune"
+    default_head = "personal"  # task-specific knowledge (clients may even have different label sets)
+    head_modes = ("frozen", "personal")
+    has_global_model = False
 
     def __init__(self, rank: int = 8, lr: float = 2e-3, shared_lr: float | None = None,
                  densities: Sequence[float] | None = None, client_layers: Sequence[int] | None = None,
@@ -233,7 +236,8 @@ class H2Tune(Method):
         # the KL target R_g each replica received last (filled by init_state / download / a record)
         self.global_R = {t: torch.zeros(G, L_g, r, r, dtype=dtype, device=device) for t in self.types}
         shared = self._leaf("lora_R") + self._leaf("lora_Phi") + [self.omega]
-        specific = self._leaf("lora_A") + self._leaf("lora_B")
+        # a trained classifier head (LLM runtime) is task-specific: personal, trained in step (2)
+        specific = self._leaf("lora_A") + self._leaf("lora_B") + [self.params[n] for n in self.head_names()]
         make = (lambda ps, lr: torch.optim.SGD(ps, lr=lr)) if self.optimizer == "sgd" else (
             lambda ps, lr: StackedAdamW(ps, lr=lr, weight_decay=0.0))  # ν is explicit in eq. 7
         self.opt_shared = make(shared, self.shared_lr)
@@ -275,8 +279,10 @@ class H2Tune(Method):
 
     def param_view(self) -> dict[str, torch.Tensor]:
         """The mapping handed to the objective and ``output_fn``: A, B, R, Φ of every module."""
-        return {_pname(p, leaf): self.params[_pname(p, leaf)] for t in self.types for p in self.types[t]
+        view = {_pname(p, leaf): self.params[_pname(p, leaf)] for t in self.types for p in self.types[t]
                 for leaf in ("lora_A", "lora_B", "lora_R", "lora_Phi")}
+        view.update({n: self.params[n] for n in self.head_names()})
+        return view
 
     def received(self, replica: int) -> dict[str, torch.Tensor]:
         """R_{g→k} = R_g ×_layer Ω_kᵀ (eq. 5) per module type, each (L_k, r_g, r_g)."""
@@ -351,11 +357,12 @@ class H2Tune(Method):
         AB = self._leaf("lora_A") + self._leaf("lora_B")
         if self.nu:
             loss = loss + 0.5 * self.nu * sum((x ** 2).reshape(x.shape[0], -1).sum(-1) for x in AB)
-        grads = torch.autograd.grad(loss.sum(), AB)
-        for x, g in zip(AB, grads):
+        trained = AB + [self.params[n] for n in self.head_names()]
+        grads = torch.autograd.grad(loss.sum(), trained)
+        for x, g in zip(trained, grads):
             x.grad = g
         self.opt_specific.step()
-        for x in AB:
+        for x in trained:
             x.grad = None
 
     def local_step(self, objective: Objective, sample: Sampler) -> None:

@@ -88,6 +88,8 @@ class LoRAA2(Method):
     """
 
     name = "lora-a2"
+    default_head = "frozen"  # App. B: "a frozen classifier is added upon the model" (Sun et al.)
+    head_modes = ("frozen",)
 
     def __init__(self, rank: int = 16, lr: float = 5e-4, lr_ratio: float = 5.0,
                  client_ranks: Sequence[int] | None = None, probe_steps: int | None = None,

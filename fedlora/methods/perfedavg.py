@@ -60,6 +60,7 @@ class PerFedAvgLoRA(AveragedFactors):
     """
 
     name = "perfedavg"
+    head_modes = ("frozen", "shared")  # a trained head is part of the meta-learned x
 
     def __init__(self, rank: int = 8, lr: float = 1e-3, inner_lr: float = 1e-3, variant: str = "first-order",
                  delta: float = 1e-3, optimizer: str = "adamw", weight_decay: float = 0.0) -> None:
@@ -80,11 +81,11 @@ class PerFedAvgLoRA(AveragedFactors):
 
     def bind(self, model, replica_clients, n_clients=None) -> None:
         super().bind(model, replica_clients, n_clients)
-        self.x_names = self._names("lora_A", "lora_B")
+        self.x_names = self._names("lora_A", "lora_B") + self.head_names()
         if not self.x_names:
             raise ConfigError("perfedavg: the model has no lora_A/lora_B parameters")
         G = len(self.replica_clients)
-        for n in self.x_names:
+        for n in [n for n in self.x_names if n.endswith(("lora_A", "lora_B"))]:
             if self.params[n].dim() != 3 or self.params[n].shape[0] != G:
                 raise ConfigError(f"perfedavg: {n} must be stacked with G={G} replicas first, "
                                   f"got shape {tuple(self.params[n].shape)}")

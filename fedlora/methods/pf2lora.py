@@ -64,11 +64,13 @@ class PF2LoRA(AveragedFactors):
 
     def bind(self, model, replica_clients, n_clients=None) -> None:
         super().bind(model, replica_clients, n_clients)
-        self.x_names = self._names("lora_A", "lora_B")
-        self.y_names = self._names("lora_C", "lora_D")
+        # a trained head (LLM runtime) belongs to the common adapter x when shared (averaged), to
+        # the client adapter y when personal (updated by the lower level's SGD, never sent)
+        self.x_names = self._names("lora_A", "lora_B") + self.shared_head_names()
+        self.y_names = self._names("lora_C", "lora_D") + (self.head_names() if self.head_mode == "personal" else [])
         if not self.y_names:
             raise ConfigError("pf2lora needs a client adapter: build the model with client_rank ≥ 1")
-        for n in self.x_names + self.y_names:
+        for n in [n for n in self.x_names + self.y_names if n.endswith(("lora_A", "lora_B", "lora_C", "lora_D"))]:
             want = self.rank if n.endswith(("lora_A", "lora_B")) else self.client_rank
             got = self.params[n].shape[-2 if n.endswith(("lora_A", "lora_C")) else -1]
             if got != want:

@@ -37,6 +37,7 @@ class Centralized(FactorLoRA):
     client_weights (w_k ∝ n_k, one per client; default uniform — pass the federation's)."""
 
     name = "centralized"
+    head_modes = ("frozen", "shared")  # one model: its head is the one head
 
     def __init__(self, rank: int = 8, lr: float = 5e-4, optimizer: str = "adamw", weight_decay: float = 0.0,
                  client_weights: Sequence[float] | None = None) -> None:
@@ -52,7 +53,7 @@ class Centralized(FactorLoRA):
         super().bind(model, replica_clients, n_clients)
         w = normalise_weights(self.client_weights or [1.0] * self.n_clients, self.n_clients)
         self._replica_weights = w[self.replica_clients]  # (G,) float64: w_{k(i)}
-        self._trained = self.a_names + self.b_names
+        self._trained = self.a_names + self.b_names + self.heads
     # init_state (inherited): the broadcast makes one model per federation — its copies start equal
 
     def begin_round(self, round_idx: int) -> None:
@@ -94,9 +95,12 @@ class Local(FactorLoRA):
 
     name = "local"
     global_factors = ()  # no server: every client starts from its own draw
+    default_head = "personal"
+    head_modes = ("frozen", "personal")
+    has_global_model = False
 
     def local_step(self, objective: Objective, sample: Sampler) -> None:
-        self._train(objective, sample, self.a_names + self.b_names)
+        self._train(objective, sample, self.a_names + self.b_names + self.heads)
 
     def upload(self, replica: int) -> Payload:
         return Payload({})

