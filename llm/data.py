@@ -372,8 +372,9 @@ _INT_STR = re.compile(r"^\s*[-+]?\d+\s*$")
 
 def _normalise_labels(tables: list[tuple[_Table, list]]) -> tuple[str, list[list]]:
     """Labels of all tables as all-int or all-str lists; ('int' | 'str', per-table values)."""
-    text_ints = all(t.text_file for t, _ in tables) and all(
-        isinstance(v, str) and _INT_STR.match(v) for _, vals in tables for v in vals
+    # csv/tsv cells are strings: read them as ids when every csv/tsv label looks like an integer
+    text_ints = any(t.text_file for t, _ in tables) and all(
+        isinstance(v, str) and _INT_STR.match(v) for t, vals in tables if t.text_file for v in vals
     )
     kinds: set[str] = set()
     out: list[list] = []
@@ -383,7 +384,7 @@ def _normalise_labels(tables: list[tuple[_Table, list]]) -> tuple[str, list[list
             if v is None or (isinstance(v, str) and not v.strip()) or (isinstance(v, float) and math.isnan(v)):
                 raise ConfigError(f"{t.where}: missing label at {t.locate(i)}; every sample needs a label")
             if isinstance(v, str):
-                if text_ints:
+                if text_ints and t.text_file:
                     norm.append(int(v))
                     kinds.add("int")
                 else:
@@ -472,17 +473,20 @@ def _label_ids(
     return [np.array(vals, dtype=np.int64) for vals in values], names
 
 
-def _names_from_text_column(t: _Table, label_col: str, text_col: str | None) -> list[str] | None:
-    """Class names from a (label id, label name) column pair, e.g. SetFit's label_text."""
-    if not text_col or text_col not in t.columns or label_col not in t.columns:
+def _names_from_text_column(tables: list[_Table], label_col: str, text_col: str | None) -> list[str] | None:
+    """Class names from a (label id, label name) column pair, e.g. SetFit's label_text; None
+    unless the ids seen are exactly 0..K-1."""
+    if not text_col or any(text_col not in t.columns or label_col not in t.columns for t in tables):
         return None
     pairs: dict[int, str] = {}
-    for i, (lab, name) in enumerate(zip(t.columns[label_col], t.columns[text_col])):
-        if isinstance(lab, numbers.Integral) and lab >= 0 and name is not None:
-            if pairs.setdefault(int(lab), str(name)) != str(name):
-                raise ConfigError(
-                    f"{t.where}: label {lab} is named both {pairs[int(lab)]!r} and {name!r} in column {text_col!r} ({t.locate(i)})"
-                )
+    for t in tables:
+        for i, (lab, name) in enumerate(zip(t.columns[label_col], t.columns[text_col])):
+            if isinstance(lab, numbers.Integral) and not isinstance(lab, bool) and lab >= 0 and name is not None:
+                if pairs.setdefault(int(lab), str(name)) != str(name):
+                    raise ConfigError(
+                        f"{t.where}: label {lab} is named both {pairs[int(lab)]!r} and {name!r} in column "
+                        f"{text_col!r} ({t.locate(i)})"
+                    )
     if not pairs or sorted(pairs) != list(range(max(pairs) + 1)):
         return None
     return [pairs[k] for k in range(len(pairs))]
@@ -680,7 +684,7 @@ def load_text_data(
         _check_columns(t, cols)
         if t.n == 0:
             raise ConfigError(f"{t.where}: no rows")
-    known = train_t.class_names or _names_from_text_column(train_t, cols.label, label_text_col)
+    known = train_t.class_names or _names_from_text_column([train_t, test_t], cols.label, label_text_col)
     if known is None and spec is not None and spec.label_names is not None:
         known = list(spec.label_names)
     (y_tr, y_te), names = _label_ids(

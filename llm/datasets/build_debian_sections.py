@@ -20,7 +20,7 @@ Pipeline (every step deterministic; counts go to the README the builder writes):
 
 1. Binary packages of the chosen sections (the ``contrib/`` / ``non-free/`` area prefix dropped).
 2. Drop ``-dbg/-dbgsym/-doc/-dev/-data/-common/-l10n/-i18n`` binaries (they repeat the main
-   package's description) and transitional / dummy / metapackages (by their short description).
+   package's description) and transitional / dummy / metapackages (phrases in the description).
 3. One binary per *source* package (the one named like the source, else the shortest name), so
    the many binaries of one source never give near-copies.
 4. Text = short description + long description (Translation-en, matched by Description-md5),
@@ -28,9 +28,9 @@ Pipeline (every step deterministic; counts go to the README the builder writes):
    removed; the section word itself removed (:data:`LEAK_WORDS`: "game/games", "sound/sounds",
    "graphic/graphics/graphical", "mail/mails/e-mail/email") — other topical words (audio, image,
    player, SMTP, ...) stay, so the task is learnable but not a keyword lookup.
-5. Near-duplicate removal across all kept sources: word 5-gram Jaccard ≥ ``--dup-threshold``
-   (default 0.3, on the final texts) puts two descriptions in one cluster (union-find); one per cluster is kept (the
-   smallest source name).  Descriptions shorter than ``--min-words`` are dropped.
+5. Descriptions shorter than ``--min-words`` are dropped.  Near-duplicates across all kept
+   sources: word-5-gram Jaccard ≥ ``--dup-threshold`` (default 0.3, on the final texts) puts two
+   descriptions in one cluster (union-find); one per cluster is kept (the smallest source name).
 6. At most ``--max-per-class`` samples per class (chosen by a keyed SHA-256 of the source name),
    then a stratified 80/20 train/test split by source (same hashing), so no source package is in
    both splits and test descriptions are not near-copies of training ones.
@@ -146,7 +146,7 @@ def long_description(desc: str) -> str:
     """Body of a Debian Description field (lines after the first), " ." markers removed."""
     lines = desc.split("\n")[1:]
     kept = [ln.strip() for ln in lines if ln.strip() != "."]
-    return " ".join(s for s in kept if s)
+    return " ".join(" ".join(kept).split())
 
 
 def _name_re(names: Iterable[str]) -> re.Pattern[str] | None:
