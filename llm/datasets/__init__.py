@@ -1,0 +1,13 @@
+"""Data sets bundled with fedlora (read offline by ``llm.data``).
+
+``debian_sections/``: Debian package descriptions labelled with their archive Section (games,
+sound, graphics, mail); built by :mod:`llm.datasets.build_debian_sections`, see its README.md.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+DATASETS_DIR = Path(__file__).resolve().parent
+DEBIAN_SECTIONS_DIR = DATASETS_DIR / "debian_sections"
+
+__all__ = ["DATASETS_DIR", "DEBIAN_SECTIONS_DIR"]
