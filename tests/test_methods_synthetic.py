@@ -92,6 +92,36 @@ def test_pf2lora_uploads_only_the_common_adapter_and_aggregates_purely():
     assert ups[0].nbytes == len(ups[0].to_bytes()) > 8 * (3 * 6 + 6 * 3)
 
 
+def test_pf2lora_server_mean_is_uniform_over_the_participants_whatever_the_weights():
+    """Alg. 1 line 8: x = (1/M) Σ_k x_k — data-size weights from the runtime must not enter."""
+    layer = _pf2_layer(3)
+    m = PF2LoRA(rank=3, client_rank=2)
+    m.setup(layer, [0, 1, 2])
+    ups = [m.upload(i) for i in range(3)]
+    state = PF2LoRA.aggregate(ups, torch.tensor([0.7, 0.2, 0.1], dtype=torch.float64))
+    A, B = layer.lora_A.detach(), layer.lora_B.detach()
+    torch.testing.assert_close(state["lora_A"], (A[0] + A[1] + A[2]) / 3, rtol=1e-14, atol=1e-15)
+    torch.testing.assert_close(state["lora_B"], (B[0] + B[1] + B[2]) / 3, rtol=1e-14, atol=1e-15)
+    # through the simulator: unequal client weights, 2 of 4 clients per round
+    from fedlora.simulator import Federation, run_rounds
+
+    G = 4
+    X, Y = _data(G)
+    layer = _pf2_layer(G, seed=1)
+    m = PF2LoRA(upper_lr=0.01, lower_lr=0.05, rank=3, client_rank=2)
+    fed = Federation(1, G, client_weights=[1.0, 2.0, 3.0, 10.0], sample_fraction=0.5, sample_seed=2)
+    m.setup(layer, fed.replica_clients)
+    seen = []
+    aggregate = m.aggregate
+    m.aggregate = lambda payloads, weights: seen.append(payloads) or aggregate(payloads, weights)
+    run_rounds(m, fed, _objective(layer), lambda: (X, Y), rounds=2, local_steps=2)
+    last = seen[-1]
+    assert len(last) == 2
+    for i in range(G):
+        torch.testing.assert_close(layer.lora_A[i].detach(), (last[0].tensors["lora_A"] + last[1].tensors["lora_A"]) / 2,
+                                   rtol=1e-14, atol=1e-15)
+
+
 def test_pf2lora_requires_client_adapter_of_the_declared_ranks():
     with pytest.raises(ConfigError, match="client_rank"):
         PF2LoRA().setup(LoRALinear(4, 4, 2, stack=2), [0, 1])
