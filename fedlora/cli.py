@@ -6,6 +6,7 @@
     fedlora synthetic compare [--methods a,b] [--heterogeneity 0,0.5,1] [--task both] [--seeds N] [--out DIR]
 
 Bad input exits with status 2 and one line ``fedlora: error: --flag: what is allowed`` — no traceback.
+Every command checks its output folder with ``check_output_dir`` before any work (new commands too).
 """
 from __future__ import annotations
 
@@ -38,6 +39,34 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def check_output_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
+    """Create the output folder ``path`` (with parents) and prove it writable; return it as a ``Path``.
+
+    Every command calls this BEFORE any work, so a bad ``--out`` costs one line, not a run that ends
+    in a traceback with nothing (or half of its files) written. Writability is checked by creating
+    and removing a temporary file in the folder (permission bits alone say nothing for root, a
+    read-only mount or /proc). Raises ``ConfigError("--out: …")`` naming the folder and the reason.
+    """
+    p = Path(path)
+    if str(path) == "":
+        raise ConfigError(f"{flag}: must name an output folder, got ''")
+    blocker = next((a for a in (p, *p.parents) if a.exists() or a.is_symlink()), None)
+    if blocker is not None and not blocker.is_dir():
+        what = "is" if blocker == p else f"lies under {str(blocker)!r}, which is"
+        raise ConfigError(f"{flag}: cannot use {str(p)!r} as the output folder: it {what} a file, not a folder")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{flag}: cannot create the output folder {str(p)!r}: {e.strerror or e}") from None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=p, prefix=".fedlora-write-check-")
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        raise ConfigError(f"{flag}: the output folder {str(p)!r} is not writable: {e.strerror or e}") from None
+    return p
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -96,7 +125,7 @@ _RR_FLAGS: dict[str, tuple[Any, str]] = {
     "het-r-max": (int, "HetLoRA r_max (paper: 12)"),
     "het-initial-ranks": (_ints, "HetLoRA initial client ranks, comma-separated (paper: 2,10)"),
     "het-penalty": (float, "HetLoRA tail penalty λ (paper: 0.1)"),
-    "het-gamma": (float, "HetLoRA γ: penalise and prune ranks ≥ ⌊γ r_k⌋ (paper's 'last 30 %': 0.7)"),
+    "het-gamma": (float, "HetLoRA γ: penalise and prune ranks ≥ ⌊γ r_k⌋ (paper's 'last 30 %%': 0.7)"),
     "true-ranks": (_ints, "true ranks per client, comma-separated (default 3,4)"),
     "shared-rank": (int, "shared-private: rank of the shared part S (default 2)"),
     "noise-std": (_floats, "noise standard deviation per client (default 0.1,0.2)"),
@@ -194,7 +223,7 @@ def _cmd_rank_recovery(args: argparse.Namespace) -> int:
         if val is not None:
             options[flag.replace("-", "_")] = val
     cfg = RankRecoveryConfig.from_preset(preset, **options)
-    out = Path(args.out)
+    out = check_output_dir(args.out)
     result = run_rank_recovery(cfg)
     write_json_atomic(out / "metrics.json", result)
     _print_rank_recovery(result)
@@ -216,8 +245,8 @@ def _cmd_bilevel(args: argparse.Namespace) -> int:
         kw["hypergradient_mode"] = args.hypergradient
     cfg = BilevelConfig(**kw)
     cfg.validate()
+    out = check_output_dir(args.out)
     result = run_bilevel_convergence(cfg)
-    out = Path(args.out)
     write_json_atomic(out / "metrics.json", result)
     fit, checks = result["fit"], result["checks"]
     k, bias = result["constants"], result["bias_check"]
@@ -239,8 +268,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
     if args.seeds < 1:
         raise ConfigError(f"--seeds: must be an integer ≥ 1, got {args.seeds}")
+    out = check_output_dir(args.out)
     result = tune_rank_recovery(args.ground_truth, args.seeds, args.seed_offset)
-    out = Path(args.out)
     write_json_atomic(out / "tune.json", result)
     for method, t in result["choice"].items():
         print(f"{method}: {t}")
@@ -266,7 +295,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     if isinstance(options.get("methods"), str):
         options["methods"] = tuple(m for m in options["methods"].split(",") if m)
     cfg = CompareConfig.from_options(**options)
-    out = Path(args.out)
+    out = check_output_dir(args.out)
     result = run_compare(cfg)
     write_json_atomic(out / "compare.json", result)
     md = to_markdown(result)

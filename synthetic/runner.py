@@ -9,7 +9,8 @@ federation, so stacking them is the same as running them one after another, only
 Objectives are full batch (deterministic gradients): the mean squared error over a client's samples
 and outputs (regression) or the mean cross-entropy (classification). Clients may hold different
 numbers of samples: shorter clients are padded with zero rows that a mask (classification) or the
-zero input and target (regression: a zero row contributes exactly 0) keeps out of the loss.
+zero input and target (regression: a zero row contributes exactly 0) keeps out of the loss; the same
+mask keeps them out of H²Tune's eq. 7 output KL (``output_fn`` returns it with the logits).
 """
 from __future__ import annotations
 
@@ -149,7 +150,11 @@ class RunResult:
 
 
 def _objectives(layer: LoRALinear, data: StackedData):
-    """(train objective, its full batch, a per-replica evaluation function of params)."""
+    """(train objective, its full batch, a per-replica evaluation function of params, output_fn).
+
+    ``output_fn(params, batch) -> (logits (G, n_max, C), mask (G, n_max))`` for classification (the
+    mask keeps padded rows out of H²Tune's eq. 7 KL), ``None`` for regression (no logits)."""
+    output_fn = None
     G, d_out = data.X_train.shape[0], data.d_out
     if data.task == "regression":
         # Exact sufficient-statistics reduction (as rank_recovery): with X = QR,
@@ -169,6 +174,9 @@ def _objectives(layer: LoRALinear, data: StackedData):
     else:
         batch = (data.X_train, data.Y_train, data.mask_train, data.n_train)
 
+        def output_fn(params, b):
+            return layer.forward_with(params, b[0]), b[2]
+
         def objective(params, b):
             X, y, mask, n = b
             logits = layer.forward_with(params, X)
@@ -180,7 +188,7 @@ def _objectives(layer: LoRALinear, data: StackedData):
             ce = F.cross_entropy(logits.reshape(-1, d_out), y.reshape(-1), reduction="none").view(G, -1)
             hit = (logits.argmax(-1) == y).to(torch.float64)
             return {"loss": (ce * mask).sum(-1) / n, "accuracy": (hit * mask).sum(-1) / n}
-    return objective, batch, metrics
+    return objective, batch, metrics, output_fn
 
 
 def run_method(name: str, data: StackedData, *, lr: float, rounds: int, local_steps: int,
@@ -211,14 +219,15 @@ def run_method(name: str, data: StackedData, *, lr: float, rounds: int, local_st
                      sample_fraction=sample_fraction, sample_seed=sample_seed)
     G = fed.n_replicas
     layer = LoRALinear(data.d_in, data.d_out, stack=G, dtype=torch.float64, **adapter)
-    if data.task == "classification" and getattr(method, "output_fn", False) is None:
-        # H²Tune's eq. 7 needs the logits of a batch as well as the loss (see its docstring)
-        method.output_fn = lambda params, batch: layer.forward_with(params, batch[0])
+    objective, batch, metrics, output_fn = _objectives(layer, data)
+    if output_fn is not None and getattr(method, "output_fn", False) is None:
+        # H²Tune's eq. 7 needs the logits of a batch as well as the loss (see its docstring), and
+        # the padding mask so that its KL is a mean over each client's real rows
+        method.output_fn = output_fn
     _init_layer(layer, fed, data.group_seeds, name, adapter)
     # Methods that draw from the global RNG (e.g. random masks) get a stream fixed by the run.
     torch.manual_seed(method_seed(data.group_seeds[0], name))
     method.setup(layer, fed.replica_clients)
-    objective, batch, metrics = _objectives(layer, data)
 
     def sample():
         return batch

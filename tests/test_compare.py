@@ -68,6 +68,50 @@ def test_every_method_writes_the_documented_keys(tiny_run):
     assert refs == {(t, h) for t in ("regression", "classification") for h in (0.0, 1.0)}
 
 
+#: methods whose clients all hold one global model after the download, and those whose clients keep
+#: a model of their own (personalised, or HetLoRA's per-client truncation) — every method is one of them
+GLOBAL_MODEL = ("centralized", "fedavg", "ffa", "flexlora", "flora", "lora-a2", "rolora")
+OWN_MODEL = ("fedsa", "h2tune", "hetlora", "local", "perfedavg", "pf2lora")
+
+
+def _payload_bytes(**shapes) -> int:
+    import torch
+
+    from fedlora.payload import Payload
+
+    return Payload({k: torch.zeros(*v, dtype=torch.float64) for k, v in shapes.items()}).nbytes
+
+
+def test_every_methods_numbers_mean_what_they_say(tiny_run):
+    """Beyond keys: one global model ⇒ identical clients; own models ⇒ clients differ; the bytes per
+    round are the serialised sizes of exactly what each method sends (shapes by hand)."""
+    _, res = tiny_run
+    assert sorted(GLOBAL_MODEL + OWN_MODEL) == available_methods()
+    r_ = 2
+    for r in res["results"]:
+        name, d_in = r["method"], 6
+        d_out = 6 if r["task"] == "regression" else 4
+        A, B, AB = (_payload_bytes(lora_A=(r_, d_in)), _payload_bytes(lora_B=(d_out, r_)),
+                    _payload_bytes(lora_A=(r_, d_in), lora_B=(d_out, r_)))
+        per_round = {"fedavg": [AB, AB], "perfedavg": [AB, AB], "pf2lora": [AB, AB], "ffa": [B, B],
+                     "fedsa": [A, A], "rolora": [B, A], "h2tune": [_payload_bytes(lora_R=(1, r_, r_))] * 2,
+                     "local": [0, 0], "centralized": [0, 0]}.get(name)
+        for s in r["seeds"]:
+            cl = s["clients"]
+            if per_round is not None:  # no sampling: every client sends and receives the full round
+                for c in cl:
+                    assert c["bytes_up_per_round"] == per_round and c["bytes_down_per_round"] == per_round, name
+            if r["heterogeneity"] == 0.0:  # W_k* = S for every client: equal models ⇔ equal distances
+                d = [c["distance_to_truth"] for c in cl]
+                assert (d[0] == d[1]) == (name in GLOBAL_MODEL), (name, r["task"], d)
+            if name in OWN_MODEL:
+                assert cl[0]["test_loss"] != cl[1]["test_loss"]
+    # the chosen run's test loss is the one whose validation loss was lowest
+    for r in res["results"]:
+        scores = {float(k): v for k, v in r["val_loss_by_lr"].items()}
+        assert r["lr"] == min(scores, key=lambda k: (scores[k], k)), r["method"]
+
+
 def _numbers(res):
     """Everything but wall-clock times."""
     def strip(x):

@@ -186,6 +186,44 @@ def test_rolora_alternates_by_round_index():
     assert torch.equal(layer2.lora_B.detach(), B0) and set(m2.upload(0).tensors) == {"lora_A"}
 
 
+def test_rolora_round_parity_through_run_rounds():
+    """RoLoRA driven by the simulator: round 0 (and 2) trains, uploads and downloads B only — A
+    bit-for-bit frozen on every client, no optimizer state born for it; round 1 (and 3) A only — B
+    bit-for-bit frozen; the server averages the trained factor with the data weights."""
+    G = 3
+    X, Y = _data(G)
+    m = RoLoRA(rank=R, lr=0.05)
+    layer = _setup(m, G)
+    log = {"start": [], "end": [], "up": [], "down": [], "state": [], "opt_A": []}
+    begin, end, upload, download = m.begin_round, m.end_round, m.upload, m.download
+
+    def snap():
+        return layer.lora_A.detach().clone(), layer.lora_B.detach().clone()
+
+    m.begin_round = lambda rnd: log["start"].append(snap()) or begin(rnd)
+    m.end_round = lambda rnd: end(rnd) or log["end"].append(snap()) or log["opt_A"].append(
+        {k: v.clone() for k, v in m.opt.state.get(layer.lora_A, {}).items()})
+    m.upload = lambda i: log["up"].append(upload(i)) or log["up"][-1]
+    m.download = lambda i, state: log["down"].append(download(i, state)) or log["down"][-1]
+    w = torch.tensor([1.0, 2.0, 5.0], dtype=F64)
+    run_rounds(m, Federation(1, G, client_weights=w.tolist()), _objective(layer), lambda: (X, Y), rounds=4,
+               local_steps=2)
+    for rnd in range(4):
+        trained = "B" if rnd % 2 == 0 else "A"
+        (A0, B0), (A1, B1) = log["start"][rnd], log["end"][rnd]
+        frozen0, frozen1, moved0, moved1 = (A0, A1, B0, B1) if trained == "B" else (B0, B1, A0, A1)
+        assert torch.equal(frozen0, frozen1), rnd  # bit for bit, every client
+        assert all(not torch.equal(moved0[i], moved1[i]) for i in range(G)), rnd
+        ups, downs = log["up"][rnd * G:(rnd + 1) * G], log["down"][rnd * G:(rnd + 1) * G]
+        assert all(set(p.tensors) == {"lora_" + trained} for p in ups + downs), rnd
+        want = sum(wk / w.sum() * p.tensors["lora_" + trained] for wk, p in zip(w, ups))
+        for p in downs:
+            torch.testing.assert_close(p.tensors["lora_" + trained], want, rtol=1e-14, atol=1e-15)
+    assert log["opt_A"][0] == {}  # round 0 never stepped A
+    assert log["opt_A"][1]["step"].tolist() == [2.0] * G and log["opt_A"][3]["step"].tolist() == [4.0] * G
+    assert torch.equal(log["opt_A"][1]["exp_avg"], log["opt_A"][2]["exp_avg"])  # a B round leaves A's moments
+
+
 # ---------------------------------------------------------------------------------------------
 # bytes, measured from payloads
 

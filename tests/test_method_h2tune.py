@@ -13,6 +13,7 @@ from fedlora.aggmath.h2tune import (kl_softmax, server_mean, sparsify_support, t
                                     trilora_delta)
 from fedlora.errors import ConfigError
 from fedlora.methods import H2Tune, get_method
+from fedlora.methods.h2tune import output_kl
 from fedlora.payload import Payload
 from fedlora.simulator import Federation, run_rounds
 
@@ -387,3 +388,88 @@ def test_model_without_middle_is_rejected():
         H2Tune(rank=2).setup(LoRALinear(4, 4, 2, stack=2), [0, 1])
     with pytest.raises(ConfigError, match="stacked"):
         H2Tune(rank=3).setup(LoRALinear(4, 4, 2, stack=2, middle=True), [0, 1])
+
+
+def test_default_optimizer_is_plain_sgd_as_in_app_a():
+    """App. A Algorithm 1 updates A, B with η and Φ⊙R with η′ by plain gradient steps."""
+    m = H2Tune(rank=3, lr=0.05, shared_lr=0.02)
+    assert m.optimizer == "sgd"
+    model = Chain(2)
+    _randomise(model)
+    m.setup(model, [0, 1])
+    for opt, lr in ((m.opt_shared, 0.02), (m.opt_specific, 0.05)):
+        assert type(opt) is torch.optim.SGD
+        assert opt.defaults["lr"] == lr and opt.defaults["momentum"] == 0 and opt.defaults["weight_decay"] == 0
+    assert isinstance(H2Tune(rank=3, optimizer="adamw").optimizer, str)  # AdamW stays an option
+
+
+# ---------------------------------------------------------------------------------------------
+# eq. 7's output KL on clients of different sizes (the synthetic runner pads them to n_max)
+
+def _two_sizes(sizes=(3, 5), C=4, d=5):
+    from synthetic.data import ClientTask
+    from synthetic.runner import stack_federations
+
+    g = torch.Generator().manual_seed(4)
+    clients = [ClientTask(torch.randn(n, d, generator=g, dtype=D64), torch.randint(0, C, (n,), generator=g),
+                          torch.randn(2, d, generator=g, dtype=D64), torch.randint(0, C, (2,), generator=g),
+                          torch.zeros(d, C, dtype=D64), 1, 0.0) for n in sizes]
+    return stack_federations("classification", [clients], [0], C)
+
+
+def test_output_kl_is_averaged_over_each_clients_real_rows_only():
+    """One step (2) on two clients of 3 and 5 samples, through the runner's objective and output_fn,
+    against a hand computation on each client's unpadded rows: −mean over its OWN n_k rows of
+    KL(softmax y'' ‖ softmax y') — not a mean over n_max rows, which scales client 1's KL by 3/5."""
+    from synthetic.runner import _objectives
+
+    data = _two_sizes()
+    G, d, C, r, eta, nu = 2, 5, 4, 3, 0.1, 0.01
+    layer = LoRALinear(d, C, r, middle=True, stack=G, dtype=D64)
+    objective, batch, _, output_fn = _objectives(layer, data)
+    m = _setup(layer, G, lr=eta, nu=nu, output_fn=output_fn)
+    g = torch.Generator().manual_seed(9)
+    y_prime = torch.randn(G, 5, C, generator=g, dtype=D64) * data.mask_train[..., None]  # zero on padding
+    ref = copy.deepcopy(layer)
+    m.specific_step(objective, batch, y_prime)
+    for i, n in enumerate((3, 5)):
+        A = ref.lora_A[i].detach().clone().requires_grad_()
+        B = ref.lora_B[i].detach().clone().requires_grad_()
+        X, y = data.X_train[i, :n], data.Y_train[i, :n]
+        z = X @ trilora_delta(B, ref.lora_R[i].detach(), (ref.lora_Phi[i] * ref.middle_mask[i]).detach(), A,
+                              ref.scale).T
+        lp, lq = torch.log_softmax(z, -1), torch.log_softmax(y_prime[i, :n], -1)
+        kl = (lp.exp() * (lp - lq)).sum(-1).mean()  # over the n real rows
+        loss = nn.functional.cross_entropy(z, y) - kl + 0.5 * nu * ((A ** 2).sum() + (B ** 2).sum())
+        gA, gB = torch.autograd.grad(loss, [A, B])
+        torch.testing.assert_close(layer.lora_A[i].detach(), (A - eta * gA).detach(), rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(layer.lora_B[i].detach(), (B - eta * gB).detach(), rtol=1e-12, atol=1e-14)
+    # output_kl itself: the masked mean, by hand
+    y_new = torch.randn(G, 5, C, generator=g, dtype=D64)
+    per_row = (torch.softmax(y_new, -1) * (torch.log_softmax(y_new, -1) - torch.log_softmax(y_prime, -1))).sum(-1)
+    want = torch.stack([per_row[0, :3].mean(), per_row[1].mean()])
+    torch.testing.assert_close(output_kl(y_new, y_prime, data.mask_train), want, rtol=1e-14, atol=1e-15)
+
+
+def test_runner_h2tune_results_do_not_depend_on_how_far_clients_are_padded():
+    """The same federation, padded to n_max = 5 or (with extra masked zero rows) to 12: every number
+    of a classification run through ``run_method`` must be the same."""
+    import dataclasses
+
+    from synthetic.runner import run_method
+
+    data = _two_sizes()
+    pad = 7
+    more = dataclasses.replace(
+        data, X_train=torch.cat([data.X_train, torch.zeros(2, pad, 5, dtype=D64)], 1),
+        Y_train=torch.cat([data.Y_train, torch.zeros(2, pad, dtype=data.Y_train.dtype)], 1),
+        mask_train=torch.cat([data.mask_train, torch.zeros(2, pad, dtype=D64)], 1))
+    runs = [run_method("h2tune", dd, lr=0.3, rounds=2, local_steps=3, options={"rank": 3, "r_init_std": 0.3})
+            for dd in (data, more)]
+    assert runs[0].error is None and runs[1].error is None
+    for key in ("train_loss", "test_loss", "distance"):
+        torch.testing.assert_close(torch.tensor(runs[1].final[key]), torch.tensor(runs[0].final[key]),
+                                   rtol=1e-12, atol=1e-14)
+    assert runs[0].final["test_loss"] != run_method("h2tune", data, lr=0.3, rounds=2, local_steps=3,
+                                                    options={"rank": 3, "r_init_std": 0.3,
+                                                             "disentangle_sign": "plus"}).final["test_loss"]

@@ -92,6 +92,36 @@ def test_pf2lora_uploads_only_the_common_adapter_and_aggregates_purely():
     assert ups[0].nbytes == len(ups[0].to_bytes()) > 8 * (3 * 6 + 6 * 3)
 
 
+def test_pf2lora_server_mean_is_uniform_over_the_participants_whatever_the_weights():
+    """Alg. 1 line 8: x = (1/M) Σ_k x_k — data-size weights from the runtime must not enter."""
+    layer = _pf2_layer(3)
+    m = PF2LoRA(rank=3, client_rank=2)
+    m.setup(layer, [0, 1, 2])
+    ups = [m.upload(i) for i in range(3)]
+    state = PF2LoRA.aggregate(ups, torch.tensor([0.7, 0.2, 0.1], dtype=torch.float64))
+    A, B = layer.lora_A.detach(), layer.lora_B.detach()
+    torch.testing.assert_close(state["lora_A"], (A[0] + A[1] + A[2]) / 3, rtol=1e-14, atol=1e-15)
+    torch.testing.assert_close(state["lora_B"], (B[0] + B[1] + B[2]) / 3, rtol=1e-14, atol=1e-15)
+    # through the simulator: unequal client weights, 2 of 4 clients per round
+    from fedlora.simulator import Federation, run_rounds
+
+    G = 4
+    X, Y = _data(G)
+    layer = _pf2_layer(G, seed=1)
+    m = PF2LoRA(upper_lr=0.01, lower_lr=0.05, rank=3, client_rank=2)
+    fed = Federation(1, G, client_weights=[1.0, 2.0, 3.0, 10.0], sample_fraction=0.5, sample_seed=2)
+    m.setup(layer, fed.replica_clients)
+    seen = []
+    aggregate = m.aggregate
+    m.aggregate = lambda payloads, weights: seen.append(payloads) or aggregate(payloads, weights)
+    run_rounds(m, fed, _objective(layer), lambda: (X, Y), rounds=2, local_steps=2)
+    last = seen[-1]
+    assert len(last) == 2
+    for i in range(G):
+        torch.testing.assert_close(layer.lora_A[i].detach(), (last[0].tensors["lora_A"] + last[1].tensors["lora_A"]) / 2,
+                                   rtol=1e-14, atol=1e-15)
+
+
 def test_pf2lora_requires_client_adapter_of_the_declared_ranks():
     with pytest.raises(ConfigError, match="client_rank"):
         PF2LoRA().setup(LoRALinear(4, 4, 2, stack=2), [0, 1])
@@ -153,11 +183,96 @@ def test_hetlora_zero_padding_round_trip_and_aggregate():
 
 def test_hetlora_upload_download_carry_r_k():
     layer, m = _het()
-    assert m.upload(0).tensors["lora_A"].shape == (2, 6) and m.upload(1).tensors["lora_A"].shape == (6, 6)
-    state = HetLoRA.aggregate([m.upload(0), m.upload(1)], torch.tensor([0.5, 0.5]))
-    assert state["lora_A"].shape == (6, 6)
+    up0, up1 = m.upload(0), m.upload(1)
+    assert up0.tensors["lora_A"].shape == (2, 6) and up1.tensors["lora_A"].shape == (6, 6)
+    assert up0.meta == {"r_max": "8"}  # the server's rank travels with every upload
+    state = HetLoRA.aggregate([up0, up1], torch.tensor([0.5, 0.5]))
+    assert state["lora_A"].shape == (8, 6) and state["lora_B"].shape == (6, 8)
     sent = m.download(0, state)
     assert sent.tensors["lora_A"].shape == (2, 6) and torch.all(layer.lora_A[0, 2:] == 0)
+    with pytest.raises(ConfigError, match="lacks"):
+        HetLoRA.aggregate([Payload(dict(up0.tensors))], torch.ones(1))
+    with pytest.raises(ConfigError, match="disagree on the server rank"):
+        HetLoRA.aggregate([up0, Payload(dict(up1.tensors), {"r_max": "9"})], torch.tensor([0.5, 0.5]))
+    with pytest.raises(ConfigError, match="the server must keep rank r_max = 8"):
+        m.download(1, {"lora_A": state["lora_A"][:2], "lora_B": state["lora_B"][:, :2]})
+
+
+def _by_hand_hetlora(payloads, r_max):
+    """HetLoRA's server from its definition (PF2LoRA §3): weights ‖B_kA_k‖_F / Σ_j ‖B_jA_j‖_F with the
+    dense product, zero-padding to r_max, weighted sums."""
+    norms = [float(torch.linalg.matrix_norm(p.tensors["lora_B"] @ p.tensors["lora_A"])) for p in payloads]
+    w = [n / sum(norms) for n in norms]
+    d_out, d_in = payloads[0].tensors["lora_B"].shape[0], payloads[0].tensors["lora_A"].shape[1]
+    A, B = torch.zeros(r_max, d_in, dtype=torch.float64), torch.zeros(d_out, r_max, dtype=torch.float64)
+    for wk, p in zip(w, payloads):
+        r = p.tensors["lora_A"].shape[0]
+        A[:r] += wk * p.tensors["lora_A"]
+        B[:, :r] += wk * p.tensors["lora_B"]
+    return A, B, w
+
+
+def test_hetlora_server_values_are_the_sparsity_weighted_mean_not_the_data_weighted_one():
+    layer, m = _het(G=3, ranks=(2, 6, 4))
+    with torch.no_grad():  # very different ‖B_k A_k‖: the sparsity weights are far from any data weights
+        layer.lora_B[0].mul_(3.0)
+        layer.lora_B[2].mul_(0.2)
+    ups = [m.upload(i) for i in range(3)]
+    data_w = torch.tensor([0.1, 0.2, 0.7], dtype=torch.float64)
+    state = HetLoRA.aggregate(ups, data_w)
+    A, B, w = _by_hand_hetlora(ups, 8)
+    assert max(abs(a - b) for a, b in zip(w, data_w.tolist())) > 0.3
+    torch.testing.assert_close(state["lora_A"], A, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(state["lora_B"], B, rtol=1e-12, atol=1e-14)
+    assert torch.equal(HetLoRA.aggregate(ups, torch.tensor([0.9, 0.05, 0.05]))["lora_A"], state["lora_A"])
+
+
+def test_hetlora_round_through_download_gives_each_client_the_truncated_sparsity_mean():
+    from fedlora.simulator import Federation, run_rounds
+
+    X, Y = _data(3, d=6)
+    layer, m = _het(G=3, ranks=(2, 6, 4), penalty=0.0)
+    seen = []
+    aggregate = m.aggregate
+    m.aggregate = lambda payloads, weights: seen.append((payloads, weights)) or aggregate(payloads, weights)
+    fed = Federation(1, 3, client_weights=[1.0, 2.0, 7.0])
+    run_rounds(m, fed, _objective(layer), lambda: (X, Y), rounds=1, local_steps=2)
+    (payloads, weights), = seen
+    torch.testing.assert_close(weights, torch.tensor([0.1, 0.2, 0.7], dtype=torch.float64))  # passed, not used
+    A, B, _ = _by_hand_hetlora(payloads, 8)
+    ranks = m.ranks.tolist()  # after the round's self-pruning, which happens before the upload
+    assert ranks == [p.tensors["lora_A"].shape[0] for p in payloads] and len(set(ranks)) == 3
+    for i, r in enumerate(ranks):
+        torch.testing.assert_close(layer.lora_A[i, :r].detach(), A[:r], rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(layer.lora_B[i, :, :r].detach(), B[:, :r], rtol=1e-12, atol=1e-14)
+        assert torch.all(layer.lora_A[i, r:] == 0) and torch.all(layer.lora_B[i, :, r:] == 0)
+
+
+def test_hetlora_prunes_exactly_where_the_tail_norm_shrank():
+    """Self-pruning (SPEC §4): r_k ← max(r_min, ⌊γ r_k⌋) if ‖B_tail‖‖A_tail‖ shrank over the round,
+    unchanged if it grew or stayed; pruned slots become exactly zero."""
+    layer, m = _het(G=4, ranks=(6, 6, 6, 2), gamma=0.7)  # tail of r = 6: slots ⌊4.2⌋ = 4, 5; of r = 2: slot 1
+    m.begin_round(0)
+    with torch.no_grad():
+        layer.lora_A[0, 4:6].mul_(0.9)  # shrank → ⌊0.7·6⌋ = 4
+        layer.lora_A[1, 4:6].mul_(1.1)  # grew → 6
+        layer.lora_A[1, :4].mul_(0.5)  # (the head does not count)
+        layer.lora_B[3, :, 1].mul_(0.5)  # shrank, r = 2 → max(r_min = 1, ⌊1.4⌋) = 1
+    m.end_round(0)  # replica 2: unchanged tail → no pruning
+    assert m.ranks.tolist() == [4, 6, 6, 1]
+    assert torch.all(layer.lora_A[0, 4:] == 0) and torch.all(layer.lora_B[0, :, 4:] == 0)
+    assert torch.all(layer.lora_A[1, 4:6] != 0) and torch.all(layer.lora_A[2, 4:6] != 0)
+    # r_min binds: r = 4, γ = 0.7 → ⌊2.8⌋ = 2 < r_min = 3
+    layer2 = LoRALinear(6, 6, 8, stack=1, dtype=torch.float64)
+    with torch.no_grad():
+        layer2.lora_B.normal_()
+    m2 = HetLoRA(lr=0.01, r_min=3, r_max=8, gamma=0.7, penalty=0.5, initial_ranks=[4])
+    m2.setup(layer2, [0])
+    m2.begin_round(0)
+    with torch.no_grad():
+        layer2.lora_A[0, 2:4].mul_(0.5)
+    m2.end_round(0)
+    assert m2.ranks.tolist() == [3]
 
 
 def test_registry_and_payload_round_trip():

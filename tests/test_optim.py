@@ -91,16 +91,37 @@ def test_sampled_client_first_round_equals_a_fresh_client():
 
 
 def test_survives_deepcopy_and_state_dict_round_trip():
+    """A deep copy (its own parameter copy, its own per-replica state) and a state_dict reload both
+    continue exactly where the original stopped, and neither touches the original's state."""
     import copy
 
-    p = torch.nn.Parameter(torch.ones(3, 2, dtype=torch.float64))
+    p = torch.nn.Parameter(torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], dtype=torch.float64))
     opt = StackedAdamW([p], lr=0.1)
-    p.grad = torch.ones_like(p)
+    p.grad = torch.tensor([[1.0, -2.0], [0.5, 0.0], [3.0, 1.0]], dtype=torch.float64)
     opt.step()
+    saved = {k: v.clone() for k, v in opt.state[p].items()}
+    after_one = p.detach().clone()
     twin = copy.deepcopy(opt)
+    p_twin = twin.param_groups[0]["params"][0]
+    assert p_twin is not p and torch.equal(p_twin, p)
     fresh = StackedAdamW([p], lr=0.1)
     fresh.load_state_dict(opt.state_dict())
-    for o in (twin, fresh):
-        o.param_groups[0]["params"][0].grad = torch.ones_like(p)
-        o.step()
-    assert fresh.state[p]["step"].tolist() == [2.0, 2.0, 2.0]
+    grad2 = torch.tensor([[0.3, 0.3], [-1.0, 2.0], [0.0, -0.5]], dtype=torch.float64)
+    p_twin.grad = grad2.clone()
+    twin.step()
+    # the original is untouched by the twin's step
+    assert torch.equal(p, after_one) and all(torch.equal(opt.state[p][k], v) for k, v in saved.items())
+    p.grad = grad2.clone()
+    fresh.step()
+    # reference: torch's AdamW over the same two gradients
+    q = torch.nn.Parameter(torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], dtype=torch.float64))
+    ref = torch.optim.AdamW([q], lr=0.1, foreach=False)
+    for g in (torch.tensor([[1.0, -2.0], [0.5, 0.0], [3.0, 1.0]], dtype=torch.float64), grad2):
+        q.grad = g.clone()
+        ref.step()
+    torch.testing.assert_close(p_twin.detach(), q.detach(), rtol=1e-14, atol=1e-15)
+    torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-14, atol=1e-15)
+    for o, par in ((twin, p_twin), (fresh, p)):
+        assert o.state[par]["step"].tolist() == [2.0, 2.0, 2.0]
+        torch.testing.assert_close(o.state[par]["exp_avg"], ref.state[q]["exp_avg"], rtol=1e-14, atol=1e-15)
+        torch.testing.assert_close(o.state[par]["exp_avg_sq"], ref.state[q]["exp_avg_sq"], rtol=1e-14, atol=1e-15)

@@ -165,10 +165,32 @@ def test_incremental_downloads_count_for_every_client():
 
 
 def test_full_participation_takes_no_snapshot_and_matches_fraction_one():
-    _, h1, _, _, layer1 = _run_fedavg(fraction=1.0)
-    assert all(all(h["participants"]) for h in h1)
-    _, h2, _, _, layer = _run_fedavg(fraction=1.0)
-    assert torch.equal(layer1.lora_A, layer.lora_A)  # deterministic
+    """When every client is drawn — fraction 1, or 0.9 of 4 clients (⌈3.6⌉ = 4) — run_rounds neither
+    snapshots nor restores anything, and the run equals the fraction-1 run bit for bit."""
+    runs = {}
+    for fraction in (1.0, 0.9):
+        layer, objective, sample = _problem(8)
+        m = FedAvgLoRA(rank=R, lr=0.05)
+        m.setup(layer, list(range(4)) * 2)
+        calls = []
+        snapshot, restore = m.snapshot, m.restore
+        m.snapshot = lambda: calls.append("snapshot") or snapshot()
+        m.restore = lambda snap, reps: calls.append(("restore", list(reps))) or restore(snap, reps)
+        fed = Federation(2, 4, client_weights=[1.0, 2.0, 3.0, 4.0], sample_fraction=fraction, sample_seed=11)
+        hist = run_rounds(m, fed, objective, sample, 4, 3)
+        assert calls == [], (fraction, calls)
+        assert all(all(h["participants"]) for h in hist)
+        runs[fraction] = layer.lora_A.detach().clone(), layer.lora_B.detach().clone()
+    assert torch.equal(runs[1.0][0], runs[0.9][0]) and torch.equal(runs[1.0][1], runs[0.9][1])
+    # and a fraction that leaves clients out does snapshot, once per round
+    layer, objective, sample = _problem(4)
+    m = FedAvgLoRA(rank=R, lr=0.05)
+    m.setup(layer, list(range(4)))
+    n = []
+    snapshot = m.snapshot
+    m.snapshot = lambda: n.append(1) or snapshot()
+    run_rounds(m, Federation(1, 4, sample_fraction=0.5), objective, sample, 3, 2)
+    assert len(n) == 3
 
 
 def test_sampled_runs_are_reproducible():

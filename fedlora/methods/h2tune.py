@@ -40,7 +40,7 @@ Round (App. A, Algorithm 1; our reading where it is silent):
       *before* its update, i.e. with the current A_k, B_k and the pre-update R_k, Φ_k — eq. 6's
       prediction — detached (a constant of step 2). **y''** = the output on the same batch after
       step (1), "the prediction based on optimized R_k", differentiable in A_k, B_k. The KL is per
-      sample over the C classes and averaged over the batch. ``disentangle_sign="paper"`` uses
+      sample over the C classes and averaged over the batch's real samples (see ``output_fn``). ``disentangle_sign="paper"`` uses
       eq. 7's −KL (pushes y'' away from y'; unbounded below, ν keeps A, B bounded); ``"plus"``
       uses +KL. This alternates every step as Alg. 1 does (not all (1) steps then all (2)).
   Task loss = the objective (CE for classification, as the paper; any scalar per replica works).
@@ -64,8 +64,14 @@ initial uploads (what round −1 would send): with equal L_k it is R_init itself
 
 Model outputs. The Objective contract returns one loss per replica; eq. 7 also needs logits. Pass
 ``output_fn(params, batch) -> (G, …, C)`` logits (constructor or attribute ``method.output_fn``),
-evaluated with the same ``params`` mapping as the objective. Without it step (2) is task loss +
+evaluated with the same ``params`` mapping as the objective, or ``-> (logits, mask)`` with ``mask``
+(G, …) = 1 for real samples and 0 for padding, so that the KL is averaged over each client's real
+samples only (the synthetic runner pads clients of different sizes to one length; without the mask
+a client's KL would be scaled by n_k/n_max). Without ``output_fn`` step (2) is task loss +
 ν/2 regulariser only (no disentanglement KL; a warning says so once).
+
+Optimizer: plain SGD by default, as App. A's Algorithm 1 writes the updates (η for A, B; η′ for
+R, Φ); ``optimizer="adamw"`` is an option (weight decay 0: ν is explicit).
 
 Stacked replicas share d_in/d_out; clients with different widths/depths (different models) only
 need the (L_g, r_g, r_g) protocol, which upload/aggregate/download implement.
@@ -101,11 +107,17 @@ SUPPORT_BY = ("phi_r", "phi")
 OMEGA_INIT = ("identity", "depth")
 
 
-def output_kl(y_new: torch.Tensor, y_old: torch.Tensor) -> torch.Tensor:
-    """KL(softmax y_new ‖ softmax y_old) over the last (class) dim, averaged over samples → (G,)."""
+def output_kl(y_new: torch.Tensor, y_old: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """KL(softmax y_new ‖ softmax y_old) over the last (class) dim, averaged over samples → (G,).
+
+    y_new, y_old: (G, …, C) logits. ``mask`` (G, …): 1 for a real sample, 0 for padding (clients
+    padded to a common length); the mean is then over each replica's real samples only."""
     lp, lq = torch.log_softmax(y_new, dim=-1), torch.log_softmax(y_old, dim=-1)
-    kl = (lp.exp() * (lp - lq)).sum(-1)
-    return kl.reshape(kl.shape[0], -1).mean(-1)
+    kl = (lp.exp() * (lp - lq)).sum(-1).reshape(y_new.shape[0], -1)
+    if mask is None:
+        return kl.mean(-1)
+    m = mask.reshape(kl.shape).to(kl.dtype)
+    return (kl * m).sum(-1) / m.sum(-1)
 
 
 def _module_type(prefix: str) -> str:
@@ -132,10 +144,9 @@ class H2Tune(Method):
     ``kl_weight`` λ on eq. 6's KL (1 as written); ``disentangle_sign`` 'paper' (−KL) | 'plus';
     ``output_fn`` (params, batch) → logits (G, …, C) for eq. 7's KL; ``receive`` 'target' | 'replace';
     ``support_by`` 'phi_r' (|Φ⊙R|) | 'phi'; ``omega_init`` 'identity' | 'depth'; ``r_init_std`` and
-    ``seed`` for the shared R init; ``optimizer`` 'adamw' | 'sgd' (weight decay 0: ν is explicit).
-    App. A's Algorithm 1 writes plain SGD steps (η, η′); AdamW is our default for parity with the
-    other methods' local training — ``optimizer="sgd"`` is the paper's rule. With AdamW, moments of
-    entries off the current support keep decaying while those entries are frozen.
+    ``seed`` for the shared R init; ``optimizer`` 'sgd' (default: App. A's Algorithm 1 writes plain
+    SGD steps with η, η′) | 'adamw' (weight decay 0: ν is explicit). With AdamW, moments of entries
+    off the current support keep decaying while those entries are frozen.
     """
 
     name = "h2tune"
@@ -148,7 +159,7 @@ class H2Tune(Method):
                  global_layers: int | None = None, nu: float = 1e-3, kl_weight: float = 1.0,
                  disentangle_sign: str = "paper", output_fn: OutputFn | None = None,
                  receive: str = "target", support_by: str = "phi_r", omega_init: str = "identity",
-                 r_init_std: float = 1e-2, seed: int | Sequence[int] = 0, optimizer: str = "adamw") -> None:
+                 r_init_std: float = 1e-2, seed: int | Sequence[int] = 0, optimizer: str = "sgd") -> None:
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
             raise ConfigError(f"h2tune: rank (the global rank r_g) must be an integer ≥ 1, got {rank!r}")
         _check_number("lr", lr, 0.0, strict=True)
@@ -322,7 +333,7 @@ class H2Tune(Method):
         y_prime = None
         if self.output_fn is not None:
             with torch.no_grad():
-                y_prime = self.output_fn(P, batch).detach()
+                y_prime = self._outputs(P, batch)[0].detach()
         loss = objective(P, batch).sum()  # replicas are independent: Σ keeps gradients apart
         if self.kl_weight:
             loss = loss + self.kl_weight * self.kl_shared().sum()
@@ -349,7 +360,8 @@ class H2Tune(Method):
         P = self.param_view()
         loss = objective(P, batch)
         if self.output_fn is not None and y_prime is not None:
-            loss = loss + SIGNS[self.disentangle_sign] * output_kl(self.output_fn(P, batch), y_prime)
+            y_2, mask = self._outputs(P, batch)
+            loss = loss + SIGNS[self.disentangle_sign] * output_kl(y_2, y_prime, mask)
         elif not self._warned:
             warnings.warn("h2tune: no output_fn, so step (2) uses the task loss + ν/2 regulariser only "
                           "(eq. 7's KL(y''‖y') needs the model's logits)", stacklevel=3)
@@ -364,6 +376,11 @@ class H2Tune(Method):
         self.opt_specific.step()
         for x in trained:
             x.grad = None
+
+    def _outputs(self, params: Mapping[str, torch.Tensor], batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``output_fn``'s logits and its padding mask (None when it returns logits alone)."""
+        out = self.output_fn(params, batch)
+        return (out[0], out[1]) if isinstance(out, tuple) else (out, None)
 
     def local_step(self, objective: Objective, sample: Sampler) -> None:
         batch = sample()  # Alg. 1: both steps on the same (x_i, y_i)

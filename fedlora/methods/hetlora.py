@@ -1,6 +1,7 @@
 """HetLoRA (Cho et al. 2024; as described in 000_c6c65d73352e5f2c.txt §3 and SPEC §4).
 
-Clients hold ranks r_k ∈ [r_min, r_max]; the server keeps rank r_max.
+Clients hold ranks r_k ∈ [r_min, r_max]; the server keeps rank r_max (sent in each upload's metadata,
+so the server knows it whichever clients took part in a round).
 1. distribution by truncation: client k takes the first r_k rows of A and columns of B;
 2. local loss + λ‖B[:, ⌊γr_k⌋:r_k]‖_F·‖A[⌊γr_k⌋:r_k, :]‖_F — a real, differentiated penalty;
 3. self-pruning: if that tail norm shrank over the round, r_k ← max(r_min, ⌊γ r_k⌋);
@@ -138,23 +139,40 @@ class HetLoRA(Method):
         self._set_ranks(ranks)
 
     def upload(self, replica: int) -> Payload:
+        """The client's r_k rows of A and columns of B; meta ``r_max``, the server's rank (see ``aggregate``)."""
         r = int(self.ranks[replica])
-        return Payload({"lora_A": self.params[self.a_name][replica, :r],
-                        "lora_B": self.params[self.b_name][replica, :, :r]})
+        return Payload({"lora_A": self.params[self.a_name][replica, :r].detach().clone(),
+                        "lora_B": self.params[self.b_name][replica, :, :r].detach().clone()},
+                       {"r_max": str(self.r_max)})
 
     @staticmethod
-    def aggregate(payloads: Sequence[Payload], weights: torch.Tensor, r_max: int | None = None,
-                  eps: float = 1e-12) -> dict[str, torch.Tensor]:
+    def aggregate(payloads: Sequence[Payload], weights: torch.Tensor, eps: float = 1e-12) -> dict[str, torch.Tensor]:
         """Zero-pad to r_max and take the sparsity-weighted mean (``weights`` are not used: HetLoRA
-        weights clients by ‖ΔW_k‖_F, not by data size)."""
-        As = [p.tensors["lora_A"] for p in payloads]
-        Bs = [p.tensors["lora_B"] for p in payloads]
-        r_max = max(a.shape[0] for a in As) if r_max is None else r_max
-        a, b, _ = hetlora_aggregate(As, Bs, r_max, eps)
+        weights clients by ‖ΔW_k‖_F, not by data size). Returns A (r_max, d_in), B (d_out, r_max).
+
+        r_max is the server's rank, carried in every upload's metadata (as FlexLoRA's ``max_rank``),
+        never inferred from the payloads: with client sampling the participants may all have smaller
+        ranks than a client who sat out, and that client still takes its first r_k rows."""
+        if not payloads:
+            raise ConfigError("hetlora: aggregate needs at least one payload")
+        for k, p in enumerate(payloads):
+            missing = sorted({"lora_A", "lora_B"} - set(p.tensors)) + (["meta r_max"] if "r_max" not in p.meta else [])
+            if missing:
+                raise ConfigError(f"hetlora: payload {k} lacks {missing}; every HetLoRA upload carries lora_A, "
+                                  "lora_B and the server rank r_max")
+        r_maxes = {int(p.meta["r_max"]) for p in payloads}
+        if len(r_maxes) != 1:
+            raise ConfigError(f"hetlora: payloads disagree on the server rank r_max: {sorted(r_maxes)}")
+        a, b, _ = hetlora_aggregate([p.tensors["lora_A"] for p in payloads], [p.tensors["lora_B"] for p in payloads],
+                                    r_maxes.pop(), eps)
         return {"lora_A": a, "lora_B": b}
 
     def download(self, replica: int, state: Mapping[str, torch.Tensor]) -> Payload:
+        """Distribution by truncation: the first r_k rows of the global A and columns of B."""
         r = int(self.ranks[replica])
+        if state["lora_A"].shape[0] < r or state["lora_B"].shape[1] < r:
+            raise ConfigError(f"hetlora: the server state has rank {state['lora_A'].shape[0]} < r_k = {r} of "
+                              f"replica {replica}; the server must keep rank r_max = {self.r_max}")
         a, b = state["lora_A"][:r], state["lora_B"][:, :r]
         with torch.no_grad():
             A, B = self.params[self.a_name], self.params[self.b_name]

@@ -1,6 +1,7 @@
 """PF2LoRA — two-level LoRA, bilevel with hypergradients (000_c6c65d73352e5f2c.txt, Algorithm 1).
 
-W_k = W0 + s(BA + D_k C_k): common adapter x = (A, B) of rank r, averaged every I steps (line 8);
+W_k = W0 + s(BA + D_k C_k): common adapter x = (A, B) of rank r, averaged every I steps with uniform
+weights 1/M over the participating clients (line 8), whatever client weights the runtime passes;
 client adapter y_k = (C_k, D_k) of rank r̃ < r, never communicated. Each local step:
 y ← y − α∇_y F (SGD, line 5), then x is updated along the hypergradient of eq. (4) by AdamW (the
 paper's choice for language models, §4) or SGD (line 6 as written).
@@ -12,9 +13,11 @@ Optimizer moments and AdamW step counts are per client (``fedlora.optim.StackedA
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 
+from ..aggregation import fedavg_factors
 from ..errors import ConfigError
 from ..optim import StackedAdamW
 from ..payload import Payload
@@ -108,4 +111,11 @@ class PF2LoRA(AveragedFactors):
     def upload(self, replica: int) -> Payload:
         # Only the common adapter leaves the client (Alg. 1 line 8); y_k stays local.
         return self._upload(replica, self.x_names)
+
+    @staticmethod
+    def aggregate(payloads: Sequence[Payload], weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        """x = (1/M) Σ_k x_k over the M clients whose uploads arrive (Alg. 1 line 8; eq. 3's
+        upper level is the unweighted mean of the clients' losses). ``weights`` (the runtime's data
+        sizes) are ignored: with client sampling the mean is uniform over the round's participants."""
+        return fedavg_factors([p.tensors for p in payloads], torch.ones(len(payloads), dtype=torch.float64))
 
