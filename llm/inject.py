@@ -30,7 +30,7 @@ from fedlora.adapter import LoRALinear
 from fedlora.errors import ConfigError
 
 __all__ = ["SlotLoRALinear", "SlotHead", "linear_module_names", "match_targets", "layer_index",
-           "inject_adapters", "make_head_trainable", "set_slots", "slot_modules", "default_targets",
+           "inject_adapters", "make_head_trainable", "head_linear_names", "set_slots", "slot_modules", "default_targets",
            "HEAD_MODULES"]
 
 #: module names PEFT treats as the sequence-classification head (``peft.utils.constants.SEQ_CLS_HEAD_NAMES``)
@@ -202,7 +202,7 @@ class SlotLoRALinear(LoRALinear):
 
 class SlotHead(nn.Module):
     """A trained classifier layer with one (weight, bias) per slot: ``head_weight`` (S, d_out, d_in),
-    ``head_bias`` (S, d_out). Input (S·b, …, d_in), slot-major, as ``SlotLoRALinear``. Initialised
+    ``head_bias`` (S, d_out) or None (a layer without bias). Input (S·b, …, d_in), slot-major, as ``SlotLoRALinear``. Initialised
     from the wrapped ``nn.Linear`` (the same head on every slot: the server's initial head)."""
 
     def __init__(self, base: nn.Linear, slots: int) -> None:
@@ -213,16 +213,20 @@ class SlotHead(nn.Module):
         self.stack = slots
         w = base.weight.detach()
         self.head_weight = nn.Parameter(w.expand(slots, *w.shape).clone())
-        self.head_bias = nn.Parameter(base.bias.detach().expand(slots, -1).clone() if base.bias is not None
-                                      else torch.zeros(slots, self.out_features, dtype=w.dtype, device=w.device))
         self.register_buffer("init_weight", w.clone(), persistent=False)  # for resize_slots
-        self.register_buffer("init_bias", self.head_bias[0].detach().clone(), persistent=False)
+        if base.bias is not None:
+            self.head_bias = nn.Parameter(base.bias.detach().expand(slots, -1).clone())
+            self.register_buffer("init_bias", base.bias.detach().clone(), persistent=False)
+        else:  # GPT-2's score layer has none
+            self.register_parameter("head_bias", None)
+            self.register_buffer("init_bias", None, persistent=False)
 
     def resize_slots(self, slots: int) -> None:
         if slots == self.stack:
             return
         self.head_weight = nn.Parameter(self.init_weight.expand(slots, -1, -1).clone())
-        self.head_bias = nn.Parameter(self.init_bias.expand(slots, -1).clone())
+        if self.head_bias is not None:
+            self.head_bias = nn.Parameter(self.init_bias.expand(slots, -1).clone())
         self.stack = slots
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -230,7 +234,9 @@ class SlotHead(nn.Module):
         if x.shape[0] % S:
             raise ConfigError(f"slot head: the batch's first dimension {x.shape[0]} is not a multiple of the {S} slots")
         xs = x.reshape(S, -1, self.in_features)
-        y = torch.baddbmm(self.head_bias.unsqueeze(1), xs, self.head_weight.transpose(1, 2))
+        y = xs @ self.head_weight.transpose(1, 2)
+        if self.head_bias is not None:
+            y = y + self.head_bias.unsqueeze(1)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -262,10 +268,15 @@ def inject_adapters(model: nn.Module, targets: Sequence[str], *, rank: int, slot
     return list(targets)
 
 
+def head_linear_names(model: nn.Module, head_modules: Sequence[str] = HEAD_MODULES) -> list[str]:
+    """The ``nn.Linear`` layers of the classifier head (RoBERTa: classifier.dense, classifier.out_proj)."""
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and _in_head(n, head_modules)]
+
+
 def make_head_trainable(model: nn.Module, slots: int, head_modules: Sequence[str] = HEAD_MODULES) -> list[str]:
     """Replace every ``nn.Linear`` inside the classifier head by a ``SlotHead``; returns their names
     (empty when the model has no such head)."""
-    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and _in_head(n, head_modules)]
+    names = head_linear_names(model, head_modules)
     for n in names:
         _replace(model, n, SlotHead(model.get_submodule(n), slots))
     return names

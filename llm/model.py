@@ -89,8 +89,8 @@ def load_classifier(name: str, num_labels: int, *, from_config: Mapping[str, Any
                 config = AutoConfig.for_model(model_type, num_labels=num_labels, **kw)
             except (ValueError, TypeError) as e:
                 raise ConfigError(f"model.from_config: {str(e).splitlines()[0][:200]}") from None
-            if pad_token_id is not None and getattr(config, "pad_token_id", None) is None:
-                config.pad_token_id = pad_token_id
+            if pad_token_id is not None and "pad_token_id" not in from_config:
+                config.pad_token_id = pad_token_id  # the tokenizer's (e.g. a BERT vocabulary pads with 0)
             model = AutoModelForSequenceClassification.from_config(config)
             model = model.to(torch_dtype(dtype))
         else:

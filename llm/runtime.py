@@ -49,7 +49,7 @@ from fedlora.simulator import DownloadLedger, Federation
 from fedlora.state import ClientStore, record_nbytes
 
 from .config import MAIN_LR, RunConfig
-from .inject import SlotHead, SlotLoRALinear, inject_adapters, make_head_trainable, match_targets, set_slots
+from .inject import SlotHead, SlotLoRALinear, head_linear_names, inject_adapters, make_head_trainable, match_targets, set_slots
 
 __all__ = ["FederatedRun", "ClientSampler", "run"]
 
@@ -166,6 +166,8 @@ class FederatedRun:
         self.model = self._given_model or load_classifier(
             mc.name, self.num_labels, from_config=mc.from_config, dtype=mc.dtype,
             pad_token_id=self.tokenizer.pad_token_id)
+        if self.method.needs_second_order:  # fused SDPA kernels have no double backward (CPU flash)
+            _eager_attention(self.model)
         out_features = getattr(self.model.config, "num_labels", self.num_labels)
         if out_features != self.num_labels:
             raise ConfigError(f"the model's head has {out_features} labels, the data {self.num_labels}")
@@ -186,11 +188,14 @@ class FederatedRun:
         self.targets = match_targets(self.model, mc.target_modules, mc.layers)
         inject_adapters(self.model, self.targets, slots=self.P, **kwargs)
         self.head_mode = self._head_mode()
+        self.head_linear = head_linear_names(self.model)
         self.head = make_head_trainable(self.model, self.P) if self.head_mode != "frozen" else []
         if self.head_mode != "frozen" and not self.head:
             raise ConfigError(f"model.head: {self.head_mode!r} but the model has no nn.Linear classifier head "
                               f"(modules named 'classifier' or 'score')")
         self.method.head_mode = self.head_mode
+        if hasattr(self.method, "shared_base"):
+            self.method.shared_base = True  # FLoRA: one base for all clients, merged server-side
         self.model.to(device=self.device)
         self.model.train(mc.dropout)  # dropout off (eval mode) unless asked for
         self._lora_layers = [m for m in self.model.modules() if isinstance(m, SlotLoRALinear)]
@@ -352,7 +357,8 @@ class FederatedRun:
         """Download into ``slot`` what ``client`` lacks of the server's state; returns the bytes."""
         if self.method.incremental_download:  # FLoRA: the base already holds every merge
             missed = sum(v for r, v in self.increments.items() if r > self.ledger.synced[client])
-            self.method.download(slot, {})
+            if missed:  # restart from the merged base (and take the averaged head)
+                self.method.download(slot, dict(self.server))
             sent = missed
         else:
             stale = self.ledger.stale(client)
@@ -361,35 +367,50 @@ class FederatedRun:
             self.ledger.sync(client, rnd)
         return sent
 
+    def _refresh(self, client: int, rnd: int) -> int:
+        """Send ``client`` what it lacks of the server's state after round ``rnd`` and store it."""
+        self._bind([client])
+        rec = self.store.get(client)
+        self.method.load_replica_state(0, {n: v for n, v in rec.items() if not n.startswith(_RNG)})
+        sent = self._sync(0, client, rnd, count=True)
+        self.store.put(client, {**self.method.replica_state(0), **{n: v for n, v in rec.items() if n.startswith(_RNG)}})
+        return sent
+
     # ------------------------------------------------------------------------------------------
     # a round
+    def train_pass(self, clients: Sequence[int], rnd: int, payloads: dict[int, Payload],
+                   bytes_down: dict[int, int], train_loss: dict[int, float]) -> None:
+        """One pass of round ``rnd``: ``clients[p]`` in slot p — load, synchronise, the round's local
+        steps, upload, store. Fills ``payloads``, ``bytes_down`` and ``train_loss`` per client."""
+        I = self.cfg.train.local_steps
+        self._bind(clients)
+        self._slots = len(clients)
+        samplers = self._load(clients)
+        for i, k in enumerate(clients):
+            bytes_down[k] = self._sync(i, k, rnd - 1, count=True)
+        self._loss_sum = torch.zeros(len(clients), dtype=torch.float64)
+        self._loss_calls = 0
+        sample = self._sampler_fn(samplers, clients)
+        self.method.begin_round(rnd)
+        for j in range(I):
+            self._set_lr(rnd * I + j)
+            self.method.local_step(self._objective, sample)
+        self.method.end_round(rnd)
+        mean_loss = (self._loss_sum / max(self._loss_calls, 1)).tolist()
+        for i, k in enumerate(clients):
+            up = self.method.upload(i)
+            payloads[k] = Payload({n: v.detach().cpu() for n, v in up.tensors.items()}, dict(up.meta))
+            train_loss[k] = mean_loss[i]
+            self.store.put(k, {**self.method.replica_state(i), **samplers[i].state()})
+
     def run_round(self, rnd: int) -> dict[str, Any]:
-        cfg, K = self.cfg, self.K_train
         t0 = time.perf_counter()
         participants = self.federation.participants(rnd, 0)
         payloads: dict[int, Payload] = {}
-        bytes_down, train_loss = [0] * K, [None] * K
-        I = cfg.train.local_steps
+        bytes_down: dict[int, int] = {}
+        train_loss: dict[int, float] = {}
         for chunk in _chunks(participants, self.P):
-            self._bind(chunk)
-            self._slots = len(chunk)
-            samplers = self._load(chunk)
-            for i, k in enumerate(chunk):
-                bytes_down[k] = self._sync(i, k, rnd - 1, count=True)
-            self._loss_sum = torch.zeros(len(chunk), dtype=torch.float64)
-            self._loss_calls = 0
-            sample = self._sampler_fn(samplers, chunk)
-            self.method.begin_round(rnd)
-            for j in range(I):
-                self._set_lr(rnd * I + j)
-                self.method.local_step(self._objective, sample)
-            self.method.end_round(rnd)
-            mean_loss = (self._loss_sum / max(self._loss_calls, 1)).tolist()
-            for i, k in enumerate(chunk):
-                up = self.method.upload(i)
-                payloads[k] = Payload({n: v.detach().cpu() for n, v in up.tensors.items()}, dict(up.meta))
-                train_loss[k] = mean_loss[i]
-                self.store.put(k, {**self.method.replica_state(i), **samplers[i].state()})
+            self.train_pass(chunk, rnd, payloads, bytes_down, train_loss)
         weights = normalise_weights([self.sizes[k] for k in participants])
         aggregated = self.method.aggregate([payloads[k] for k in participants], weights)
         new = self.method.server_update(self.server, aggregated)
@@ -476,10 +497,7 @@ class FederatedRun:
             self._bind([0])
             self.method.load_replica_state(0, {n: v for n, v in self.initial_record.items() if not n.startswith(_RNG)})
             m.global_replica(0)
-            if not m.incremental_download:
-                m.download(0, dict(self.server))
-            else:
-                m.download(0, {})
+            m.download(0, dict(self.server))
             everything = np.arange(len(y_test))
             out["global"] = self._score(self._predict(self.enc_test, [everything], None)[0], y_test)
         return out
@@ -504,14 +522,7 @@ class FederatedRun:
             last = rnd == cfg.train.rounds - 1
             if last:  # the final global state goes to every client (counted)
                 for k in range(self.K_train):
-                    if k not in rec["participants"] or self.ledger.synced[k] < rnd:
-                        self._bind([k])
-                        self.method.load_replica_state(0, {n: v for n, v in self.store.get(k).items()
-                                                           if not n.startswith(_RNG)})
-                        sent = self._sync(0, k, rnd, count=True)
-                        rec["bytes_down"][str(k)] = rec["bytes_down"].get(str(k), 0) + sent
-                        self.store.put(k, {**self.method.replica_state(0),
-                                           **{n: v for n, v in self.store.get(k).items() if n.startswith(_RNG)}})
+                    rec["bytes_down"][str(k)] = rec["bytes_down"].get(str(k), 0) + self._refresh(k, rnd)
             if last or (rnd + 1) % cfg.eval.every == 0:
                 ev = self.evaluate(rnd)
                 rec["eval"] = ev
@@ -557,7 +568,11 @@ class FederatedRun:
 
     def describe(self) -> dict[str, Any]:
         """What was built (for config.json): targets, head, ranks, data sizes, split."""
-        return {"targets": self.targets, "head": self.head_mode, "head_modules": self.head,
+        layers = {n: {"scale": float(self.model.get_submodule(n).scale),
+                      "client_scale": float(self.model.get_submodule(n).client_scale),
+                      "conv1d": bool(self.model.get_submodule(n).conv1d),
+                      "middle": bool(self.model.get_submodule(n).middle)} for n in self.targets}
+        return {"targets": self.targets, "layers": layers, "head": self.head_mode, "head_linear": self.head_linear,
                 "adapter": self.method.adapter_kwargs(), "num_labels": self.num_labels,
                 "label_names": list(self.train_data.label_names), "task": self.task.name,
                 "metrics": list(self.task.metrics), "train_sizes": self.sizes,
@@ -571,7 +586,15 @@ class FederatedRun:
         self._bind([owner])
         self.method.load_replica_state(0, {n: v for n, v in self.store.get(owner).items() if not n.startswith(_RNG)})
         self._sync(0, owner, -1, count=False)
-        return {n: p.detach()[0].cpu().clone() for n, p in self.method.params.items()}
+        out = {n: p.detach()[0].cpu().clone() for n, p in self.method.params.items()}
+        out.update({n: b[0].cpu().clone() for n, b in self.method._stacked_buffers().items()})
+        if self.head_mode == "frozen":  # the run's own (seeded) head: no checkpoint holds it
+            for h in self.head_linear:
+                lin = self.model.get_submodule(h)
+                out[f"{h}.weight"] = lin.weight.detach().cpu().clone()
+                if lin.bias is not None:
+                    out[f"{h}.bias"] = lin.bias.detach().cpu().clone()
+        return out
 
     def save_adapters(self, folder: Path) -> list[Path]:
         """Every client's final adapter (and the head, if trained) as ``client_<k>.safetensors``."""
@@ -587,6 +610,14 @@ class FederatedRun:
             os.replace(tmp, path)
             paths.append(path)
         return paths
+
+
+def _eager_attention(model) -> None:
+    """Switch a HF model to the plain softmax(QKᵀ)V attention, which has second derivatives."""
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation("eager")
+    else:  # older transformers: the config decides at call time
+        model.config._attn_implementation = "eager"
 
 
 def _output_fn_methods() -> tuple[type, ...]:

@@ -160,6 +160,12 @@ class Method(abc.ABC):
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
 
     @property
+    def needs_second_order(self) -> bool:
+        """The local step differentiates through a gradient (double backward): PF2LoRA's exact
+        hypergradient. A runtime then avoids ops without second derivatives (fused attention)."""
+        return False
+
+    @property
     def head_mode(self) -> str:
         """How this instance treats a trainable head (the runtime sets it; default ``default_head``)."""
         return self.__dict__.get("_head_mode", self.default_head)

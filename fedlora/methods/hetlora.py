@@ -9,6 +9,11 @@ so the server knows it whichever clients took part in a round).
 
 Stacked replicas all have r_max slots; a client's unused slots are kept at exactly zero (which is
 the zero-padding), so its gradients there vanish and the batched step equals per-client training.
+
+Several adapted layers (an LLM): r_k is the client's rank in every layer; the penalty and the tail
+norm of the pruning rule are summed over layers; the server aggregates each layer with its own
+sparsity weights ‖B_kA_k‖_F (of that layer). A trained classifier head is averaged with the data
+weights (it has no rank to weight by).
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from ..aggregation import hetlora_aggregate
+from ..aggregation import fedavg_factors, hetlora_aggregate
 from ..errors import ConfigError
 from ..optim import StackedAdamW
 from ..payload import Payload
@@ -61,19 +66,23 @@ class HetLoRA(Method):
 
     def bind(self, model, replica_clients, n_clients=None) -> None:
         super().bind(model, replica_clients, n_clients)
-        self.a_name, = self._names("lora_A")
-        self.b_name, = self._names("lora_B")
-        A = self.params[self.a_name]
-        if A.dim() != 3 or A.shape[-2] != self.r_max:
-            raise ConfigError(f"hetlora: the model must hold stacked factors of rank r_max={self.r_max}, "
-                              f"got lora_A of shape {tuple(A.shape)}")
+        self.pairs = [(a, a[: -len("lora_A")] + "lora_B") for a in self._names("lora_A")]
+        if not self.pairs:
+            raise ConfigError("hetlora: the model has no LoRA factors (no parameter named *lora_A)")
+        for a, b in self.pairs:
+            A = self.params[a]
+            if A.dim() != 3 or A.shape[-2] != self.r_max or b not in self.params:
+                raise ConfigError(f"hetlora: the model must hold stacked factors of rank r_max={self.r_max}, "
+                                  f"got {a} of shape {tuple(A.shape)}")
+        self.a_name, self.b_name = self.pairs[0]  # dtype/device reference
         n_clients = self.n_clients
         init = self.initial_ranks or hetlora_initial_ranks(n_clients, self.r_min, self.r_max)
         if len(init) != n_clients:
             raise ConfigError(f"hetlora: {len(init)} initial ranks for {n_clients} clients")
         self._initial_ranks = torch.tensor([init[k] for k in self.replica_clients])  # (G,)
         self._set_ranks(self._initial_ranks.clone())  # placeholder until init_state / a loaded record
-        params = [self.params[self.a_name], self.params[self.b_name]]
+        self.heads = self.head_names()
+        params = [self.params[n] for ab in self.pairs for n in ab] + [self.params[n] for n in self.heads]
         self.opt = (torch.optim.SGD(params, lr=self.lr) if self.optimizer == "sgd"
                     else StackedAdamW(params, lr=self.lr, weight_decay=0.0))
 
@@ -93,30 +102,34 @@ class HetLoRA(Method):
 
     @torch.no_grad()
     def _apply_rank_mask(self) -> None:
-        m = self._rank_mask
-        self.params[self.a_name].mul_(m[:, :, None])
-        self.params[self.b_name].mul_(m[:, None, :])
+        m = self._rank_mask.to(self.params[self.a_name].device)
+        for a, b in self.pairs:
+            self.params[a].mul_(m[:, :, None])
+            self.params[b].mul_(m[:, None, :])
 
     def tail_norm(self, A: torch.Tensor | None = None, B: torch.Tensor | None = None) -> torch.Tensor:
-        """‖B[:, tail]‖_F · ‖A[tail, :]‖_F per replica, shape (G,)."""
-        A = self.params[self.a_name] if A is None else A
-        B = self.params[self.b_name] if B is None else B
-        t = self._tail_mask
-        # sqrt(x + 0) has an infinite derivative at 0; the tail is exactly 0 at init (B = 0), so use
-        # the norm's subgradient 0 there instead of NaN.
-        na = torch.linalg.vector_norm(A * t[:, :, None], dim=(-2, -1))
-        nb = torch.linalg.vector_norm(B * t[:, None, :], dim=(-2, -1))
-        return na * nb
+        """Σ_layers ‖B[:, tail]‖_F · ‖A[tail, :]‖_F per replica, shape (G,). ``A``, ``B``: one layer's
+        factors instead (the single-layer form)."""
+        t = self._tail_mask.to(self.params[self.a_name].device)
+        layers = [(A, B)] if A is not None else [(self.params[a], self.params[b]) for a, b in self.pairs]
+        total = 0
+        for A_, B_ in layers:
+            # sqrt(x + 0) has an infinite derivative at 0; the tail is exactly 0 at init (B = 0), so use
+            # the norm's subgradient 0 there instead of NaN.
+            na = torch.linalg.vector_norm(A_ * t[:, :, None], dim=(-2, -1))
+            nb = torch.linalg.vector_norm(B_ * t[:, None, :], dim=(-2, -1))
+            total = total + na * nb
+        return total
 
     def begin_round(self, round_idx: int) -> None:
         with torch.no_grad():
             self._tail_at_start = self.tail_norm()
 
     def local_step(self, objective: Objective, sample: Sampler) -> None:
-        A, B = self.params[self.a_name], self.params[self.b_name]
-        loss = objective({self.a_name: A, self.b_name: B}, sample()).sum()
+        names = [n for ab in self.pairs for n in ab] + self.heads
+        loss = objective({n: self.params[n] for n in names}, sample()).sum()
         if self.penalty:
-            loss = loss + self.penalty * self.tail_norm(A, B).sum()
+            loss = loss + self.penalty * self.tail_norm().sum()
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         self.opt.step()
@@ -138,12 +151,23 @@ class HetLoRA(Method):
         ranks[idx] = extra["ranks"][idx]
         self._set_ranks(ranks)
 
+    def global_replica(self, replica: int) -> None:
+        """The global model is the server's rank-r_max adapter."""
+        ranks = self.ranks.clone()
+        ranks[replica] = self.r_max
+        self._set_ranks(ranks)
+
     def upload(self, replica: int) -> Payload:
-        """The client's r_k rows of A and columns of B; meta ``r_max``, the server's rank (see ``aggregate``)."""
+        """The client's r_k rows of A and columns of B per layer (and a shared head); meta ``r_max``,
+        the server's rank (see ``aggregate``)."""
         r = int(self.ranks[replica])
-        return Payload({"lora_A": self.params[self.a_name][replica, :r].detach().clone(),
-                        "lora_B": self.params[self.b_name][replica, :, :r].detach().clone()},
-                       {"r_max": str(self.r_max)})
+        tensors = {}
+        for a, b in self.pairs:
+            tensors[a] = self.params[a][replica, :r].detach().clone()
+            tensors[b] = self.params[b][replica, :, :r].detach().clone()
+        for n in self.shared_head_names():
+            tensors[n] = self.params[n][replica].detach().clone()
+        return Payload(tensors, {"r_max": str(self.r_max)})
 
     @staticmethod
     def aggregate(payloads: Sequence[Payload], weights: torch.Tensor, eps: float = 1e-12) -> dict[str, torch.Tensor]:
@@ -155,29 +179,48 @@ class HetLoRA(Method):
         ranks than a client who sat out, and that client still takes its first r_k rows."""
         if not payloads:
             raise ConfigError("hetlora: aggregate needs at least one payload")
+        a_names = [n for n in payloads[0].tensors if n.rsplit(".", 1)[-1] == "lora_A"]
+        names = set(payloads[0].tensors)
         for k, p in enumerate(payloads):
-            missing = sorted({"lora_A", "lora_B"} - set(p.tensors)) + (["meta r_max"] if "r_max" not in p.meta else [])
-            if missing:
-                raise ConfigError(f"hetlora: payload {k} lacks {missing}; every HetLoRA upload carries lora_A, "
-                                  "lora_B and the server rank r_max")
+            want = {a[: -len("lora_A")] + "lora_B" for a in a_names} | set(a_names) | names
+            missing = sorted(want - set(p.tensors)) + (["meta r_max"] if "r_max" not in p.meta else [])
+            if not a_names or missing:
+                raise ConfigError(f"hetlora: payload {k} lacks {missing or ['lora_A']}; every HetLoRA upload carries "
+                                  "the same layers' lora_A, lora_B and the server rank r_max")
         r_maxes = {int(p.meta["r_max"]) for p in payloads}
         if len(r_maxes) != 1:
             raise ConfigError(f"hetlora: payloads disagree on the server rank r_max: {sorted(r_maxes)}")
-        a, b, _ = hetlora_aggregate([p.tensors["lora_A"] for p in payloads], [p.tensors["lora_B"] for p in payloads],
-                                    r_maxes.pop(), eps)
-        return {"lora_A": a, "lora_B": b}
+        r_max = r_maxes.pop()
+        out = {}
+        for a in a_names:  # each layer with its own sparsity weights ‖B_k A_k‖_F
+            b = a[: -len("lora_A")] + "lora_B"
+            out[a], out[b], _ = hetlora_aggregate([p.tensors[a] for p in payloads], [p.tensors[b] for p in payloads],
+                                                  r_max, eps)
+        heads = [n for n in payloads[0].tensors if n.endswith(("head_weight", "head_bias"))]
+        if heads:  # a trained classifier head: the data-weighted mean (FedAvg)
+            out.update(fedavg_factors([{n: p.tensors[n] for n in heads} for p in payloads], weights))
+        return out
 
     def download(self, replica: int, state: Mapping[str, torch.Tensor]) -> Payload:
         """Distribution by truncation: the first r_k rows of the global A and columns of B."""
         r = int(self.ranks[replica])
-        if state["lora_A"].shape[0] < r or state["lora_B"].shape[1] < r:
-            raise ConfigError(f"hetlora: the server state has rank {state['lora_A'].shape[0]} < r_k = {r} of "
-                              f"replica {replica}; the server must keep rank r_max = {self.r_max}")
-        a, b = state["lora_A"][:r], state["lora_B"][:, :r]
+        sent = {}
         with torch.no_grad():
-            A, B = self.params[self.a_name], self.params[self.b_name]
-            A[replica].zero_()
-            B[replica].zero_()
-            A[replica, :r] = a
-            B[replica, :, :r] = b
-        return Payload({"lora_A": a, "lora_B": b})
+            for an, bn in self.pairs:
+                if an not in state:
+                    continue
+                if state[an].shape[0] < r or state[bn].shape[1] < r:
+                    raise ConfigError(f"hetlora: the server state has rank {state[an].shape[0]} < r_k = {r} of "
+                                      f"replica {replica}; the server must keep rank r_max = {self.r_max}")
+                a, b = state[an][:r], state[bn][:, :r]
+                A, B = self.params[an], self.params[bn]
+                A[replica].zero_()
+                B[replica].zero_()
+                A[replica, :r] = a
+                B[replica, :, :r] = b
+                sent[an], sent[bn] = a, b
+            for n in self.shared_head_names():
+                if n in state:
+                    self.params[n][replica] = state[n]
+                    sent[n] = state[n]
+        return Payload(sent)

@@ -61,6 +61,10 @@ class PF2LoRA(AveragedFactors):
         self.upper_optimizer, self.weight_decay = upper_optimizer, weight_decay
         self.hypergradient, self.batches, self.fd_eps = hypergradient, batches, fd_eps
 
+    @property
+    def needs_second_order(self) -> bool:
+        return self.hypergradient == "exact"  # eq. (4)'s mixed term by double backward
+
     def adapter_kwargs(self) -> dict:
         """Common adapter of rank r, client adapter of rank r̃ (SPEC §4 defaults r = 8, r̃ = 2)."""
         return {"rank": self.rank, "client_rank": self.client_rank}
