@@ -55,7 +55,8 @@ _DEFAULTS: dict[str, Any] = {
     "pf2lora": lambda r, M: {"lower_lr": CLIENT_SGD_LR},
     "perfedavg": lambda r, M: {"inner_lr": CLIENT_SGD_LR},
     # ranks r_k ∈ [1, 2r] by PF2LoRA's recipe (the paper's synthetic run uses r_max = 3r); AdamW as
-    # everyone else, so that one step-size grid means the same for all (the paper's default is SGD)
+    # most methods here, so that the step-size grid means much the same (the paper's default is SGD).
+    # H²Tune keeps its constructor default, plain SGD as App. A's Algorithm 1 writes it (README).
     "hetlora": lambda r, M: {"r_min": 1, "r_max": 2 * r, "optimizer": "adamw"},
     # global rank r_G = 2r, every client's budget r_k = r: the same upload as RoLoRA at rank r, and
     # the adaptive selection has something to choose from
