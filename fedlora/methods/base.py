@@ -425,8 +425,9 @@ class AveragedFactors(Method):
     """A Method whose server takes the weighted mean of every uploaded tensor, Σ_k w_k T_k
     (``fedavg_factors``), and whose download writes that mean into the replica.
 
-    FedAvg-LoRA (002_… eq. 2), FFA-LoRA, RoLoRA (eq. 3–4), FedSA-LoRA, Per-FedAvg and PF2LoRA
-    (000_… Alg. 1 line 8) differ only in what they train and upload, so they share this server.
+    FedAvg-LoRA (002_… eq. 2), FFA-LoRA, RoLoRA (eq. 3–4), FedSA-LoRA and Per-FedAvg differ only in
+    what they train and upload, so they share this server (PF2LoRA's download too; its server is the
+    uniform 1/M mean of 000_… Alg. 1 line 8).
     """
 
     @staticmethod

@@ -49,7 +49,9 @@ def bilevel_direction(
         x, y: upper-level (common adapter) and lower-level (client adapter) tensors.
         alpha: lower-level SGD step size α.
         batches: (π, ξ, ξ̃, ζ) — four draws as in Algorithm 1 line 4 — or two (inner, outer):
-            π = ζ = inner, ξ = ξ̃ = outer, as in the paper's pseudocode (App. E).
+            π = ζ = inner, ξ = ξ̃ = outer — our mapping (SPEC §4), not the pseudocode's: App. E only
+            says the client adapter steps on the inner batch and the common adapter on the outer one;
+            with it h is the exact gradient through the unrolled inner step.
         mode: one of ``HYPERGRADIENT_MODES``.
         per_replica: x and y carry independent replicas along dim 0 (F sums them); the finite-
             difference step δ = fd_eps/‖v‖ is then taken per replica (exact mode is per replica anyway).
