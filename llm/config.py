@@ -18,7 +18,7 @@ from typing import Any, Mapping, Sequence
 from fedlora.errors import ConfigError
 
 __all__ = ["ModelConfig", "DataConfig", "MethodConfig", "FederationConfig", "TrainConfig", "EvalConfig",
-           "RunConfig", "load_config", "apply_overrides", "MAIN_LR", "HEAD_MODES"]
+           "RunConfig", "load_config", "apply_overrides", "bundled_configs", "resolve_config", "MAIN_LR", "HEAD_MODES"]
 
 HEAD_MODES = ("auto", "frozen", "shared", "personal")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
@@ -336,6 +336,24 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
             node = nxt
         node[parts[-1]] = value
     return out
+
+
+def bundled_configs() -> dict[str, Path]:
+    """The configs shipped with fedlora (``llm/configs/*.yaml``), by name."""
+    folder = Path(__file__).parent / "configs"
+    return {p.stem: p for p in sorted(folder.glob("*.yaml"))}
+
+
+def resolve_config(name_or_path: str | Path) -> Path:
+    """A config file's path, or the bundled config of that name (``minilm-debian``)."""
+    p = Path(name_or_path)
+    if p.is_file():
+        return p
+    bundled = bundled_configs()
+    if str(name_or_path) in bundled:
+        return bundled[str(name_or_path)]
+    raise ConfigError(f"config: no file {str(name_or_path)!r} and no bundled config of that name"
+                      f"{_suggest(str(name_or_path), list(bundled))}; bundled: {', '.join(bundled)}")
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:

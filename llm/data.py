@@ -117,6 +117,11 @@ class TextDataset:
         )
 
 
+#: the run config's field for each ColumnMap field (error messages name what the user sets)
+CONFIG_FIELD = {"text": "data.text_column", "text_pair": "data.text_pair_column", "label": "data.label_column",
+                "client_key": "data.client_column"}
+
+
 @dataclass(frozen=True)
 class ColumnMap:
     """Which columns hold the text, the optional second text, the label and the client key."""
@@ -142,9 +147,9 @@ class ColumnMap:
             fields.update(columns)
             for k, v in fields.items():
                 if v is not None and (not isinstance(v, str) or not v):
-                    raise ConfigError(f"data.columns.{k} must be a column name (got {v!r})")
+                    raise ConfigError(f"{CONFIG_FIELD[k]} must be a column name (got {v!r})")
             if fields.get("text") is None:
-                raise ConfigError("data.columns.text is required (the column holding the input text)")
+                raise ConfigError("data.text_column is required (the column holding the input text)")
             return cls(**fields)
         raise ConfigError(f"data.columns must be a mapping like {{'text': 'sentence', 'label': 'label'}} (got {type(columns).__name__})")
 
@@ -512,7 +517,7 @@ def _check_columns(t: _Table, cols: ColumnMap) -> None:
         name = getattr(cols, field)
         if name is not None and name not in t.columns:
             raise ConfigError(
-                f"{t.where} has no column {name!r} (data.columns.{field}); its columns: {have}"
+                f"{t.where} has no column {name!r} ({CONFIG_FIELD[field]}); its columns: {have}"
             )
 
 
@@ -788,7 +793,7 @@ def split_clients(
     what = (f"partition {partition!r} of {n} training samples ({n_classes_present} classes) into "
             + (f"{n_clients} clients" if n_clients is not None else "one client per key"))
     if name == "by_key" and train.keys is None:
-        raise ConfigError(f"{what}: by_key needs a client key column; set data.columns.client_key")
+        raise ConfigError(f"{what}: by_key needs a client key column; set data.client_column")
     if name == "pathological":
         k = params.get("k", 2)
         if isinstance(k, numbers.Integral) and k > n_classes_present:

@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from fedlora.errors import ConfigError
 from kernels import fold_adapters
 
-__all__ = ["lora_factors", "export_peft", "load_run_adapter", "merge_adapters", "unmerge_adapters"]
+__all__ = ["lora_factors", "export_peft", "export_merged", "load_run_adapter", "load_run_base_model",
+           "merge_adapters", "unmerge_adapters"]
 
 
 def lora_factors(tensors: Mapping[str, torch.Tensor], layers: Mapping[str, Mapping[str, Any]]
@@ -106,15 +107,23 @@ def export_peft(run_dir: str | Path, client: int, out: str | Path, dtype: torch.
 
 @torch.no_grad()
 def merge_adapters(model: torch.nn.Module, adapter: Mapping[str, torch.Tensor],
-                   layers: Mapping[str, Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+                   layers: Mapping[str, Mapping[str, Any]], head_linear: Sequence[str] = ()) -> dict[str, torch.Tensor]:
     """W0 ← W0 + ΔW in every adapted layer of ``model`` (a model whose layers are plain
     ``nn.Linear``/``Conv1D``, e.g. the base model loaded afresh, or one with ``SlotLoRALinear`` whose W0
-    buffer is changed in place) and copy a trained head in. Returns what ``unmerge_adapters`` needs:
-    each changed weight's previous value (restored exactly)."""
+    buffer is changed in place) and copy the client's head (``head_linear`` layers) in. Returns what
+    ``unmerge_adapters`` needs: each changed tensor's previous value (restored exactly)."""
     from .inject import SlotLoRALinear, _conv1d_type
 
     conv = _conv1d_type()
     backup: dict[str, torch.Tensor] = {}
+    for h in head_linear:
+        lin = model.get_submodule(h)
+        for leaf in ("weight", "bias"):
+            new = adapter.get(f"{h}.head_{leaf}", adapter.get(f"{h}.{leaf}"))
+            old = getattr(lin, leaf)
+            if new is not None and old is not None:
+                backup[f"{h}.{leaf}"] = old.detach().clone()
+                old.copy_(new.to(old.dtype))
     for name, (a, b) in lora_factors(adapter, layers).items():
         mod = model.get_submodule(name)
         w = mod.weight
@@ -137,7 +146,40 @@ def unmerge_adapters(model: torch.nn.Module, backup: Mapping[str, torch.Tensor])
     from .inject import _conv1d_type
 
     conv = _conv1d_type()
+    modules = dict(model.named_modules())
     for name, old in backup.items():
-        mod = model.get_submodule(name)
-        target = mod.weight.t() if conv is not None and isinstance(mod, conv) else mod.weight
+        if name in modules:  # an adapted layer's weight
+            mod = modules[name]
+            target = mod.weight.t() if conv is not None and isinstance(mod, conv) else mod.weight
+        else:  # a head tensor, "<layer>.weight" / "<layer>.bias"
+            layer, _, leaf = name.rpartition(".")
+            target = getattr(modules[layer], leaf)
         target.copy_(old)
+
+
+def load_run_base_model(info: Mapping[str, Any]):
+    """The run's base model as ``fedlora run`` built it (same seed for a new head, same dtype), without
+    adapters, and its tokenizer."""
+    from .model import load_classifier, load_tokenizer
+    from .runtime import _seed_of
+
+    cfg = info["config"]
+    mc = cfg["model"]
+    tok = load_tokenizer(mc.get("tokenizer") or mc["name"])
+    torch.manual_seed(_seed_of(cfg["seed"], "model") % 2**31)
+    model = load_classifier(mc["name"], info["resolved"]["num_labels"], from_config=mc.get("from_config"),
+                            dtype=mc["dtype"], pad_token_id=tok.pad_token_id)
+    return model.eval(), tok
+
+
+def export_merged(run_dir: str | Path, client: int, out: str | Path) -> Path:
+    """Client ``client``'s model with its adapter merged into the base weights (and its head), saved
+    with ``save_pretrained`` together with the tokenizer: a plain HF model, no PEFT needed."""
+    info, tensors = load_run_adapter(run_dir, client)
+    model, tok = load_run_base_model(info)
+    merge_adapters(model, tensors, info["resolved"]["layers"], info["resolved"]["head_linear"])
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    return out

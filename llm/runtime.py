@@ -139,10 +139,9 @@ class FederatedRun:
 
         # data ------------------------------------------------------------------------------
         dc = cfg.data
-        columns = None
-        if any(getattr(dc, c) is not None for c in ("text_column", "text_pair_column", "label_column", "client_column")):
-            columns = D.ColumnMap(text=dc.text_column, text_pair=dc.text_pair_column, label=dc.label_column,
-                                  client_key=dc.client_column)
+        columns = {field: getattr(dc, key) for field, key in (("text", "text_column"), ("text_pair", "text_pair_column"),
+                                                                ("label", "label_column"), ("client_key", "client_column"))
+                   if getattr(dc, key) is not None} or None  # the task's columns, overridden field by field
         self.train_data, self.test_data, self.task = D.load_text_data(
             task=dc.task, path=dc.path, hf_name=dc.hf_name, hf_config=dc.hf_config, columns=columns,
             train_split=dc.train_split, test_split=dc.test_split, labels=dc.labels,
@@ -505,10 +504,14 @@ class FederatedRun:
     # ------------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         """All rounds with evaluation; writes ``output_dir`` (see README "fedlora run")."""
-        if not self.prepared:
-            self.prepare()
         cfg = self.cfg
         out = Path(cfg.output_dir)
+        if self.write:  # an unusable output folder is found before any work, not after the last round
+            from fedlora.cli import check_output_dir
+
+            check_output_dir(out, "output_dir")
+        if not self.prepared:
+            self.prepare()
         if self.write:
             _write_json(out / "config.json", {"config": cfg.to_dict(), "resolved": self.describe()})
             (out / "rounds.jsonl").write_text("")

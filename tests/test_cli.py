@@ -18,7 +18,7 @@ from fedlora.errors import ConfigError
 ROOT = Path(__file__).resolve().parents[1]
 
 #: extra argv a command needs to get past argument parsing (none so far)
-REQUIRED_ARGS: dict[tuple[str, ...], list[str]] = {}
+REQUIRED_ARGS: dict[tuple[str, ...], list[str]] = {("run",): ["tiny-smoke"], ("export",): ["runs/none"]}
 
 
 def _commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
@@ -90,8 +90,12 @@ def no_work(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("the experiment started before --out was checked")
 
+    import llm.export
+    import llm.runtime
+
     for mod, fn in ((synthetic.rank_recovery, "run_rank_recovery"), (synthetic.bilevel, "run_bilevel_convergence"),
-                    (synthetic.tune, "tune_rank_recovery"), (synthetic.compare, "run_compare")):
+                    (synthetic.tune, "tune_rank_recovery"), (synthetic.compare, "run_compare"),
+                    (llm.runtime.FederatedRun, "prepare"), (llm.export, "export_peft")):
         monkeypatch.setattr(mod, fn, boom)
 
 

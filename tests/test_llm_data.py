@@ -474,7 +474,7 @@ def test_impossible_partitions_are_clear_errors(kwargs, pattern):
 
 def test_by_key_without_keys_is_an_error():
     train, test = toy([0, 1, 0, 1]), toy([0, 1])
-    with pytest.raises(ConfigError, match="client_key"):
+    with pytest.raises(ConfigError, match="data.client_column"):
         split_clients(train, test, partition="by_key", n_clients=2, seed=0)
 
 

