@@ -378,9 +378,10 @@ class FederatedRun:
     # ------------------------------------------------------------------------------------------
     # a round
     def train_pass(self, clients: Sequence[int], rnd: int, payloads: dict[int, Payload],
-                   bytes_down: dict[int, int], train_loss: dict[int, float]) -> None:
+                   bytes_down: dict[int, int], train_loss: dict[int, float],
+                   ranks: dict[int, Any] | None = None) -> None:
         """One pass of round ``rnd``: ``clients[p]`` in slot p — load, synchronise, the round's local
-        steps, upload, store. Fills ``payloads``, ``bytes_down`` and ``train_loss`` per client."""
+        steps, upload, store. Fills ``payloads``, ``bytes_down``, ``train_loss`` (and ``ranks``) per client."""
         I = self.cfg.train.local_steps
         self._bind(clients)
         self._slots = len(clients)
@@ -400,6 +401,8 @@ class FederatedRun:
             up = self.method.upload(i)
             payloads[k] = Payload({n: v.detach().cpu() for n, v in up.tensors.items()}, dict(up.meta))
             train_loss[k] = mean_loss[i]
+            if ranks is not None:
+                ranks[k] = self.method.describe_replica(i)
             self.store.put(k, {**self.method.replica_state(i), **samplers[i].state()})
 
     def run_round(self, rnd: int) -> dict[str, Any]:
@@ -408,8 +411,9 @@ class FederatedRun:
         payloads: dict[int, Payload] = {}
         bytes_down: dict[int, int] = {}
         train_loss: dict[int, float] = {}
+        ranks: dict[int, Any] = {}
         for chunk in _chunks(participants, self.P):
-            self.train_pass(chunk, rnd, payloads, bytes_down, train_loss)
+            self.train_pass(chunk, rnd, payloads, bytes_down, train_loss, ranks)
         weights = normalise_weights([self.sizes[k] for k in participants])
         aggregated = self.method.aggregate([payloads[k] for k in participants], weights)
         new = self.method.server_update(self.server, aggregated)
@@ -423,6 +427,7 @@ class FederatedRun:
                   "train_loss": {str(k): train_loss[k] for k in participants},
                   "bytes_up": {str(k): payloads[k].nbytes for k in participants},
                   "bytes_down": {str(k): bytes_down[k] for k in participants},
+                  "ranks": {str(k): ranks[k] for k in participants},
                   "wall_s": time.perf_counter() - t0}
         return record
 

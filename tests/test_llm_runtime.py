@@ -63,6 +63,8 @@ def test_every_method_runs_two_rounds_of_three_clients_with_half_sampled(tmp_pat
             assert 0.0 <= c["test"]["accuracy"] <= 1.0 and math.isfinite(c["test"]["loss"])
     up = sum(sum(r["bytes_up"].values()) for r in rounds[1:])
     assert (up == 0) == (method in ("local", "centralized"))  # only the no-communication references send nothing
+    assert all(set(r["ranks"]) == set(r["train_loss"]) and all(v["rank"] >= 1 for v in r["ranks"].values())
+               for r in rounds[1:])
     assert summary["method"] == method and set(summary["final_test"]["mean"]) >= {"accuracy", "macro_f1"}
     for k in range(3):
         assert (out / "adapters" / f"client_{k}.safetensors").is_file()
@@ -180,3 +182,18 @@ def test_bad_runs_fail_before_training_with_one_line(tmp_path, over, match):
     with pytest.raises(ConfigError, match=match) as e:
         FederatedRun(tiny_config(tmp_path, **over), write=False).prepare()
     assert "\n" not in str(e.value)
+
+
+def test_round_records_carry_each_clients_ranks(tmp_path):
+    het = FederatedRun(tiny_config(tmp_path / "h", "hetlora", federation__sample_fraction=1.0), write=False).prepare()
+    rec = het.run_round(0)
+    # PF2LoRA's recipe r_k = r_min + (r_max − r_min)(k − 1)/M with r_min 1, r_max 4, M = 3 (or pruned by ⌊γ r_k⌋)
+    for k, want in enumerate([1, 2, 3]):
+        assert rec["ranks"][str(k)]["rank"] in (want, max(1, int(0.99 * want))) and rec["ranks"][str(k)]["server_rank"] == 4
+    a2 = FederatedRun(tiny_config(tmp_path / "a", "lora-a2", federation__sample_fraction=1.0), write=False).prepare()
+    rec = a2.run_round(0)
+    n_modules = len(a2.targets)
+    for k, budget in enumerate([2, 2, 3]):  # r_k·N ranks over the N modules (§4.2)
+        info = rec["ranks"][str(k)]
+        assert info["budget"] == budget and info["selected"] == budget * n_modules
+        assert sum(info["selected_per_module"].values()) == info["selected"]

@@ -205,6 +205,12 @@ class Method(abc.ABC):
         client that synchronised before this round must download (``fedlora.simulator.DownloadLedger``)."""
         return {**state, **aggregated}
 
+    def describe_replica(self, replica: int) -> dict[str, Any]:
+        """What a run records about replica ``replica`` each round: its ranks (per-client ranks of
+        HetLoRA/FlexLoRA/FLoRA, LoRA-A²'s selected ranks, PF2LoRA's r and r̃)."""
+        kw = self.adapter_kwargs()
+        return {"rank": int(kw["rank"]), **({"client_rank": int(kw["client_rank"])} if kw.get("client_rank") else {})}
+
     def global_replica(self, replica: int) -> None:
         """Prepare ``replica`` to hold the global model before the server's full state is downloaded
         into it (evaluation of the global model): e.g. HetLoRA's and FlexLoRA's full server rank."""

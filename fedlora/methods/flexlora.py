@@ -193,6 +193,9 @@ class FlexLoRA(Method):
             state.update(fedavg_factors([{n: p.tensors[n] for n in heads} for p in payloads], weights))
         return state
 
+    def describe_replica(self, replica: int) -> dict:
+        return {"rank": int(self.ranks[replica]), "server_rank": self.rank}
+
     def global_replica(self, replica: int) -> None:
         """The global model is the server's ΔW at the largest rank the federation may hold."""
         self.ranks[replica] = self.rank

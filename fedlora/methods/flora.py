@@ -98,6 +98,9 @@ class FLoRA(FactorLoRA):
                     layer.weight = base.to(A.dtype).expand(G, *base.shape).clone()
         self._apply_rank_mask()
 
+    def describe_replica(self, replica: int) -> dict:
+        return {"rank": int(self.client_ranks[replica])}
+
     @torch.no_grad()
     def _apply_rank_mask(self) -> None:
         for a, b in self.pairs:

@@ -389,6 +389,9 @@ class H2Tune(Method):
         y_prime = self.shared_step(objective, batch)
         self.specific_step(objective, batch, y_prime)
 
+    def describe_replica(self, replica: int) -> dict:
+        return {"rank": self.rank, "density": self.betas[replica], "layers": self.layers[replica]}
+
     # client sampling ------------------------------------------------------------------------
     def _extra_state(self) -> dict[str, torch.Tensor]:
         extra = {"omega": self.omega.detach().clone()}

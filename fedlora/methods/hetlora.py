@@ -151,6 +151,9 @@ class HetLoRA(Method):
         ranks[idx] = extra["ranks"][idx]
         self._set_ranks(ranks)
 
+    def describe_replica(self, replica: int) -> dict:
+        return {"rank": int(self.ranks[replica]), "server_rank": self.r_max}
+
     def global_replica(self, replica: int) -> None:
         """The global model is the server's rank-r_max adapter."""
         ranks = self.ranks.clone()

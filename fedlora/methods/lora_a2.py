@@ -247,6 +247,13 @@ class LoRAA2(Method):
                 self._step(self._objective, self._sample, masked=True)
             self._objective = self._sample = None  # do not keep the caller's data alive
 
+    def describe_replica(self, replica: int) -> dict:
+        """r_G, the client's budget r_k, and the ranks it selected this round over all N modules
+        (Σ = r_k·N; a module may get none)."""
+        sel = {m.rstrip(".") or "<root>": int(v[replica].sum()) for m, v in self.masks.items()}
+        return {"rank": self.rank, "budget": int(self.budgets[replica]), "selected": sum(sel.values()),
+                "selected_per_module": sel}
+
     # client sampling ------------------------------------------------------------------------
     def _extra_state(self) -> dict[str, torch.Tensor]:
         return {f"mask:{m}": v.clone() for m, v in self.masks.items()}
