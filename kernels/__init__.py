@@ -23,6 +23,7 @@ Triton-path knobs (arguments of ``lora_linear``/``lora_linear_multi``, or enviro
   per-split partial sums summed in a fixed order instead of fp32 atomics.
 
 ``FEDLORA_KERNELS_POISON=1`` fills kernel outputs with NaN before each launch (tests).
+``python -m kernels.aot`` compiles the kernels for sm_90 without a GPU (``kernels.aot``).
 """
 from __future__ import annotations
 

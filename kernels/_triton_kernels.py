@@ -75,14 +75,23 @@ def _prune_mm(configs, named_args, **kwargs):
 
 
 def _ieee_spills(c, named_args, br) -> bool:
-    """fp32 IEEE dots run on FMA units with operand tiles in registers: with a wide low-rank epilogue
-    (L·Rt or the fused shrink, BLOCK_R ≥ 64) tiles above 2048 outputs or 64 rows spill on sm_90
-    (measured: ``python -m kernels.aot``, README), so the autotuner never tries them."""
-    if named_args.get("PRECISION") != "ieee" or br < 64:
+    """Whether config ``c`` spills registers on sm_90 for fp32 IEEE dots (so the autotuner never tries it).
+
+    IEEE fp32 ``tl.dot`` runs on FMA units with the accumulator and the operand tiles in registers.
+    From ``python -m kernels.aot`` (README, "AOT compile check"): per thread (T = 32·warps) an
+    accumulator above 32 values or operand tiles (BM·BK + BK·BN)/T above 96 values spill (up to ~50 KB
+    for 128×256); with a wide low-rank epilogue (BLOCK_R ≥ 64) the L·Rt tiles spill above 2048
+    outputs or 64 rows, the fused shrink above 1024 outputs.
+    """
+    if named_args.get("PRECISION") != "ieee":
         return False
-    if not (named_args.get("HAS_L") or named_args.get("FUSE_SHRINK")):
-        return False
-    return c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] > 2048 or c.kwargs["BLOCK_M"] > 64
+    bm, bn, bk = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
+    threads = 32 * c.num_warps
+    if bm * bn > 32 * threads or (bm * bk + bk * bn) > 96 * threads:
+        return True
+    if br >= 64 and named_args.get("HAS_L") and (bm * bn > 2048 or bm > 64):
+        return True
+    return bool(br >= 64 and named_args.get("FUSE_SHRINK") and (bm * bn > 1024 or bm > 64))
 
 
 def _tn_configs():
@@ -146,9 +155,16 @@ def _seg_tile(pid_m, seg_ptr, num_segs, seg_len, BLOCK_M: tl.constexpr, EQUAL_SE
 
 @triton.jit
 def _row_offsets(offs_m, rows_inner, stride_o, stride_m, SPLIT_ROWS: tl.constexpr):
-    """Memory offsets of rows ``offs_m`` of a 2-D (or, SPLIT_ROWS, a 3-D strided) operand."""
+    """Memory offsets (int64) of rows ``offs_m`` (int64) of a 2-D (or, SPLIT_ROWS, a 3-D strided) operand.
+
+    The split divides in int32 (row indices < 2³¹): an int64 division is a PTX subroutine whose stack
+    frame spilled kilobytes in the TN kernel's loop (``kernels.aot``).
+    """
     if SPLIT_ROWS:
-        return (offs_m // rows_inner) * stride_o + (offs_m % rows_inner) * stride_m
+        m32 = offs_m.to(tl.int32)
+        outer = m32 // rows_inner
+        inner = m32 - outer * rows_inner
+        return outer.to(tl.int64) * stride_o + inner.to(tl.int64) * stride_m
     else:
         return offs_m * stride_m
 

@@ -318,3 +318,24 @@ def test_autotuner_benchmark_runs_leave_accumulating_outputs_intact(monkeypatch,
         _compare(fn, lambda *t: _oracle(*t[:5], 0.5, t[5], t[6], 2.0), (x2, w2, bb2, a2, b2, c2, d2))
     finally:
         torch.use_deterministic_algorithms(old)
+
+
+def test_fp32_ieee_pruning_drops_the_tiles_that_spill():
+    """GPU config list: under IEEE fp32 the tiles measured to spill on sm_90 (kernels.aot) are never tried;
+    under TF32 / 16-bit (tensor cores, operands in shared memory) they stay."""
+    tk = LL._load_triton()
+    import triton
+
+    cfgs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=3)
+            for bm, bn, bk, w in ((128, 256, 64, 8), (256, 128, 64, 8), (64, 128, 64, 4), (128, 16, 128, 4),
+                                  (64, 64, 64, 4), (32, 128, 64, 4), (16, 64, 64, 4))]
+    spill_free_r16 = {(64, 64), (32, 128), (16, 64)}  # measured: no spills with BLOCK_R = 16
+
+    def kept(prec, **flags):
+        args = {"N": 4096, "M_BUCKET": 8192, "PRECISION": prec, **flags}
+        return {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in tk._prune_mm(cfgs, args)}
+
+    assert kept("ieee", HAS_L=True, BLOCK_R=16) == spill_free_r16
+    assert kept("ieee", HAS_L=True, BLOCK_R=128) == {(16, 64)}  # 64×64, 32×128 spill with R = 128
+    assert kept("tf32", HAS_L=True, BLOCK_R=16) == {(bm, bn) for bm, bn in
+                                                   [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in cfgs]}
