@@ -14,7 +14,9 @@ Two variants of the same op (``kernels.lora_linear_triton``, ``kernels.lora_line
 picks per shape bucket by timing both on first use on CUDA (``Chooser``): key (M bucket, N, K,
 R, dtype, device, backward needed), each variant warmed up (which also runs Triton's autotuning)
 then timed, the faster one cached for the process. Off CUDA (the CPU interpreter) and while a CUDA
-graph is being captured no timing happens: 'triton' (or the cached choice) is used.
+graph is being captured no timing happens: 'triton' (or the cached choice) is used; under
+``torch.use_deterministic_algorithms(True)`` 'auto' is always 'triton' (a timed choice would make the
+rounding depend on timing noise).
 """
 from __future__ import annotations
 

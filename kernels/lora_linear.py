@@ -612,8 +612,8 @@ def _resolve_variant(base_gemm, x, weight, bias, a_cat, b_cat, segs, precision, 
         return "triton"  # no base GEMM at all: the variants coincide
     if mode != "auto":
         return mode
-    if x.device.type not in _TIMED_DEVICES:
-        return "triton"
+    if x.device.type not in _TIMED_DEVICES or torch.are_deterministic_algorithms_enabled():
+        return "triton"  # deterministic mode: a choice made by timing noise would change the rounding
     needs = (x.requires_grad, a_cat.requires_grad, b_cat.requires_grad)
     grad = torch.is_grad_enabled() and any(needs)
     key = shape_key(M, b_cat.shape[1], x.shape[-1], a_cat.shape[1], x.dtype, x.device, grad)

@@ -261,6 +261,13 @@ def test_forced_variant_skips_timing(fake_timed_auto, monkeypatch, forced):
         assert timer.calls == [] and _variant_of(seen) == forced, (how, seen)
 
 
+def test_auto_is_untimed_triton_in_deterministic_mode(fake_timed_auto, deterministic):
+    x, w, bb, a, b, c, d = _make(9, 16, 12, 2, 1)
+    with recorded_launches() as seen:
+        lora_linear(x, w, bb, a, b, 0.5, c, d, 2.0, backend="triton").sum().backward()
+    assert fake_timed_auto.calls == [] and _variant_of(seen) == "triton"
+
+
 def test_no_base_weight_needs_no_choice(fake_timed_auto):
     x, _, bb, a, b, c, d = _make(9, 16, 12, 2, 1)
     with recorded_launches() as seen:
