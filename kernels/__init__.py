@@ -12,7 +12,18 @@ Dispatch (``FEDLORA_KERNELS`` environment variable, read at every call):
   ``TRITON_INTERPRET=1`` set before triton is imported (tests) and float32.
 * ``reference``: always the pure-PyTorch reference.
 
+Triton-path knobs (arguments of ``lora_linear``/``lora_linear_multi``, or environment):
+
+* ``base_gemm`` / ``FEDLORA_KERNELS_BASE_GEMM``: ``auto`` (default: on CUDA, time the Triton-GEMM and
+  the cuBLAS-GEMM variants on first use per shape bucket and keep the faster), ``triton``, ``cublas``
+  (``kernels.base_gemm``).
+* ``precision``: float32 dots, ``ieee`` or ``tf32``; default follows torch's CUDA matmul setting
+  (``select_precision``).
+* Under ``torch.use_deterministic_algorithms(True)`` the backward's split reductions (dA, dB) use
+  per-split partial sums summed in a fixed order instead of fp32 atomics.
+
 ``FEDLORA_KERNELS_POISON=1`` fills kernel outputs with NaN before each launch (tests).
+``python -m kernels.aot`` compiles the kernels for sm_90 without a GPU (``kernels.aot``).
 """
 from __future__ import annotations
 
@@ -21,12 +32,12 @@ import os
 import torch
 
 from .lora_linear import (FUSE_MAX_M, HAS_TRITON, MAX_RANK, fold_adapters, interpreter_active,
-                          lora_linear_multi, lora_linear_triton)
+                          lora_linear_multi, lora_linear_triton, select_precision)
 from .reference import check_lora_shapes, lora_linear_reference
 
 __all__ = ["lora_linear", "lora_linear_reference", "check_lora_shapes", "lora_linear_triton",
            "lora_linear_multi", "fold_adapters", "backend_for", "interpreter_active", "MAX_RANK", "FUSE_MAX_M",
-           "HAS_TRITON"]
+           "HAS_TRITON", "select_precision"]
 
 _BACKENDS = ("auto", "triton", "reference")
 
@@ -70,7 +81,7 @@ def backend_for(x: torch.Tensor, *tensors, backend: str | None = None) -> str:
 
 def lora_linear(x, weight, bias, a, b, scale=1.0, c=None, d=None, client_scale=1.0, *,
                 rank_mask=None, client_rank_mask=None, middle=None, middle_phi=None, middle_mask=None,
-                backend=None, precision=None, fuse=None):
+                backend=None, precision=None, fuse=None, base_gemm=None):
     """Two-level LoRA linear: Y = X W0ᵀ + b + s₁(XAᵀ)Bᵀ + s₂(XCᵀ)Dᵀ (shapes: ``kernels.reference``).
 
     Keyword-only extras (both backends):
@@ -80,13 +91,14 @@ def lora_linear(x, weight, bias, a, b, scale=1.0, c=None, d=None, client_scale=1
       middle, middle_phi, middle_mask ([G,] r, r): H²Tune TriLoRA, ΔW = s₁·B·(I + Φ⊙Ω⊙R)·diag(m)·A;
         gradients of R and Φ vanish off the support Ω.
       backend: 'auto' | 'triton' | 'reference' (default: env FEDLORA_KERNELS, else 'auto').
-      precision ('ieee' | 'tf32'), fuse (bool): Triton-path knobs, see ``lora_linear_triton``.
+      precision ('ieee' | 'tf32'), fuse (bool), base_gemm ('auto' | 'triton' | 'cublas'): Triton-path
+        knobs, see ``lora_linear_triton``.
     """
     extras = (rank_mask, client_rank_mask, middle, middle_phi, middle_mask)
     if _use_triton(x, backend, (weight, bias, a, b, c, d, middle, middle_phi)):
         return lora_linear_triton(x, weight, bias, a, b, scale, c, d, client_scale, rank_mask=rank_mask,
                                   client_rank_mask=client_rank_mask, middle=middle, middle_phi=middle_phi,
-                                  middle_mask=middle_mask, precision=precision, fuse=fuse)
+                                  middle_mask=middle_mask, precision=precision, fuse=fuse, base_gemm=base_gemm)
     if all(e is None for e in extras):
         return lora_linear_reference(x, weight, bias, a, b, scale, c, d, client_scale)
     from .lora_linear import _check_extras

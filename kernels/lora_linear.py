@@ -27,16 +27,37 @@ B_cat) and the segment offsets.
 Kernels (``_triton_kernels``): forward S = X A_catᵀ then Y = X W0ᵀ + S B_catᵀ + b (accumulator
 starts from S B_catᵀ), or for small M one launch doing both in the same K loop (``fuse``);
 backward dS = dY B_cat, dX = dY W0 + dS A_cat (fused likewise), dA_cat = dSᵀ X, dB_cat = dYᵀ S
-(split-M, atomics into fp32). Double backward (``create_graph=True``, PF2LoRA's HVP) runs the
-backward as differentiable torch matmuls instead of kernels.
+(split-M; fp32 atomics, or under ``torch.use_deterministic_algorithms(True)`` per-split partial
+sums summed in a fixed order). ``base_gemm='cublas'`` runs X W0ᵀ + b and dY W0 with cuBLAS instead
+and only the low-rank path in Triton (``kernels.base_gemm``; 'auto' times both on first use).
+Double backward (``create_graph=True``, PF2LoRA's HVP) runs the backward as differentiable torch
+matmuls instead of kernels.
+
+Hot path. No host↔device copy or sync per call: equal segments (single client, stacked factors,
+equal client splits) pass the segment length as a scalar; other host-known offsets are uploaded
+once and cached; device-tensor offsets (``lora_linear_multi``) are read by the kernels only (grid
+sized by an upper bound, checked with ``torch._assert_async``). Every operand is addressed through
+its strides (a transposed W0 such as GPT-2's ``Conv1D.weight.T``, a strided bias, 2-D or 3-D
+strided X) — only the small concatenated factors are made contiguous.
+
+fp32 precision (``precision=None``): TF32 dots when torch allows TF32 for CUDA matmuls
+(``torch.backends.cuda.matmul.fp32_precision == 'tf32'`` on torch ≥ 2.9, else
+``torch.backends.cuda.matmul.allow_tf32``, which ``torch.set_float32_matmul_precision('high'|'medium')``
+sets), IEEE fp32 otherwise; see ``select_precision``.
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import importlib.util
+import math
 import os
+import warnings
 
 import torch
+import torch.nn.functional as F
 
+from .base_gemm import Chooser, m_bucket, requested_base_gemm, shape_key
 from .reference import check_lora_shapes, lora_linear_reference
 
 # triton is imported lazily (first Triton-path call): importing ``kernels`` never imports triton, so
@@ -65,7 +86,7 @@ def _load_triton():
 
 
 __all__ = ["lora_linear_triton", "lora_linear_multi", "fold_adapters", "MAX_RANK", "HAS_TRITON",
-           "FUSE_MAX_M", "interpreter_active"]
+           "FUSE_MAX_M", "interpreter_active", "select_precision", "compile_only"]
 
 MAX_RANK = 128  # r + r̃ (padded to a power of two ≥ 16 inside the kernels)
 FUSE_MAX_M = 512  # tokens up to which the shrink runs in the same K loop as the base GEMM
@@ -106,6 +127,8 @@ def _check_triton_operands(x: torch.Tensor, named: dict) -> None:
                              "they were first loaded); CPU tensors cannot use them in this process")
         if x.dtype != torch.float32:
             raise ValueError(f"lora_linear: under the Triton interpreter only float32 is supported, X is {x.dtype}")
+    elif x.device.type == "meta" and _COMPILE_ONLY:
+        pass  # kernels.aot: launches are compiled, never run
     elif x.device.type != "cuda":
         raise ValueError(f"lora_linear: the Triton path runs on CUDA (or CPU under the interpreter), "
                          f"X is on {x.device}")
@@ -194,76 +217,349 @@ def fold_adapters(a, b, scale=1.0, c=None, d=None, client_scale=1.0, *, rank_mas
 
 
 # ----------------------------------------------------------------------------------------------
+# fp32 precision
+# ----------------------------------------------------------------------------------------------
+
+def _torch_allows_tf32() -> bool:
+    """Whether torch lets CUDA float32 matmuls use TF32 (what cuBLAS does for ``x @ w`` right now).
+
+    torch ≥ 2.9 keeps one effective setting, ``torch.backends.cuda.matmul.fp32_precision``
+    ('tf32' | 'ieee' | 'none'), which the legacy ``allow_tf32`` and
+    ``torch.set_float32_matmul_precision`` also write; reading the legacy ``allow_tf32`` there
+    raises once the new API was used, so it is only the fallback for older torch.
+    """
+    matmul = torch.backends.cuda.matmul
+    try:
+        new = matmul.fp32_precision
+    except (AttributeError, RuntimeError):
+        new = None
+    if new in ("tf32", "bf16"):
+        return True
+    if new == "ieee":
+        return False
+    try:  # older torch, or 'none' (no choice made through the new API)
+        return bool(matmul.allow_tf32)
+    except RuntimeError:
+        return False
+
+
+def select_precision(dtype: torch.dtype, device_type: str, precision: str | None = None) -> str:
+    """``tl.dot`` input precision: 'ieee' or 'tf32'.
+
+    ``precision`` given: used as is (validated). Otherwise float32 operands on CUDA take TF32 exactly
+    when torch allows it for its own CUDA matmuls (``_torch_allows_tf32``; default 'highest' → IEEE),
+    so the fused op and cuBLAS round alike; anywhere else (CPU interpreter) IEEE. 16-bit operands:
+    'tf32' (the argument is ignored by ``tl.dot`` for them).
+    """
+    if precision is not None:
+        if precision not in ("ieee", "tf32"):
+            raise ValueError(f"lora_linear: precision must be 'ieee' or 'tf32', got {precision!r}")
+        return precision
+    if dtype != torch.float32:
+        return "tf32"
+    if device_type == "cuda" and _torch_allows_tf32():
+        return "tf32"
+    return "ieee"
+
+
+# ----------------------------------------------------------------------------------------------
+# row segments and row layouts
+# ----------------------------------------------------------------------------------------------
+
+_OFFSETS_CACHE: collections.OrderedDict = collections.OrderedDict()
+_OFFSETS_CACHE_SIZE = 256
+
+
+def _offsets_tensor(offsets: tuple, device) -> torch.Tensor:
+    """int32 device copy of host offsets, uploaded once per distinct (offsets, device) and cached."""
+    key = (offsets, str(device))
+    t = _OFFSETS_CACHE.get(key)
+    if t is None:
+        t = torch.tensor(offsets, dtype=torch.int32, device=device)
+        _OFFSETS_CACHE[key] = t
+        while len(_OFFSETS_CACHE) > _OFFSETS_CACHE_SIZE:
+            _OFFSETS_CACHE.popitem(last=False)
+    else:
+        _OFFSETS_CACHE.move_to_end(key)
+    return t
+
+
+class _Segs:
+    """How the M rows of X are grouped into G segments (one adapter each).
+
+    Exactly one of: ``seg_len`` (G equal segments, nothing on the device), ``lens`` + ``offs_t``
+    (host-known offsets, cached device copy), ``offs_t`` alone (device-only offsets).
+    """
+
+    __slots__ = ("G", "seg_len", "lens", "offs_t")
+
+    def __init__(self, G, seg_len=None, lens=None, offs_t=None):
+        self.G, self.seg_len, self.lens, self.offs_t = int(G), seg_len, lens, offs_t
+
+    @classmethod
+    def equal(cls, G, n):
+        return cls(G, seg_len=int(n))
+
+    @classmethod
+    def from_host(cls, offsets, device):
+        offsets = tuple(int(o) for o in offsets)
+        lens = tuple(offsets[i + 1] - offsets[i] for i in range(len(offsets) - 1))
+        if lens and len(set(lens)) == 1:
+            return cls.equal(len(lens), lens[0])
+        return cls(len(lens), lens=lens, offs_t=_offsets_tensor(offsets, device))
+
+    @classmethod
+    def from_device(cls, offs_t):
+        return cls(offs_t.shape[0] - 1, offs_t=offs_t)
+
+    @property
+    def is_equal(self) -> bool:
+        return self.seg_len is not None
+
+    def host_offsets(self) -> list:
+        """Offsets as Python ints (device-only offsets: a sync; double backward only)."""
+        if self.is_equal:
+            return [g * self.seg_len for g in range(self.G + 1)]
+        if self.lens is not None:
+            out = [0]
+            for n in self.lens:
+                out.append(out[-1] + n)
+            return out
+        return [int(v) for v in self.offs_t.tolist()]
+
+    def m_tiles(self, M: int, block_m: int) -> int:
+        """Row tiles to launch: exact when the lengths are known on the host, else an upper bound."""
+        if self.is_equal:
+            return self.G * triton.cdiv(self.seg_len, block_m)
+        if self.lens is not None:
+            return sum(triton.cdiv(n, block_m) for n in self.lens)
+        return triton.cdiv(M, block_m) + self.G  # each segment wastes < 1 tile; surplus tiles exit
+
+    def rows_bucket(self, M: int) -> int:
+        """Autotune bucket of a segment's row count (the TN kernel's reduction length)."""
+        if self.is_equal:
+            return m_bucket(self.seg_len)
+        if self.lens is not None:
+            return m_bucket(max(self.lens))
+        return m_bucket(triton.cdiv(M, max(self.G, 1)))
+
+
+def _collapsible(shape, strides) -> bool:
+    """Whether dims ``shape`` (with ``strides``) can be viewed as one dim without a copy."""
+    dims = [(n, s) for n, s in zip(shape, strides) if n != 1]
+    return all(dims[i][1] == dims[i + 1][1] * dims[i + 1][0] for i in range(len(dims) - 1))
+
+
+def _rows(x: torch.Tensor):
+    """X (..., K) as M rows for the kernels, without copying whenever strides allow.
+
+    Returns (t, M, K, rows_inner, stride_o, stride_m, stride_k, split): element (m, k) sits at
+    t + (m // rows_inner)·stride_o + (m % rows_inner)·stride_m + k·stride_k when ``split``, else at
+    t + m·stride_m + k·stride_k. Any 2-D view and any 3-D strided view are read in place; only a
+    ≥ 4-D X whose leading dims do not form two strided levels is copied.
+    """
+    K = x.shape[-1]
+    lead, lstr = tuple(x.shape[:-1]), tuple(x.stride()[:-1])
+    M = math.prod(lead)
+    dims = [(n, s) for n, s in zip(lead, lstr) if n != 1]
+    if len(dims) <= 1 or _collapsible(lead, lstr):
+        stride_m = dims[-1][1] if dims else K
+        return x, M, K, max(M, 1), 0, stride_m, x.stride(-1), False
+    inner_n, inner_s = dims[-1]
+    outer = dims[:-1]
+    if _collapsible([n for n, _ in outer], [s for _, s in outer]):
+        return x, M, K, inner_n, outer[-1][1], inner_s, x.stride(-1), True
+    t = x.reshape(M, K)  # rare: a ≥ 4-D X with three independent row strides
+    return t, M, K, max(M, 1), 0, t.stride(0), t.stride(1), False
+
+
+# ----------------------------------------------------------------------------------------------
 # launches
 # ----------------------------------------------------------------------------------------------
 
-def _num_tiles(lens, block_m):
-    return sum((n + block_m - 1) // block_m for n in lens)
+_LAUNCH_HOOK = None  # callable(kernel, grid, args, kwargs) replacing the launch (compile_only, tests)
+_COMPILE_ONLY = False
 
 
-def _launch_mm(x, out, seg_t, lens, R, precision, *, w=None, w_strides=(0, 0, 0), wl=None,
-               wl_strides=(0, 0, 0), l=None, rt=None, rt_strides=(0, 0, 0), bias=None, s_out=None):
-    """out[M, N] = x[M, K] @ w (+ (x @ wl_g) @ rt_g | + l @ rt_g) (+ bias); strides are (g, k, n)."""
-    M, K = x.shape
+@contextlib.contextmanager
+def launch_hook(fn):
+    """Route every kernel launch through ``fn(kernel, grid, args, kwargs)`` (which may launch it)."""
+    global _LAUNCH_HOOK
+    old, _LAUNCH_HOOK = _LAUNCH_HOOK, fn
+    try:
+        yield
+    finally:
+        _LAUNCH_HOOK = old
+
+
+@contextlib.contextmanager
+def compile_only(fn):
+    """``kernels.aot``: accept meta-device operands and hand each launch to ``fn`` instead of running it.
+
+    The op then executes its real host code (validation, folding, segment handling, variant, fuse
+    and precision choice, launch arguments) on shapes only; ``fn(kernel, grid, args, kwargs)``
+    typically compiles what the autotuner would try (``kernels.aot``).
+    """
+    global _COMPILE_ONLY
+    _load_triton()
+    old = _COMPILE_ONLY
+    _COMPILE_ONLY = True
+    try:
+        with launch_hook(fn):
+            yield
+    finally:
+        _COMPILE_ONLY = old
+
+
+def _launch(kernel, grid, args, kwargs):
+    if _LAUNCH_HOOK is not None:
+        return _LAUNCH_HOOK(kernel, grid, args, kwargs)
+    kernel[grid](*args, **kwargs)
+
+
+def _launch_mm(xr, out, segs, R, precision, *, w=None, w_strides=(0, 0, 0), wl=None, wl_strides=(0, 0, 0),
+               l=None, rt=None, rt_strides=(0, 0, 0), bias=None, s_out=None, acc_out=False):
+    """out[M, N] (+)= x[M, K] @ w (+ (x @ wl_g) @ rt_g | + l @ rt_g) (+ bias); strides are (g, k, n).
+
+    ``xr``: ``_rows(x)``; ``acc_out``: add to what ``out`` holds (in place).
+    """
+    x, M, K, rows_inner, stride_xo, stride_xm, stride_xk, split = xr
     N = out.shape[1]
-    G = len(lens)
+    G = segs.G
     fuse = wl is not None
-    dummy = x
+    dummy = out  # never dereferenced where passed
     block_r = max(16, triton.next_power_of_2(R))
 
     def grid(meta):
-        return (max(1, _num_tiles(lens, meta["BLOCK_M"])), triton.cdiv(N, meta["BLOCK_N"]))
+        return (max(1, segs.m_tiles(M, meta["BLOCK_M"])), triton.cdiv(N, meta["BLOCK_N"]))
 
-    _tk._lowrank_mm_kernel[grid](
+    args = (
         x, w if w is not None else dummy, wl if fuse else dummy, l if l is not None else dummy,
         rt if rt is not None else dummy, bias if bias is not None else dummy, out,
-        s_out if s_out is not None else dummy, seg_t,
-        M, N, K, R, G, _tk._bucket(M), _tk._bucket(G),
-        x.stride(0), x.stride(1),
+        s_out if s_out is not None else dummy, segs.offs_t if not segs.is_equal else dummy,
+        M, N, K, R, G, segs.seg_len or 0, rows_inner, m_bucket(M), m_bucket(G),
+        stride_xo, stride_xm, stride_xk,
         *w_strides, *wl_strides,
         (l.stride(0) if l is not None else 0), (l.stride(1) if l is not None else 0),
         *rt_strides,
+        (bias.stride(0) if bias is not None else 0),
         out.stride(0), out.stride(1),
         (s_out.stride(0) if s_out is not None else 0), (s_out.stride(1) if s_out is not None else 0),
-        HAS_W=w is not None, FUSE_SHRINK=fuse, HAS_L=l is not None, HAS_BIAS=bias is not None,
-        PRECISION=precision, BLOCK_R=block_r,
     )
+    kwargs = dict(HAS_W=w is not None, FUSE_SHRINK=fuse, HAS_L=l is not None, HAS_BIAS=bias is not None,
+                  ACC_OUT=bool(acc_out), EQUAL_SEGS=segs.is_equal, X_3D=bool(split), PRECISION=precision,
+                  BLOCK_R=block_r)
+    _launch(_tk._lowrank_mm_kernel, grid, args, kwargs)
 
 
-def _launch_tn(u, v, seg_t, lens, G, precision):
-    """out[g] = u[rows_g]ᵀ v[rows_g] in fp32; u (M, P), v (M, Q) → (G, P, Q)."""
-    P, Q = u.shape[1], v.shape[1]
-    out = torch.zeros((G, P, Q), dtype=torch.float32, device=u.device)
+def _launch_tn(u, vr, segs, precision, deterministic):
+    """out[g] = u[rows_g]ᵀ v[rows_g] in fp32; u (M, P) 2-D, ``vr`` = ``_rows(v)`` with v (M, Q) → (G, P, Q).
+
+    ``deterministic``: per-split partial sums in a (DET_MAX_SPLIT, G, P, Q) buffer, summed here in a
+    fixed order, instead of fp32 atomics (whose order varies run to run).
+    """
+    v, M, Q, rows_inner, stride_vo, stride_vm, stride_vq, split = vr
+    P = u.shape[1]
+    G = segs.G
+    if deterministic:
+        buf = torch.zeros((_tk.DET_MAX_SPLIT, G, P, Q), dtype=torch.float32, device=u.device)
+        stride_os, (stride_og, stride_op, stride_oq) = buf.stride(0), buf.stride()[1:]
+    else:
+        buf = torch.zeros((G, P, Q), dtype=torch.float32, device=u.device)
+        stride_os, (stride_og, stride_op, stride_oq) = 0, buf.stride()
 
     def grid(meta):
         return (triton.cdiv(P, meta["BLOCK_P"]) * triton.cdiv(Q, meta["BLOCK_Q"]), G, meta["SPLIT"])
 
-    _tk._seg_tn_kernel[grid](
-        u, v, out, seg_t, P, Q, _tk._bucket(max(lens) if lens else 1), _tk._bucket(G),
-        u.stride(0), u.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), out.stride(2),
-        PRECISION=precision,
-    )
-    return out
+    args = (u, v, buf, segs.offs_t if not segs.is_equal else buf,
+            P, Q, segs.seg_len or 0, rows_inner, segs.rows_bucket(M), m_bucket(G),
+            u.stride(0), u.stride(1), stride_vo, stride_vm, stride_vq,
+            stride_os, stride_og, stride_op, stride_oq)
+    kwargs = dict(EQUAL_SEGS=segs.is_equal, V_3D=bool(split), ATOMIC=not deterministic, PRECISION=precision)
+    _launch(_tk._seg_tn_kernel, grid, args, kwargs)
+    return buf.sum(0) if deterministic else buf
 
 
-def _torch_grads(x, weight, a_cat, b_cat, dy, offsets, needs):
+def _fwd_impl(x, weight, bias, a_cat, b_cat, segs, precision, fuse, variant):
+    """(Y (M, N), S (M, R)) for Y = X W0ᵀ + b + (X A_cat_gᵀ) B_cat_gᵀ (launches only, no autograd)."""
+    xr = _rows(x)
+    t, M = xr[0], xr[1]
+    R = a_cat.shape[1]
+    N = b_cat.shape[1]
+    s = _alloc((M, R), x.dtype, x.device)
+    a_t = (a_cat.stride(0), a_cat.stride(2), a_cat.stride(1))  # A_catᵀ as (g, k=d_in, n=R)
+    b_t = (b_cat.stride(0), b_cat.stride(2), b_cat.stride(1))  # B_catᵀ as (g, r, n=d_out)
+    if variant == "cublas":  # cuBLAS X W0ᵀ + b, then the Triton low-rank path adds into Y in place
+        y = F.linear(t, weight, bias).reshape(M, N)
+        _launch_mm(xr, s, segs, R, precision, w=a_cat, w_strides=a_t)
+        _launch_mm(xr, y, segs, R, precision, l=s, rt=b_cat, rt_strides=b_t, acc_out=True)
+        return y, s
+    y = _alloc((M, N), x.dtype, x.device)
+    w_t = (0, 0, 0) if weight is None else (0, weight.stride(1), weight.stride(0))  # W0ᵀ (k=d_in, n=d_out)
+    if fuse:
+        _launch_mm(xr, y, segs, R, precision, w=weight, w_strides=w_t, wl=a_cat, wl_strides=a_t,
+                   rt=b_cat, rt_strides=b_t, bias=bias, s_out=s)
+    else:
+        _launch_mm(xr, s, segs, R, precision, w=a_cat, w_strides=a_t)
+        _launch_mm(xr, y, segs, R, precision, w=weight, w_strides=w_t, l=s, rt=b_cat, rt_strides=b_t, bias=bias)
+    return y, s
+
+
+def _bwd_impl(x, weight, a_cat, b_cat, s, dy, segs, precision, fuse, variant, needs):
+    """(dX shaped like X, dA_cat, dB_cat) from dY (M, N); entries not in ``needs`` are None."""
+    need_x, need_a, need_b = needs
+    xr = _rows(x)
+    M, K = xr[1], xr[2]
+    R = a_cat.shape[1]
+    dyr = _rows(dy)
+    dx = da = db = ds = None
+    b_n = (b_cat.stride(0), b_cat.stride(1), b_cat.stride(2))  # B_cat as (g, k=d_out, n=R)
+    a_n = (a_cat.stride(0), a_cat.stride(1), a_cat.stride(2))  # A_cat as (g, r, n=d_in)
+    w_n = (0, 0, 0) if weight is None else (0, weight.stride(0), weight.stride(1))  # W0 (k=d_out, n=d_in)
+    if need_x:
+        ds = _alloc((M, R), dy.dtype, dy.device)
+        if variant == "cublas":
+            _launch_mm(dyr, ds, segs, R, precision, w=b_cat, w_strides=b_n)
+            dx = torch.mm(dy, weight)
+            _launch_mm(dyr, dx, segs, R, precision, l=ds, rt=a_cat, rt_strides=a_n, acc_out=True)
+        elif fuse:
+            dx = _alloc((M, K), x.dtype, x.device)
+            _launch_mm(dyr, dx, segs, R, precision, w=weight, w_strides=w_n, wl=b_cat, wl_strides=b_n,
+                       rt=a_cat, rt_strides=a_n, s_out=ds)
+        else:
+            dx = _alloc((M, K), x.dtype, x.device)
+            _launch_mm(dyr, ds, segs, R, precision, w=b_cat, w_strides=b_n)
+            _launch_mm(dyr, dx, segs, R, precision, w=weight, w_strides=w_n, l=ds, rt=a_cat, rt_strides=a_n)
+        dx = dx.view(x.shape)
+    elif need_a:
+        ds = _alloc((M, R), dy.dtype, dy.device)
+        _launch_mm(dyr, ds, segs, R, precision, w=b_cat, w_strides=b_n)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    if need_a:
+        da = _launch_tn(ds, xr, segs, precision, deterministic).to(a_cat.dtype)
+    if need_b:
+        db = _launch_tn(dy, _rows(s), segs, precision, deterministic).to(b_cat.dtype)
+    return dx, da, db
+
+
+def _torch_grads(x, weight, a_cat, b_cat, dy, segs, needs):
     """Differentiable backward (create_graph=True): same formulas as the kernels, torch matmuls."""
     need_x, need_a, need_b = needs
-    lens = [offsets[i + 1] - offsets[i] for i in range(len(offsets) - 1)]
-    G = len(lens)
-    if len(set(lens)) == 1:
-        n = lens[0]
-        xs, dys = x.reshape(G, n, -1), dy.reshape(G, n, -1)
+    x2 = x.reshape(-1, x.shape[-1])
+    G = segs.G
+    if segs.is_equal:
+        n = segs.seg_len
+        xs, dys = x2.reshape(G, n, -1), dy.reshape(G, n, -1)
         s = xs @ a_cat.transpose(-1, -2)
         ds = dys @ b_cat
-        dx = (ds @ a_cat).reshape(x.shape) if need_x else None
+        dx = (ds @ a_cat).reshape(x2.shape) if need_x else None
         da = ds.transpose(-1, -2) @ xs if need_a else None
         db = dys.transpose(-1, -2) @ s if need_b else None
     else:
+        offsets = segs.host_offsets()
         dxs, das, dbs = [], [], []
         for g in range(G):
-            xs, dys = x[offsets[g]:offsets[g + 1]], dy[offsets[g]:offsets[g + 1]]
+            xs, dys = x2[offsets[g]:offsets[g + 1]], dy[offsets[g]:offsets[g + 1]]
             s = xs @ a_cat[g].transpose(-1, -2)
             ds = dys @ b_cat[g]
             dxs.append(ds @ a_cat[g])
@@ -274,6 +570,8 @@ def _torch_grads(x, weight, a_cat, b_cat, dy, offsets, needs):
         db = torch.stack(dbs) if need_b else None
     if need_x and weight is not None:
         dx = dx + dy @ weight
+    if dx is not None:
+        dx = dx.reshape(x.shape)
     return dx, da, db
 
 
@@ -281,104 +579,100 @@ class _SegLoRAFunction(torch.autograd.Function):
     """Y = X W0ᵀ + b + (X A_cat_gᵀ) B_cat_gᵀ on row segments g; grads for X, A_cat, B_cat only."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, a_cat, b_cat, offsets, precision, fuse):
-        M, K = x.shape
-        G, R, _ = a_cat.shape
-        N = b_cat.shape[1]
-        lens = [offsets[i + 1] - offsets[i] for i in range(G)]
-        seg_t = torch.tensor(offsets, dtype=torch.int32, device=x.device)
-        s = _alloc((M, R), x.dtype, x.device)
-        y = _alloc((M, N), x.dtype, x.device)
-        a_t = (a_cat.stride(0), a_cat.stride(2), a_cat.stride(1))  # A_catᵀ as (g, k=d_in, n=R)
-        b_t = (b_cat.stride(0), b_cat.stride(2), b_cat.stride(1))  # B_catᵀ as (g, r, n=d_out)
-        w_t = None if weight is None else (0, weight.stride(1), weight.stride(0))  # W0ᵀ (k=d_in, n=d_out)
-        if fuse:
-            _launch_mm(x, y, seg_t, lens, R, precision, w=weight, w_strides=w_t or (0, 0, 0),
-                       wl=a_cat, wl_strides=a_t, rt=b_cat, rt_strides=b_t, bias=bias, s_out=s)
-        else:
-            _launch_mm(x, s, seg_t, lens, R, precision, w=a_cat, w_strides=a_t)
-            _launch_mm(x, y, seg_t, lens, R, precision, w=weight, w_strides=w_t or (0, 0, 0),
-                       l=s, rt=b_cat, rt_strides=b_t, bias=bias)
+    def forward(ctx, x, weight, bias, a_cat, b_cat, segs, precision, fuse, variant):
+        y, s = _fwd_impl(x, weight, bias, a_cat, b_cat, segs, precision, fuse, variant)
         ctx.save_for_backward(x, weight, a_cat, b_cat, s)
-        ctx.offsets, ctx.lens, ctx.precision, ctx.fuse = offsets, lens, precision, fuse
-        ctx.seg_t = seg_t
+        ctx.segs, ctx.precision, ctx.fuse, ctx.variant = segs, precision, fuse, variant
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, a_cat, b_cat, s = ctx.saved_tensors
-        need_x = ctx.needs_input_grad[0]
-        need_a, need_b = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
-        none3 = (None, None, None)
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[3], ctx.needs_input_grad[4])
+        none4 = (None, None, None, None)
         if torch.is_grad_enabled():  # create_graph=True: keep the backward differentiable
-            dx, da, db = _torch_grads(x, weight, a_cat, b_cat, dy, ctx.offsets, (need_x, need_a, need_b))
-            return (dx, None, None, da, db) + none3
-        lens, precision, seg_t = ctx.lens, ctx.precision, ctx.seg_t
-        M, K = x.shape
-        G, R, _ = a_cat.shape
-        dx = da = db = ds = None
-        b_n = (b_cat.stride(0), b_cat.stride(1), b_cat.stride(2))  # B_cat as (g, k=d_out, n=R)
-        a_n = (a_cat.stride(0), a_cat.stride(1), a_cat.stride(2))  # A_cat as (g, r, n=d_in)
-        w_n = None if weight is None else (0, weight.stride(0), weight.stride(1))  # W0 (k=d_out, n=d_in)
-        if need_x:
-            dx = _alloc((M, K), x.dtype, x.device)
-            ds = _alloc((M, R), dy.dtype, dy.device)
-            if ctx.fuse:
-                _launch_mm(dy, dx, seg_t, lens, R, precision, w=weight, w_strides=w_n or (0, 0, 0),
-                           wl=b_cat, wl_strides=b_n, rt=a_cat, rt_strides=a_n, s_out=ds)
-            else:
-                _launch_mm(dy, ds, seg_t, lens, R, precision, w=b_cat, w_strides=b_n)
-                _launch_mm(dy, dx, seg_t, lens, R, precision, w=weight, w_strides=w_n or (0, 0, 0),
-                           l=ds, rt=a_cat, rt_strides=a_n)
-        elif need_a:
-            ds = _alloc((M, R), dy.dtype, dy.device)
-            _launch_mm(dy, ds, seg_t, lens, R, precision, w=b_cat, w_strides=b_n)
-        if need_a:
-            da = _launch_tn(ds, x, seg_t, lens, G, precision).to(a_cat.dtype)
-        if need_b:
-            db = _launch_tn(dy, s, seg_t, lens, G, precision).to(b_cat.dtype)
-        return (dx, None, None, da, db) + none3
+            dx, da, db = _torch_grads(x, weight, a_cat, b_cat, dy, ctx.segs, needs)
+        else:
+            dx, da, db = _bwd_impl(x, weight, a_cat, b_cat, s, dy, ctx.segs, ctx.precision, ctx.fuse,
+                                   ctx.variant, needs)
+        return (dx, None, None, da, db) + none4
 
 
-def _precision(x: torch.Tensor, precision: str | None) -> str:
-    if precision is not None:
-        if precision not in ("ieee", "tf32"):
-            raise ValueError(f"lora_linear: precision must be 'ieee' or 'tf32', got {precision!r}")
-        return precision
-    if x.dtype != torch.float32:
-        return "tf32"  # ignored by tl.dot for 16-bit inputs
-    if x.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
-        return "tf32"
-    return "ieee"
+# ----------------------------------------------------------------------------------------------
+# base-GEMM variant (kernels.base_gemm)
+# ----------------------------------------------------------------------------------------------
+
+_CHOOSER = Chooser()
+_TIMED_DEVICES = ("cuda",)  # where 'auto' times the variants (tests add "cpu" with a fake timer)
 
 
-def _segmented_call(x2, weight, bias, a_cat, b_cat, offsets, precision, fuse):
+def _resolve_variant(base_gemm, x, weight, bias, a_cat, b_cat, segs, precision, fuse, M):
+    mode = requested_base_gemm(base_gemm)
+    if weight is None:
+        return "triton"  # no base GEMM at all: the variants coincide
+    if mode != "auto":
+        return mode
+    if x.device.type not in _TIMED_DEVICES or torch.are_deterministic_algorithms_enabled():
+        return "triton"  # deterministic mode: a choice made by timing noise would change the rounding
+    needs = (x.requires_grad, a_cat.requires_grad, b_cat.requires_grad)
+    grad = torch.is_grad_enabled() and any(needs)
+    key = shape_key(M, b_cat.shape[1], x.shape[-1], a_cat.shape[1], x.dtype, x.device, grad)
+    if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return _CHOOSER.choices.get(key, "triton")  # no timing (sync) inside a CUDA graph capture
+
+    def runner(variant):
+        def run():
+            with torch.no_grad():
+                y, s = _fwd_impl(x, weight, bias, a_cat, b_cat, segs, precision, fuse, variant)
+                if grad:
+                    _bwd_impl(x, weight, a_cat, b_cat, s, y, segs, precision, fuse, variant, needs)
+        return run
+
+    choice = _CHOOSER.choose(key, {"triton": runner("triton"), "cublas": runner("cublas")})
+    failed = [n for n, t in _CHOOSER.timings.get(key, {}).items() if math.isinf(t)]
+    if failed and key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(f"lora_linear: base_gemm variant(s) {failed} failed to run at {key}; using {choice!r}",
+                      RuntimeWarning, stacklevel=3)
+    return choice
+
+
+_WARNED: set = set()
+
+
+def _segmented_call(x, weight, bias, a_cat, b_cat, segs, precision, fuse, base_gemm):
+    """The Triton op on X (..., d_in) whose M rows fall into ``segs``; returns Y (M, d_out)."""
     G, R, _ = a_cat.shape
     if R > MAX_RANK:
         raise ValueError(f"lora_linear: combined rank r + r̃ = {R} exceeds the Triton kernels' maximum "
                          f"{MAX_RANK}; use the reference path (FEDLORA_KERNELS=reference)")
-    M = x2.shape[0]
-    prec = _precision(x2, precision)
+    K = x.shape[-1]
+    M = math.prod(x.shape[:-1])
+    prec = select_precision(x.dtype, x.device.type, precision)
     if fuse is None:
         fuse = M <= FUSE_MAX_M
+    requested_base_gemm(base_gemm)  # validate even when it ends up unused
     if M == 0:
-        return lora_linear_reference(x2, weight, bias, a_cat[0], b_cat[0])
+        return lora_linear_reference(x.reshape(0, K), weight, bias, a_cat[0], b_cat[0])
     if weight is not None:
         weight = weight.detach()
     if bias is not None:
         bias = bias.detach()
-    return _SegLoRAFunction.apply(x2, weight, bias, a_cat, b_cat, tuple(int(o) for o in offsets), prec,
-                                  bool(fuse))
+    variant = _resolve_variant(base_gemm, x, weight, bias, a_cat, b_cat, segs, prec, bool(fuse), M)
+    return _SegLoRAFunction.apply(x, weight, bias, a_cat, b_cat, segs, prec, bool(fuse), variant)
 
 
 def lora_linear_triton(x, weight, bias, a, b, scale=1.0, c=None, d=None, client_scale=1.0, *,
                        rank_mask=None, client_rank_mask=None, middle=None, middle_phi=None, middle_mask=None,
-                       precision=None, fuse=None):
+                       precision=None, fuse=None, base_gemm=None):
     """Triton path of ``kernels.lora_linear`` (same maths as the reference; extras: see module doc).
 
-    ``precision``: 'ieee' or 'tf32' for float32 dots (default: tf32 iff
-    ``torch.backends.cuda.matmul.allow_tf32``); ``fuse``: one launch for shrink + base GEMM
-    (default: M ≤ ``FUSE_MAX_M``).
+    ``precision``: 'ieee' or 'tf32' for float32 dots (default ``select_precision``: TF32 iff torch
+    allows TF32 for CUDA matmuls); ``fuse``: one launch for shrink + base GEMM (default: M ≤
+    ``FUSE_MAX_M``); ``base_gemm``: 'triton' | 'cublas' | 'auto' (default env
+    ``FEDLORA_KERNELS_BASE_GEMM``, else 'auto'; see ``kernels.base_gemm``).
+    Operands may be non-contiguous (strides are passed to the kernels; only the small folded factors
+    are copied).
     """
     check_lora_shapes(x, weight, bias, a, b, c, d)
     if weight is not None and weight.dim() == 3:
@@ -395,24 +689,20 @@ def lora_linear_triton(x, weight, bias, a, b, scale=1.0, c=None, d=None, client_
                                        middle_phi=middle_phi, middle_mask=middle_mask)
     a_cat = a_e if c_e is None else torch.cat([a_e, c_e], dim=-2)
     b_cat = b_e if d_e is None else torch.cat([b_e, d_e], dim=-1)
-    d_in = x.shape[-1]
     if stacked:
-        G, n = x.shape[0], x.shape[1]
-        x2 = x.reshape(G * n, d_in)
-        offsets = [g * n for g in range(G + 1)]
+        segs = _Segs.equal(x.shape[0], x.shape[1])
     else:
-        x2 = x.reshape(-1, d_in)
         a_cat, b_cat = a_cat.unsqueeze(0), b_cat.unsqueeze(0)
-        offsets = [0, x2.shape[0]]
-    y = _segmented_call(x2, weight, bias, a_cat.contiguous(), b_cat.contiguous(), offsets, precision, fuse)
+        segs = _Segs.equal(1, math.prod(x.shape[:-1]))
+    y = _segmented_call(x, weight, bias, a_cat.contiguous(), b_cat.contiguous(), segs, precision, fuse,
+                        base_gemm)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def _check_offsets(seg_offsets, M, K):
+    """Host offsets as a list of ints (validated), from a list or a CPU tensor."""
     if isinstance(seg_offsets, torch.Tensor):
-        if seg_offsets.dim() != 1 or seg_offsets.is_floating_point():
-            raise ValueError(f"lora_linear_multi: seg_offsets must be a 1-D integer tensor, got "
-                             f"{seg_offsets.dtype} {_shape(seg_offsets)}")
+        _check_offsets_tensor(seg_offsets, K)
         offs = [int(v) for v in seg_offsets.tolist()]
     else:
         offs = [int(v) for v in seg_offsets]
@@ -425,14 +715,42 @@ def _check_offsets(seg_offsets, M, K):
     return offs
 
 
+def _check_offsets_tensor(seg_offsets, K):
+    if seg_offsets.dim() != 1 or seg_offsets.is_floating_point() or seg_offsets.is_complex() \
+            or seg_offsets.dtype == torch.bool:
+        raise ValueError(f"lora_linear_multi: seg_offsets must be a 1-D integer tensor, got "
+                         f"{seg_offsets.dtype} {_shape(seg_offsets)}")
+    if seg_offsets.shape[0] != K + 1:
+        raise ValueError(f"lora_linear_multi: seg_offsets must have K+1 = {K + 1} entries (one segment per "
+                         f"client adapter), got {seg_offsets.shape[0]}")
+
+
+def _device_segs(seg_offsets, M, K):
+    """Offsets that stay on the device: checked with an async assert (no sync), read by the kernels."""
+    _check_offsets_tensor(seg_offsets, K)
+    offs_t = seg_offsets.to(torch.int32).contiguous()  # K+1 ints: the kernels read them with stride 1
+    if offs_t.device.type != "meta":
+        ok = (offs_t[0] == 0) & (offs_t[-1] == M) & (offs_t[1:] >= offs_t[:-1]).all()
+        torch._assert_async(ok, f"lora_linear_multi: seg_offsets must rise from 0 to M = {M} (rows grouped "
+                                f"by client)")
+    return _Segs.from_device(offs_t)
+
+
 def lora_linear_multi(x, weight, bias, a, b, c, d, seg_offsets, scale=1.0, client_scale=1.0, *,
-                      rank_mask=None, client_rank_mask=None, backend=None, precision=None, fuse=None):
+                      rank_mask=None, client_rank_mask=None, backend=None, precision=None, fuse=None,
+                      base_gemm=None):
     """Multi-client two-level LoRA: rows ``seg_offsets[k]:seg_offsets[k+1]`` of X use client k's adapter.
 
     Shapes: X (M, d_in) (or (..., d_in), flattened, rows in client order), W0 (d_out, d_in) or None,
     A (r, d_in), B (d_out, r) shared, C (K, r̃, d_in), D (K, d_out, r̃), seg_offsets (K+1,) ints;
     ``rank_mask`` (r,), ``client_rank_mask`` (r̃,) or (K, r̃). Equals K separate ``lora_linear`` calls.
-    ``backend``: 'triton' | 'reference' | None (= ``kernels`` dispatch rules).
+    ``backend``: 'triton' | 'reference' | None (= ``kernels`` dispatch rules); ``precision``,
+    ``fuse``, ``base_gemm``: see ``lora_linear_triton``.
+
+    ``seg_offsets`` as a list (or a CPU tensor) is validated on the host; equal segments then need no
+    offsets tensor at all, others are uploaded once and cached. A tensor on X's device stays there
+    on the Triton path (no host sync: checked by ``torch._assert_async``, the grid is sized by the
+    bound cdiv(M, BLOCK_M) + K); the reference path and double backward read it on the host.
     """
     from . import _use_triton  # local import: dispatch policy lives in the package
 
@@ -443,26 +761,30 @@ def lora_linear_multi(x, weight, bias, a, b, c, d, seg_offsets, scale=1.0, clien
                          f"got C {_shape(c)}, D {_shape(d)}")
     K = c.shape[0]
     d_in = x.shape[-1]
-    x2 = x.reshape(-1, d_in)
-    check_lora_shapes(x2, weight, bias, a, b, None, None)
-    check_lora_shapes(x2.unsqueeze(0).expand(K, -1, -1), weight, bias, c, d, None, None)
-    offsets = _check_offsets(seg_offsets, x2.shape[0], K)
+    M = math.prod(x.shape[:-1])
+    x_rows = torch.empty((M, d_in), device="meta")  # shape checks only: no copy of a strided X
+    check_lora_shapes(x_rows, weight, bias, a, b, None, None)
+    check_lora_shapes(x_rows.unsqueeze(0).expand(K, -1, -1), weight, bias, c, d, None, None)
+    use_triton = _use_triton(x, backend)
+    on_device = (use_triton and isinstance(seg_offsets, torch.Tensor) and seg_offsets.device == x.device)
+    offsets = None if on_device else _check_offsets(seg_offsets, M, K)
     if client_rank_mask is not None and client_rank_mask.dim() == 2 and client_rank_mask.shape[0] != K:
         raise ValueError(f"lora_linear_multi: client_rank_mask must be (r̃,) or (K={K}, r̃), got "
                          f"{_shape(client_rank_mask)}")
     _check_extras(a, rank_mask, None, None, None, c, client_rank_mask, ())
     a_e, b_e, c_e, d_e = fold_adapters(a, b, scale, c, d, client_scale, rank_mask=rank_mask,
                                        client_rank_mask=client_rank_mask)
-    if _use_triton(x2, backend):
-        _check_triton_operands(x2, {"W0": weight, "bias": bias, "A": a, "B": b, "C": c, "D": d,
-                                    "rank_mask": rank_mask, "client_rank_mask": client_rank_mask})
+    if use_triton:
+        _check_triton_operands(x, {"W0": weight, "bias": bias, "A": a, "B": b, "C": c, "D": d,
+                                   "rank_mask": rank_mask, "client_rank_mask": client_rank_mask})
+        segs = _device_segs(seg_offsets, M, K) if on_device else _Segs.from_host(offsets, x.device)
         r = a.shape[0]
         a_cat = torch.cat([a_e.unsqueeze(0).expand(K, r, d_in), c_e], dim=1).contiguous()
         b_cat = torch.cat([b_e.unsqueeze(0).expand(K, *b_e.shape), d_e], dim=2).contiguous()
-        y = _segmented_call(x2, weight, bias, a_cat, b_cat, offsets, precision, fuse)
+        y = _segmented_call(x, weight, bias, a_cat, b_cat, segs, precision, fuse, base_gemm)
     else:
+        x2 = x.reshape(-1, d_in)
         ys = [lora_linear_reference(x2[offsets[k]:offsets[k + 1]], weight, bias, a_e, b_e, 1.0, c_e[k], d_e[k])
               for k in range(K)]
         y = torch.cat(ys, dim=0)
     return y.reshape(*x.shape[:-1], y.shape[-1])
-

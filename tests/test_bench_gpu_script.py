@@ -4,7 +4,9 @@ Each case runs the script's ``main([...])`` in a fresh subprocess, because TRITO
 before triton is first imported (another test may already have imported it in this process).
 The smoke mode checks every variant's output and gradients against a float64 reference and exits
 non-zero past 1e-4; ``test_smoke_fails_on_wrong_fused_op`` and ``test_smoke_fails_on_wrong_multi_op`` show
-that check bites (the latter for the multi-client ``lora_linear_multi`` measurement).
+that check bites (the latter for the multi-client ``lora_linear_multi`` measurement). The same check decides
+the exit status of a GPU run (``check_results``, tested here on fabricated rows: a wrong result, a NaN
+error or a NaN timing must fail it).
 """
 from __future__ import annotations
 
@@ -64,7 +66,7 @@ def test_smoke_runs_whole_script_on_cpu_interpreter(tmp_path):
     assert math.isfinite(meta["ceiling_hbm_TBps"]) and math.isfinite(meta["ceiling_fp32_TFLOPs"])
 
     # one row per (M, d, ranks, variant, pass); compile baseline skipped in smoke mode
-    expected = set(itertools.product([1, 17], [32], [(4, 2), (8, 0)], ["fused", "eager", "base"],
+    expected = set(itertools.product([1, 17], [32], [(4, 2), (8, 0)], ["fused", "cublas", "eager", "base"],
                                      ["fwd", "fwd+bwd"]))
     keys = [(r["M"], r["d"], (r["r"], r["r_client"]), r["variant"], r["pass"]) for r in meta["rows"]]
     assert len(keys) == len(set(keys)) and set(keys) == expected, sorted(set(keys) ^ expected)
@@ -75,18 +77,19 @@ def test_smoke_runs_whole_script_on_cpu_interpreter(tmp_path):
         assert row["ms"] > 0
         assert row["rel_err"] <= 1e-4 and row["grad_rel_err"] <= 1e-4, row
 
-    # multi-client: K = 2 segments, only where r̃ > 0 and M ≥ K → (M=17, 4+2), both passes
+    # multi-client: K = 2 segments, only where r̃ > 0 and M ≥ K → (M=17, 4+2), both passes, both variants
     assert meta["multi_K"] == 2 and meta["multi_goal_ratio"] == 1.2
     multi = meta["multi_rows"]
-    assert sorted((r["M"], r["d"], r["r"], r["r_client"], r["pass"]) for r in multi) == [
-        (17, 32, 4, 2, "fwd"), (17, 32, 4, 2, "fwd+bwd")], multi
+    assert sorted((r["variant"], r["M"], r["d"], r["r"], r["r_client"], r["pass"]) for r in multi) == [
+        (v, 17, 32, 4, 2, p) for v in ("multi", "multi_cublas") for p in ("fwd", "fwd+bwd")], multi
     for row in multi:
-        assert row["variant"] == "multi" and row["K"] == 2 and row["seg_offsets"] == [0, 8, 17], row
+        assert row["K"] == 2 and row["seg_offsets"] == [0, 8, 17], row
+        single_variant = {"multi": "fused", "multi_cublas": "cublas"}[row["variant"]]
         for k in ("ms", "single_ms", "multi_over_single", "rel_err", "grad_rel_err"):
             assert isinstance(row[k], float) and math.isfinite(row[k]), (k, row)
         assert row["ms"] > 0 and row["single_ms"] > 0
         assert math.isclose(row["multi_over_single"], row["ms"] / row["single_ms"])
-        fused_ms = [f["ms"] for f in meta["rows"] if f["variant"] == "fused" and f["pass"] == row["pass"]
+        fused_ms = [f["ms"] for f in meta["rows"] if f["variant"] == single_variant and f["pass"] == row["pass"]
                     and (f["M"], f["d"], f["r"], f["r_client"]) == (row["M"], row["d"], row["r"], row["r_client"])]
         assert fused_ms == [row["single_ms"]], (fused_ms, row)  # one client's fused op, same M rows
         assert row["rel_err"] <= 1e-4 and row["grad_rel_err"] <= 1e-4, row
@@ -96,12 +99,14 @@ def test_smoke_runs_whole_script_on_cpu_interpreter(tmp_path):
     assert "smoke: CPU interpreter, timings meaningless" in md
     main_md, _, multi_md = md.partition("## multi-client")
     table = [ln for ln in main_md.splitlines() if ln.startswith("| ")]
-    assert table[0].startswith("| pass | M | d |")
+    assert table[0].startswith("| pass | M | d | r+r̃ | fused ms | cublas ms |")
     assert len(table) == 1 + 2 * 2 * 2  # header + pass × M × ranks (d fixed)
     m_table = [ln for ln in multi_md.splitlines() if ln.startswith("| ")]
-    assert m_table[0].startswith("| pass | M | d | r+r̃ | K | multi ms | single ms | multi/single |"), multi_md
-    assert len(m_table) == 1 + 2 and all(ln.startswith(("| fwd | 17 | 32 | 4+2 | 2 |",
-                                                         "| fwd+bwd | 17 | 32 | 4+2 | 2 |")) for ln in m_table[1:])
+    assert m_table[0].startswith("| pass | variant | M | d | r+r̃ | K | multi ms | single ms | multi/single |"), \
+        multi_md
+    assert len(m_table) == 1 + 4 and all(
+        ln.startswith(tuple(f"| {p} | {v} | 17 | 32 | 4+2 | 2 |" for p in ("fwd", "fwd+bwd")
+                            for v in ("triton", "cublas"))) for ln in m_table[1:])
     print(f"smoke run: {elapsed:.1f} s")
 
 
@@ -127,9 +132,11 @@ def test_smoke_fails_on_wrong_fused_op(tmp_path, patch, bad_passes):
     assert proc.returncode == 1, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert "check(s) FAILED" in proc.stderr, proc.stderr[-3000:]
     meta = json.loads(next(tmp_path.glob("kernels_gpu_*.json")).read_text())
-    # only the broken variant is flagged, in exactly the passes the bug affects
+    # only the broken op's variants (fused and cublas both call lora_linear_triton) are flagged, in exactly
+    # the passes the bug affects
     flagged = {f.split()[1] for f in meta["failures"]}
-    assert all(f.startswith("fused ") for f in meta["failures"]) and flagged == bad_passes, meta["failures"]
+    assert {f.split()[0] for f in meta["failures"]} == {"fused", "cublas"}, meta["failures"]
+    assert flagged == bad_passes, meta["failures"]
 
 
 # the multi-client op with a plausible bug: every segment uses client 0's adapter (C_0, D_0)
@@ -151,5 +158,46 @@ def test_smoke_fails_on_wrong_multi_op(tmp_path):
     meta = json.loads(next(tmp_path.glob("kernels_gpu_*.json")).read_text())
     # only the multi-client measurement is flagged (output and gradients); the single-client variants pass
     flagged = {f.split()[1] for f in meta["failures"]}
-    assert all(f.startswith("multi ") for f in meta["failures"]) and flagged == {"fwd", "fwd+bwd"}, meta["failures"]
+    assert {f.split()[0] for f in meta["failures"]} == {"multi", "multi_cublas"}, meta["failures"]
+    assert flagged == {"fwd", "fwd+bwd"}, meta["failures"]
     assert all(r["rel_err"] > 1e-4 and r["grad_rel_err"] > 1e-4 for r in meta["multi_rows"]), meta["multi_rows"]
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("kernels_gpu_for_test", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _row(variant="fused", p="fwd+bwd", ms=1.5, rel=1e-3, grad=2e-3, **extra):
+    row = {"variant": variant, "pass": p, "M": 8192, "d": 4096, "r": 8, "r_client": 2, "ms": ms,
+           "rel_err": rel, "grad_rel_err": grad}
+    if variant.startswith("multi"):
+        row["K"] = 8
+    else:
+        row.update({"TB/s": 1.0, "TFLOP/s": 100.0, "%HBM": 30.0, "%peak": 10.0})
+    return {**row, **extra}
+
+
+def test_check_results_fails_gpu_runs_on_wrong_results_and_nan_timings():
+    """The exit decision of a GPU run (bf16 tolerance): fabricated rows, no GPU needed."""
+    mod = _load_script()
+    tol = mod.GPU_TOL
+    good = [_row(), _row(p="fwd", grad=float("nan")), _row("multi_cublas", ms=2.0)]
+    assert mod.check_results(good, [], tol) == [] and mod.check_results(good[:2], good[2:], tol) == []
+    cases = {
+        "wrong output": (_row(p="fwd", rel=0.3), "rel err 0.3"),
+        "wrong gradient": (_row(grad=5 * tol), "rel err"),
+        "error check raised (NaN error)": (_row(grad=float("nan")), "rel err nan"),
+        "NaN timing": (_row(ms=float("nan")), "timing nan"),
+        "NaN derived throughput": (_row(**{"TB/s": float("inf")}), "timing"),
+        "zero time": (_row(ms=0.0), "timing 0.0"),
+        "multi NaN timing": (_row("multi", ms=float("nan")), "multi fwd+bwd M=8192 d=4096 r=8+2 K=8"),
+    }
+    for name, (bad, msg) in cases.items():
+        fails = mod.check_results(good + [bad], [], tol)
+        assert len(fails) == 1 and msg in fails[0], (name, fails)
+    # the forward row is judged on the output, the forward+backward row on the gradients
+    assert mod.check_results([_row(p="fwd", rel=1e-3, grad=1.0)], [], tol) == []
+    assert mod.check_results([_row(p="fwd+bwd", rel=1.0, grad=1e-3)], [], tol) == []
