@@ -6,14 +6,16 @@ as the number of simulated clients grows. Numbers, not assertions: results go to
     python bench/llm_runtime.py all --smoke      # seconds, tiny random model: checks the script runs (CI)
 
 **Speed.** One round of P participants of FedAvg-LoRA on MiniLM-L6 (rank 8 on query/value, trained head),
-done twice on the same data:
-  * fedlora: ``FederatedRun.run_round`` with ``clients_per_pass = P`` — the P clients' batches in ONE base
-    forward per step, each slot through its own adapter, records loaded and stored, server aggregate;
+done on the same data by:
+  * fedlora: ``FederatedRun.run_round`` with ``clients_per_pass`` = S ∈ {P, P/2, …, 1} (``--passes``) — S
+    clients' batches in ONE base forward per step, each slot through its own adapter, records loaded and
+    stored, server aggregate (S = 1 is fedlora's own sequential loop);
   * the usual loop: one ``peft.get_peft_model`` model; per client ``set_peft_model_state_dict`` (its
     adapter + head), a fresh AdamW, the same I minibatches (the very index sequences fedlora's client
     samplers draw), ``get_peft_model_state_dict``, next client; then the FedAvg of the state dicts.
-Rounds alternate between the two (after one warm-up round each); the median of ``--repeats`` is reported
-with the ratio fedlora / loop. Dropout is off in both (fedlora's default).
+Rounds alternate between the variants (after one warm-up round each); the median of ``--repeats`` is
+reported with the ratio fedlora / loop. Dropout is off in both (fedlora's default). All fedlora runs use
+one seed, so their clients draw the same minibatches as the loop is given.
 
 **Memory.** For K simulated clients (1, 8, 32; ``clients_per_pass = 1`` so the activations are those of
 one client in every case) a fresh process prepares the run and trains one round with everybody, then
@@ -90,8 +92,11 @@ def speed(args) -> dict:
 
     P = args.participants
     steps, batch = (2, 4) if args.smoke else (args.local_steps, args.batch_size)
-    cfg = RunConfig.from_dict(_config(P, P, args.smoke, str(Path(args.out) / "speed-run"), steps, batch))
-    run = FederatedRun(cfg, write=False).prepare()
+    passes = sorted({s for s in args.passes if 1 <= s <= P} or {P}, reverse=True)
+    runs = {s: FederatedRun(RunConfig.from_dict(_config(P, s, args.smoke, str(Path(args.out) / "speed-run"), steps,
+                                                        batch)), write=False).prepare() for s in passes}
+    run = runs[passes[0]]
+    cfg = run.cfg
     # the usual loop's model: the same base weights and head init, PEFT LoRA on the same targets
     mc = cfg.model
     torch.manual_seed(0)
@@ -113,23 +118,24 @@ def speed(args) -> dict:
             out[k] = [run._rows(run.enc_train, torch.as_tensor(run.train_sets[k])[s.next(batch)]) for _ in range(steps)]
         return out
 
-    times = {"fedlora": [], "peft_loop": []}
-    rnd = 0
-    for rep in range(args.repeats + 1):  # rep 0: warm-up of both
+    times: dict[str, list[float]] = {"peft_loop": [], **{f"fedlora_pass{s}": [] for s in passes}}
+    for rnd in range(args.repeats + 1):  # round 0: warm-up of every variant
         data = batches_for_round()
         t = time.perf_counter()
         _peft_loop(run, peft_model, list(range(P)), data, cfg.method.lr)
-        t_loop = time.perf_counter() - t
-        t = time.perf_counter()
-        run.run_round(rnd)
-        t_ours = time.perf_counter() - t
-        rnd += 1
-        if rep:
-            times["peft_loop"].append(t_loop)
-            times["fedlora"].append(t_ours)
+        got = {"peft_loop": time.perf_counter() - t}
+        for s in passes:
+            t = time.perf_counter()
+            runs[s].run_round(rnd)
+            got[f"fedlora_pass{s}"] = time.perf_counter() - t
+        if rnd:
+            for k, v in got.items():
+                times[k].append(v)
     med = {k: statistics.median(v) for k, v in times.items()}
     return {"participants": P, "local_steps": steps, "batch_size": batch, "model": "tiny" if args.smoke else "MiniLM-L6",
-            "rounds_s": times, "median_s": med, "ratio_fedlora_over_loop": med["fedlora"] / med["peft_loop"],
+            "passes": passes, "rounds_s": times, "median_s": med,
+            "ratio_over_loop": {k: v / med["peft_loop"] for k, v in med.items()},
+            "ratio_fedlora_over_loop": min(med[f"fedlora_pass{s}"] for s in passes) / med["peft_loop"],
             "threads": torch.get_num_threads()}
 
 
@@ -192,12 +198,14 @@ def _markdown(result: dict) -> str:
         s = result["speed"]
         lines += [f"## Speed: one round, {s['participants']} participants, FedAvg-LoRA, {s['model']}, "
                   f"{s['local_steps']} local steps × batch {s['batch_size']}", "",
-                  "| what | median round (s) | rounds (s) |", "|---|---|---|",
-                  f"| fedlora, one pass of {s['participants']} slots | {s['median_s']['fedlora']:.2f} | "
-                  f"{', '.join(f'{t:.2f}' for t in s['rounds_s']['fedlora'])} |",
-                  f"| PEFT loop (load, train, save per client) | {s['median_s']['peft_loop']:.2f} | "
-                  f"{', '.join(f'{t:.2f}' for t in s['rounds_s']['peft_loop'])} |", "",
-                  f"Ratio fedlora / loop: **{s['ratio_fedlora_over_loop']:.2f}×** (torch threads: {s['threads']}).", ""]
+                  "| what | median round (s) | rounds (s) | ratio to the loop |", "|---|---|---|---|"]
+        names = {"peft_loop": "PEFT loop (load, train, save per client)"}
+        for k in s["rounds_s"]:
+            label = names.get(k, f"fedlora, clients_per_pass = {k.removeprefix('fedlora_pass')}")
+            lines.append(f"| {label} | {s['median_s'][k]:.2f} | {', '.join(f'{t:.2f}' for t in s['rounds_s'][k])} | "
+                         f"{s['ratio_over_loop'][k]:.2f}× |")
+        lines += ["", f"Ratio fedlora (best pass size) / loop: **{s['ratio_fedlora_over_loop']:.2f}×** "
+                      f"(torch threads: {s['threads']}).", ""]
     if "memory" in result:
         lines += ["## Memory: peak RSS after one round with every client (clients_per_pass = 1)", "",
                   "| clients | peak RSS (MiB) | growth vs first (MiB) | records of the extra clients (MiB) | growth / records |",
@@ -216,6 +224,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("what", choices=["speed", "memory", "all", "memory-one"])
     p.add_argument("--participants", type=int, default=8)
+    p.add_argument("--passes", type=str, default="8,4,2,1", help="clients_per_pass values to time")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--local-steps", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=16)
@@ -229,8 +238,9 @@ def main(argv=None) -> int:
         print(json.dumps(memory_one(args)))
         return 0
     args.clients_list = [int(c) for c in args.clients.split(",")]
+    args.passes = [int(c) for c in args.passes.split(",")]
     if args.smoke:
-        args.participants, args.repeats, args.clients_list = 3, 1, [1, 3]
+        args.participants, args.repeats, args.clients_list, args.passes = 3, 1, [1, 3], [3, 1]
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}"
     result: dict = {"machine": machine, "smoke": args.smoke}
     if args.what in ("speed", "all"):

@@ -87,13 +87,19 @@ def lora_linear_reference(
     """
     check_lora_shapes(x, weight, bias, a, b, c, d)
     # X Aᵀ first: (N, r) is tiny, so the adapter costs O(N·r·(d_in + d_out)), never d_out×d_in.
-    y = (x @ a.transpose(-1, -2)) @ b.transpose(-1, -2)
-    if scale != 1.0:
-        y = y * scale
+    lora = (x @ a.transpose(-1, -2)) @ b.transpose(-1, -2)
+    if weight is not None and weight.dim() == 2:
+        # a shared frozen base: one GEMM with the bias fused (as nn.Linear), the low-rank terms added
+        # with their scale folded into the add — no separate full-size multiply or bias pass
+        y = torch.nn.functional.linear(x, weight, bias).add(lora, alpha=scale)
+        if c is not None:
+            y = y.add((x @ c.transpose(-1, -2)) @ d.transpose(-1, -2), alpha=client_scale)
+        return y
+    y = lora * scale if scale != 1.0 else lora
     if c is not None:
         z = (x @ c.transpose(-1, -2)) @ d.transpose(-1, -2)
         y = y + (z * client_scale if client_scale != 1.0 else z)
-    if weight is not None:
+    if weight is not None:  # a per-replica W0 (G, d_out, d_in), after FLoRA's merge
         y = y + x @ weight.transpose(-1, -2)
     if bias is not None:
         y = y + bias

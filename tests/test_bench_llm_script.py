@@ -21,7 +21,8 @@ def test_smoke_runs_and_reports_speed_and_memory(tmp_path):
     out = json.loads((tmp_path / "llm_runtime_smoke.json").read_text())
     s = out["speed"]
     assert s["participants"] == 3 and math.isfinite(s["ratio_fedlora_over_loop"]) and s["ratio_fedlora_over_loop"] > 0
+    assert set(s["rounds_s"]) == {"peft_loop", "fedlora_pass3", "fedlora_pass1"}
     assert all(t > 0 for v in s["rounds_s"].values() for t in v)
     rows = out["memory"]["rows"]
     assert [r["clients"] for r in rows] == [1, 3] and all(r["peak_rss_bytes"] > 0 and r["record_bytes"] > 0 for r in rows)
-    assert "Ratio fedlora / loop" in (tmp_path / "llm_runtime_smoke.md").read_text()
+    assert "Ratio fedlora (best pass size) / loop" in (tmp_path / "llm_runtime_smoke.md").read_text()
