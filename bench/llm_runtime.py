@@ -25,6 +25,8 @@ head, optimizer moments) of the K − 1 extra clients — one base model, not K.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import json
 import os
 import platform
@@ -166,11 +168,23 @@ def memory_one(args) -> dict:
     steps, batch = (1, 2) if args.smoke else (2, 8)
     cfg = RunConfig.from_dict(_config(args.clients, 1, args.smoke, str(Path(args.out) / "memory-run"), steps, batch))
     run = FederatedRun(cfg, write=False).prepare()
-    run.run_round(0)
+    rec = run.run_round(0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    gc.collect()
+    try:  # give freed heap back to the OS, so the resident size is what is still held
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+    retained = _rss_now()
     base = sum(t.numel() * t.element_size() for t in run.model.state_dict().values())
-    return {"clients": args.clients, "peak_rss_bytes": peak, "record_bytes": record_nbytes(run.store.get(0)),
+    return {"clients": args.clients, "peak_rss_bytes": peak, "retained_rss_bytes": retained,
+            "record_bytes": record_nbytes(run.store.get(0)), "upload_bytes": max(rec["bytes_up"].values()),
             "records_total_bytes": run.store.nbytes(), "model_bytes": base, "threads": torch.get_num_threads()}
+
+
+def _rss_now() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def memory(args) -> dict:
@@ -187,9 +201,14 @@ def memory(args) -> dict:
     for r in rows:
         extra = r["clients"] - first["clients"]
         r["growth_bytes"] = r["peak_rss_bytes"] - first["peak_rss_bytes"]
+        r["retained_growth_bytes"] = r["retained_rss_bytes"] - first["retained_rss_bytes"]
         r["records_of_extra_clients_bytes"] = extra * r["record_bytes"]
         r["growth_over_records"] = (r["growth_bytes"] / r["records_of_extra_clients_bytes"]) if extra else None
-    return {"rows": rows}
+    slope = None
+    if len(rows) >= 3:  # per extra client between the two largest federations (one-time effects cancel)
+        a, b = rows[-2], rows[-1]
+        slope = (b["peak_rss_bytes"] - a["peak_rss_bytes"]) / (b["clients"] - a["clients"])
+    return {"rows": rows, "peak_bytes_per_extra_client": slope}
 
 
 def _markdown(result: dict) -> str:
@@ -207,16 +226,19 @@ def _markdown(result: dict) -> str:
         lines += ["", f"Ratio fedlora (best pass size) / loop: **{s['ratio_fedlora_over_loop']:.2f}×** "
                       f"(torch threads: {s['threads']}).", ""]
     if "memory" in result:
-        lines += ["## Memory: peak RSS after one round with every client (clients_per_pass = 1)", "",
-                  "| clients | peak RSS (MiB) | growth vs first (MiB) | records of the extra clients (MiB) | growth / records |",
-                  "|---|---|---|---|---|"]
+        lines += ["## Memory: one round with every client (clients_per_pass = 1)", "",
+                  "| clients | peak RSS (MiB) | growth vs first (MiB) | retained after the round (MiB) | "
+                  "records of the extra clients (MiB) |", "|---|---|---|---|---|"]
         for r in result["memory"]["rows"]:
-            g = r["growth_over_records"]
             lines.append(f"| {r['clients']} | {r['peak_rss_bytes'] / 2**20:.1f} | {r['growth_bytes'] / 2**20:.1f} | "
-                         f"{r['records_of_extra_clients_bytes'] / 2**20:.2f} | {'—' if g is None else f'{g:.2f}'} |")
+                         f"{r['retained_rss_bytes'] / 2**20:.1f} | {r['records_of_extra_clients_bytes'] / 2**20:.2f} |")
         r0 = result["memory"]["rows"][0]
-        lines += ["", f"One client's record: {r0['record_bytes'] / 2**10:.1f} KiB; the base model: "
-                      f"{r0['model_bytes'] / 2**20:.1f} MiB.", ""]
+        slope = result["memory"]["peak_bytes_per_extra_client"]
+        lines += ["", f"One client's record (adapter, head, AdamW moments and step counts, sampler): "
+                      f"{r0['record_bytes'] / 2**10:.1f} KiB, its upload {r0['upload_bytes'] / 2**10:.1f} KiB; "
+                      f"the base model: {r0['model_bytes'] / 2**20:.1f} MiB."
+                      + (f" Peak growth per extra client between the two largest runs: {slope / 2**10:.0f} KiB." if slope else ""),
+                  ""]
     return "\n".join(lines)
 
 

@@ -67,10 +67,12 @@ class ClientStore:
     def _file(self, client: int) -> Path:
         return self.path / f"client_{client}.safetensors"
 
-    def put(self, client: int, record: Record) -> None:
+    def put(self, client: int, record: Record, copy: bool = True) -> None:
+        """Store ``client``'s record. ``copy=False`` hands over tensors nobody else holds (e.g. fresh
+        from ``Method.replica_state``): no second copy of every record in memory."""
         rec = _cpu(record)
         if self.kind == "memory":
-            self._mem[client] = {k: v.clone() for k, v in rec.items()}
+            self._mem[client] = {k: v.clone() for k, v in rec.items()} if copy else dict(rec)
         else:
             fd, tmp = tempfile.mkstemp(dir=self.path, prefix=f".client_{client}.", suffix=".tmp")
             try:

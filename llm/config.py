@@ -105,7 +105,8 @@ class FederationConfig:
     clients: K. partition: ``fedlora.partition`` spec — iid, dirichlet(α), pathological(k),
     similarity(s), by_key (needs ``data.client_column``). sample_fraction: share of clients drawn
     each round. clients_per_pass: slots — clients trained together in one base forward (1 = the
-    classic sequential loop; larger trades memory for speed). store: where client state records
+    classic sequential loop; on a GPU more slots are faster, one launch per layer for all of them; on
+    a 2-core CPU 1–2 were fastest — README "Memory and speed"). store: where client state records
     live between rounds, ``memory`` or ``disk`` (safetensors files under ``output_dir/clients``).
     val_fraction: each client's held-out validation share of its training data.
     """

@@ -219,7 +219,7 @@ class FederatedRun:
                 self.server = {k: v.detach().cpu().clone() for k, v in self.method.initial_server_state(0).items()}
             for i, k in enumerate(chunk):
                 sampler = ClientSampler(self.sizes[k], _seed_of(cfg.seed, "sampler", k))
-                self.store.put(k, {**self.method.replica_state(i), **sampler.state()})
+                self.store.put(k, {**self.method.replica_state(i), **sampler.state()}, copy=False)
         self.initial_record = self.store.get(0)
         self.ledger = DownloadLedger(self.K_train, self.server)
         self.increments: dict[int, int] = {}  # FLoRA: round → bytes of the stack every client must merge
@@ -372,7 +372,8 @@ class FederatedRun:
         rec = self.store.get(client)
         self.method.load_replica_state(0, {n: v for n, v in rec.items() if not n.startswith(_RNG)})
         sent = self._sync(0, client, rnd, count=True)
-        self.store.put(client, {**self.method.replica_state(0), **{n: v for n, v in rec.items() if n.startswith(_RNG)}})
+        self.store.put(client, {**self.method.replica_state(0), **{n: v for n, v in rec.items() if n.startswith(_RNG)}},
+                       copy=False)
         return sent
 
     # ------------------------------------------------------------------------------------------
@@ -403,7 +404,7 @@ class FederatedRun:
             train_loss[k] = mean_loss[i]
             if ranks is not None:
                 ranks[k] = self.method.describe_replica(i)
-            self.store.put(k, {**self.method.replica_state(i), **samplers[i].state()})
+            self.store.put(k, {**self.method.replica_state(i), **samplers[i].state()}, copy=False)
 
     def run_round(self, rnd: int) -> dict[str, Any]:
         t0 = time.perf_counter()
