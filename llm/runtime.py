@@ -45,11 +45,12 @@ from fedlora.errors import ConfigError
 from fedlora.methods import create_method, get_method
 from fedlora.methods.base import Method
 from fedlora.payload import Payload
+from fedlora.io import check_output_dir, write_json_atomic
 from fedlora.simulator import DownloadLedger, Federation
 from fedlora.state import ClientStore, record_nbytes
 
 from .config import MAIN_LR, RunConfig
-from .inject import SlotHead, SlotLoRALinear, head_linear_names, inject_adapters, make_head_trainable, match_targets, set_slots
+from .inject import SlotLoRALinear, head_linear_names, inject_adapters, make_head_trainable, match_targets, set_slots
 
 __all__ = ["FederatedRun", "ClientSampler", "run"]
 
@@ -308,10 +309,12 @@ class FederatedRun:
         """Mean cross-entropy per slot, (S,): the Objective contract of ``fedlora.methods``."""
         logits = self._forward(params, batch)
         S = self._slots
-        ce = F.cross_entropy(logits.float(), batch["labels"], reduction="none").view(S, -1).mean(1)
-        self._loss_sum += ce.detach().to("cpu", torch.float64)
+        # half-precision logits are scored in float32; float32/float64 as they are
+        logits = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+        ce = F.cross_entropy(logits, batch["labels"], reduction="none").view(S, -1).mean(1)
+        self._loss_sum += ce.detach().double()  # on the model's device: no host sync per step
         self._loss_calls += 1
-        return ce.to(logits.dtype) if logits.dtype == torch.float64 else ce
+        return ce
 
     def _logits_fn(self, params: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         logits = self._forward(params, batch)
@@ -389,7 +392,7 @@ class FederatedRun:
         samplers = self._load(clients)
         for i, k in enumerate(clients):
             bytes_down[k] = self._sync(i, k, rnd - 1, count=True)
-        self._loss_sum = torch.zeros(len(clients), dtype=torch.float64)
+        self._loss_sum = torch.zeros(len(clients), dtype=torch.float64, device=self.device)
         self._loss_calls = 0
         sample = self._sampler_fn(samplers, clients)
         self.method.begin_round(rnd)
@@ -397,7 +400,7 @@ class FederatedRun:
             self._set_lr(rnd * I + j)
             self.method.local_step(self._objective, sample)
         self.method.end_round(rnd)
-        mean_loss = (self._loss_sum / max(self._loss_calls, 1)).tolist()
+        mean_loss = (self._loss_sum / max(self._loss_calls, 1)).cpu().tolist()
         for i, k in enumerate(clients):
             up = self.method.upload(i)
             payloads[k] = Payload({n: v.detach().cpu() for n, v in up.tensors.items()}, dict(up.meta))
@@ -487,7 +490,7 @@ class FederatedRun:
             params = None
             if type(m).personalised_params is not Method.personalised_params:
                 self._slots = len(chunk)
-                self._loss_sum, self._loss_calls = torch.zeros(len(chunk), dtype=torch.float64), 0
+                self._loss_sum, self._loss_calls = torch.zeros(len(chunk), dtype=torch.float64, device=self.device), 0
                 params = m.personalised_params(self._objective, self._sampler_fn(samplers, owners))
             tests = self._predict(self.enc_test, [self.clients[k].test for k in chunk], params)
             vals = self._predict(self.enc_train, [self.clients[k].val for k in chunk], params)
@@ -513,8 +516,6 @@ class FederatedRun:
         cfg = self.cfg
         out = Path(cfg.output_dir)
         if self.write:  # an unusable output folder is found before any work, not after the last round
-            from fedlora.cli import check_output_dir
-
             check_output_dir(out, "output_dir")
         if not self.prepared:
             self.prepare()
@@ -636,8 +637,6 @@ def _output_fn_methods() -> tuple[type, ...]:
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    from fedlora.cli import write_json_atomic
-
     write_json_atomic(path, obj)
 
 

@@ -1,5 +1,4 @@
 """Adapter injection into HF models (llm.inject): equivalence with PEFT's LoRA layer, slots, targets."""
-import copy
 
 import pytest
 import torch

@@ -3,13 +3,12 @@ records, sampling, downloads, outputs. Real text (the bundled debian-sections), 
 import json
 import math
 
-import numpy as np
 import pytest
 import torch
 
 from fedlora.errors import ConfigError
 from fedlora.methods import available_methods
-from fedlora.state import ClientStore, record_from_bytes, record_to_bytes
+from fedlora.state import record_from_bytes, record_to_bytes
 from llm.config import RunConfig
 from llm.runtime import ClientSampler, FederatedRun
 

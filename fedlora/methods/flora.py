@@ -69,7 +69,6 @@ class FLoRA(FactorLoRA):
 
     def bind(self, model, replica_clients, n_clients=None) -> None:
         super().bind(model, replica_clients, n_clients)
-        G = len(self.replica_clients)
         if self.ranks is not None and len(self.ranks) != self.n_clients:
             raise ConfigError(f"flora: {len(self.ranks)} ranks for {self.n_clients} clients")
         per_client = self.ranks or [self.rank] * self.n_clients
