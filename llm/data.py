@@ -457,7 +457,8 @@ def _label_ids(
             pos = {n: k for k, n in enumerate(known)}
             bad = [(ti, i) for ti, vals in enumerate(values) for i, v in enumerate(vals) if v not in pos]
             if bad:
-                raise violation(bad, str(known), "is not one of the task's class names (set data.labels to declare others)")
+                raise violation(bad, str(known), "is not one of the task's class names (set data.labels to declare "
+                                "others, or data.task to null for a file with labels of its own)")
             return [np.array([pos[v] for v in vals], dtype=np.int64) for vals in values], list(known)
         names = sorted({v for vals in values for v in vals})
         pos = {n: k for k, n in enumerate(names)}

@@ -169,6 +169,10 @@ def load_run_base_model(info: Mapping[str, Any]):
     torch.manual_seed(_seed_of(cfg["seed"], "model") % 2**31)
     model = load_classifier(mc["name"], info["resolved"]["num_labels"], from_config=mc.get("from_config"),
                             dtype=mc["dtype"], pad_token_id=tok.pad_token_id)
+    names = info["resolved"].get("label_names")
+    if names:  # the run's class names, so a saved model predicts "mail", not "LABEL_2"
+        model.config.id2label = {i: str(n) for i, n in enumerate(names)}
+        model.config.label2id = {str(n): i for i, n in enumerate(names)}
     return model.eval(), tok
 
 

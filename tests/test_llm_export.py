@@ -100,6 +100,8 @@ def test_export_command_writes_peft_and_merged_and_refuses_bad_input(tmp_path, b
     assert main(["export", str(run_dir), "--client", "0", "--format", "merged", "--out", str(tmp_path / "m")]) == 0
     merged = transformers.AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "m"))
     assert merged.config.num_labels == 4
+    names = json.loads((run_dir / "config.json").read_text())["resolved"]["label_names"]
+    assert merged.config.id2label == dict(enumerate(names)) and names == ["games", "graphics", "mail", "sound"]
     capsys.readouterr()
     assert main(["export", str(run_dir), "--client", "7", "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
