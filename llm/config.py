@@ -18,12 +18,15 @@ from typing import Any, Mapping, Sequence
 from fedlora.errors import ConfigError
 
 __all__ = ["ModelConfig", "DataConfig", "MethodConfig", "FederationConfig", "TrainConfig", "EvalConfig",
-           "RunConfig", "load_config", "apply_overrides", "bundled_configs", "resolve_config", "MAIN_LR", "HEAD_MODES"]
+           "RunConfig", "load_config", "apply_overrides", "bundled_configs", "resolve_config", "MAIN_LR", "MAIN_RANK", "HEAD_MODES"]
 
 HEAD_MODES = ("auto", "frozen", "shared", "personal")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 #: the option that is a method's main step size (``method.lr`` maps to it)
 MAIN_LR = {"pf2lora": "upper_lr"}
+#: the option that is a method's common rank where it is not called ``rank`` (``method.rank`` maps to
+#: it): HetLoRA's global adapter has rank r_max, the clients truncate it to their own ranks
+MAIN_RANK = {"hetlora": "r_max"}
 
 
 @dataclass
@@ -89,7 +92,8 @@ class DataConfig:
 @dataclass
 class MethodConfig:
     """The federated method (``fedlora.methods``) and its options. ``rank`` and ``lr`` are shortcuts
-    for the common rank r and the main step size (PF2LoRA's ``upper_lr``); ``options`` holds any
+    for the common rank r (HetLoRA's ``r_max``) and the main step size (PF2LoRA's ``upper_lr``); a
+    shortcut and the option it stands for may not both be given; ``options`` holds any
     other constructor option of the method (e.g. ``client_rank``, ``lower_lr``, ``client_ranks``)."""
 
     name: str = "fedavg"

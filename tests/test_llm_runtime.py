@@ -176,11 +176,26 @@ def test_config_errors_name_the_field(tmp_path):
     (dict(method={"name": "pf2lora", "options": {"rank": 2, "client_rank": 2}}), "client_rank < rank"),
     (dict(method={"name": "lora-a2", "options": {"rank": 4}}, model__head="shared"), "lora-a2 supports frozen"),
     (dict(method={"name": "fedavg", "options": {"rnk": 2}}), "unknown option"),
+    (dict(method={"name": "hetlora", "rank": 4, "options": {"r_max": 3}}), "same setting for hetlora"),
+    (dict(method={"name": "pf2lora", "lr": 0.1, "options": {"upper_lr": 0.2, "client_rank": 2}}),
+     "method.lr: 0.1 and method.options.upper_lr: 0.2"),
 ])
 def test_bad_runs_fail_before_training_with_one_line(tmp_path, over, match):
     with pytest.raises(ConfigError, match=match) as e:
         FederatedRun(tiny_config(tmp_path, **over), write=False).prepare()
     assert "\n" not in str(e.value)
+
+
+def test_rank_and_lr_shortcuts_reach_the_option_they_stand_for(tmp_path):
+    """method.rank / method.lr work for every method: HetLoRA's common rank is r_max, PF2LoRA's main
+    step size its upper_lr; the same value given twice is no conflict."""
+    het = FederatedRun(tiny_config(tmp_path, method={"name": "hetlora", "rank": 3, "lr": 0.02}), write=False)
+    m = het._build_method()
+    assert (m.r_max, m.lr) == (3, 0.02)
+    pf2 = FederatedRun(tiny_config(tmp_path, method={"name": "pf2lora", "rank": 4, "lr": 0.03,
+                                                     "options": {"client_rank": 2, "rank": 4}}), write=False)
+    m = pf2._build_method()
+    assert (m.rank, m.upper_lr) == (4, 0.03)
 
 
 def test_round_records_carry_each_clients_ranks(tmp_path):
