@@ -296,6 +296,14 @@ def main(argv=None) -> int:
         hbm, peak = measure_ceilings(do_bench)
         print(f"measured ceilings: HBM {hbm:.2f} TB/s (copy), bf16 matmul {peak:.1f} TFLOP/s (8192³)")
 
+    def timed(call, label: str) -> float:
+        """Median ms of ``call``; a failure is reported and timed as NaN (the run goes on, then exits 1)."""
+        try:
+            return timer(call)
+        except Exception as exc:  # report, keep going
+            print(f"  {label}: FAILED {exc!r}")
+            return float("nan")
+
     def eager(x, w, a, b, s1, c, d, s2):
         y = F.linear(x, w) + F.linear(F.linear(x, a), b) * s1
         if c is not None:
@@ -371,20 +379,8 @@ def main(argv=None) -> int:
                         print(f"  {name} M={M} d={d_} r={r}+{rc}: error check FAILED {exc!r}")
                         v_err = g_err = float("nan")
                     for bwd in (False, True):
-                        if not bwd:
-                            def call(fn=fn, x=x, w=w, a=a, b=b, c=c, dd=dd):
-                                with torch.no_grad():
-                                    return fn(x, w, a, b, 0.5, c, dd, 2.0)
-                        else:
-                            def call(fn=fn, inputs=inputs, x=x, w=w, a=a, b=b, c=c, dd=dd, gy=gy):
-                                y = fn(x, w, a, b, 0.5, c, dd, 2.0)
-                                return torch.autograd.grad(y, inputs, gy)
-                        try:
-                            ms = timer(call)
-                        except Exception as exc:  # report, keep going
-                            print(f"  {name} M={M} d={d_} r={r}+{rc} bwd={bwd}: FAILED {exc!r}")
-                            ms = float("nan")
-                        del call
+                        ms = timed(make_call(fn, (x, w, a, b, 0.5, c, dd, 2.0), inputs, gy, bwd),
+                                   f"{name} M={M} d={d_} r={r}+{rc} bwd={bwd}")
                         byts, flops = (base_cost(M, d_, d_, esize, bwd) if name == "base"
                                        else cost_model(M, d_, d_, R, esize, bwd))
                         t = ms * 1e-3
@@ -420,13 +416,8 @@ def main(argv=None) -> int:
                             m_err = m_gerr = float("nan")
                         for bwd in (False, True):
                             p_name = "fwd+bwd" if bwd else "fwd"
-                            call = make_call(m_fn, m_args, m_in, gy, bwd)
-                            try:
-                                ms = timer(call)
-                            except Exception as exc:  # report, keep going
-                                print(f"  {m_name} M={M} d={d_} r={r}+{rc} K={K} bwd={bwd}: FAILED {exc!r}")
-                                ms = float("nan")
-                            del call
+                            ms = timed(make_call(m_fn, m_args, m_in, gy, bwd),
+                                       f"{m_name} M={M} d={d_} r={r}+{rc} K={K} bwd={bwd}")
                             # one client's op on the same M rows, same base-GEMM variant = the row timed above
                             # (same operands); a broken single op is flagged by its own rows, here it only
                             # makes the ratio NaN
