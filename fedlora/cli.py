@@ -15,11 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any, Sequence
 
 from .errors import ConfigError
-from .io import check_output_dir, write_json_atomic  # noqa: F401  (public here too)
+from .io import check_output_dir, read_table_file, write_json_atomic  # noqa: F401  (public here too)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -42,25 +41,8 @@ def _floats(text: str) -> tuple[float, ...]:
 
 
 def _load_config_file(path: str) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"--config: no such file {path!r}")
-    if p.suffix == ".toml":
-        try:
-            import tomllib
-        except ModuleNotFoundError:  # Python 3.10
-            import tomli as tomllib
-        data = tomllib.loads(p.read_text())
-    elif p.suffix in (".yaml", ".yml"):
-        import yaml
-
-        data = yaml.safe_load(p.read_text()) or {}
-    elif p.suffix == ".json":
-        data = json.loads(p.read_text())
-    else:
-        raise ConfigError(f"--config: expected a .toml, .yaml/.yml or .json file, got {path!r}")
-    if not isinstance(data, dict):
-        raise ConfigError(f"--config: {path!r} must hold a table of options")
+    """A synthetic command's --config file → options (dashes → underscores, lists → tuples)."""
+    data = read_table_file(path, "--config")
     return {k.replace("-", "_"): (tuple(v) if isinstance(v, list) else v) for k, v in data.items()}
 
 
@@ -172,7 +154,7 @@ def _build_parser() -> argparse.ArgumentParser:
     ex.add_argument("run_dir", help="the run's output folder (holds config.json and adapters/)")
     ex.add_argument("--client", type=int, default=0, help="client index (default 0)")
     ex.add_argument("--out", required=True, help="output folder")
-    ex.add_argument("--format", default="peft", help="peft (a LoRA adapter PEFT loads, default) or merged "
+    ex.add_argument("--format", default="peft", choices=("peft", "merged"), help="peft (a LoRA adapter PEFT loads, default) or merged "
                                                      "(the base model with the adapter merged, save_pretrained)")
     return p
 
@@ -285,7 +267,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from llm.config import bundled_configs, load_config, resolve_config
+    from llm.config import bundled_configs, load_config
 
     if args.list_configs:
         for name, path in bundled_configs().items():
@@ -294,8 +276,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 0
     if not args.config:
         raise ConfigError("run: give a config file or a bundled config's name (fedlora run --list-configs)")
-    overrides = list(args.set) + ([f"output_dir={args.out}"] if args.out is not None else [])
-    cfg = load_config(resolve_config(args.config), overrides)
+    # --out is a path, never YAML: quoted, so "123", "yes" or "null" stay folder names
+    overrides = list(args.set) + ([f"output_dir={json.dumps(args.out)}"] if args.out is not None else [])
+    cfg = load_config(args.config, overrides)
     if args.dry_run:
         print(json.dumps(cfg.to_dict(), indent=1))
         return 0
@@ -319,8 +302,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     from llm.export import export_merged, export_peft
 
-    if args.format not in ("peft", "merged"):
-        raise ConfigError(f"--format: must be peft or merged, got {args.format!r}")
     if args.client < 0:
         raise ConfigError(f"--client: must be an integer ≥ 0, got {args.client}")
     out = check_output_dir(args.out)

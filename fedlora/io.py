@@ -1,4 +1,4 @@
-"""Files: atomic JSON writes and the output-folder check every command runs before any work."""
+"""Files: atomic writes, config-file reading, and the output-folder check every command runs before any work."""
 from __future__ import annotations
 
 import json
@@ -9,22 +9,61 @@ from typing import Any
 
 from .errors import ConfigError
 
-__all__ = ["write_json_atomic", "check_output_dir"]
+__all__ = ["write_bytes_atomic", "write_json_atomic", "check_output_dir", "read_table_file"]
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write JSON to a temp file in the same folder, then rename: readers never see half a file."""
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to a temp file in the same folder, fsync, then rename: readers never see half a
+    file, and a crash leaves the previous version in place."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1, allow_nan=False)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+    """``obj`` as JSON (NaN refused), written atomically (``write_bytes_atomic``)."""
+    write_bytes_atomic(path, json.dumps(obj, indent=1, allow_nan=False).encode())
+
+
+def read_table_file(path: str | os.PathLike, what: str = "config") -> dict[str, Any]:
+    """A YAML (.yaml/.yml), TOML or JSON file holding a table → dict. Errors are one line starting
+    with ``what`` (the flag or field that named the file): no file, another suffix, a syntax error
+    (with the parser's first line), a file that is not a table."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{what}: no such file {str(path)!r}")
+    text = p.read_text()
+    try:
+        if p.suffix == ".toml":
+            try:
+                import tomllib
+            except ModuleNotFoundError:  # Python 3.10
+                import tomli as tomllib
+            data = tomllib.loads(text)
+        elif p.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        elif p.suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise ConfigError(f"{what}: expected a .yaml/.yml, .toml or .json file, got {str(path)!r}")
+    except ConfigError:
+        raise
+    except Exception as e:  # a syntax error in the file: one line, where it is
+        raise ConfigError(f"{what}: cannot parse {str(path)!r}: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what}: {str(path)!r} must hold a table")
+    return data
 
 
 def check_output_dir(path: str | os.PathLike, flag: str = "--out") -> Path:

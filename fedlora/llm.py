@@ -11,9 +11,6 @@ def run(config: Any, overrides: Sequence[str] = (), progress: bool = False) -> M
     """Run ``fedlora run`` from Python: ``config`` is an ``llm.RunConfig``, a dict of sections, or the
     path / bundled name of a YAML, TOML or JSON config; ``overrides`` are ``section.field=value``
     strings. Returns the run's summary (also written to ``output_dir/summary.json``)."""
-    from llm.config import resolve_config
     from llm.runtime import run as _run
 
-    if isinstance(config, str) and not config.endswith((".yaml", ".yml", ".toml", ".json")):
-        config = resolve_config(config)  # a bundled config's name
     return _run(config, overrides, progress)

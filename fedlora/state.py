@@ -12,8 +12,6 @@ atomically: a crash never leaves half a record).
 """
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Iterator, Mapping
 
@@ -23,6 +21,7 @@ from safetensors.torch import load_file as _st_load_file
 from safetensors.torch import save as _st_save
 
 from .errors import ConfigError
+from .io import write_bytes_atomic
 
 __all__ = ["ClientStore", "record_to_bytes", "record_from_bytes", "record_nbytes"]
 
@@ -74,16 +73,7 @@ class ClientStore:
         if self.kind == "memory":
             self._mem[client] = {k: v.clone() for k, v in rec.items()} if copy else dict(rec)
         else:
-            fd, tmp = tempfile.mkstemp(dir=self.path, prefix=f".client_{client}.", suffix=".tmp")
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(_st_save(rec))
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, self._file(client))
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
+            write_bytes_atomic(self._file(client), _st_save(rec))
         self._keys.add(client)
 
     def get(self, client: int) -> dict[str, torch.Tensor]:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from fedlora.errors import ConfigError
+from fedlora.io import read_table_file
 
 __all__ = ["ModelConfig", "DataConfig", "MethodConfig", "FederationConfig", "TrainConfig", "EvalConfig",
            "RunConfig", "load_config", "apply_overrides", "bundled_configs", "resolve_config", "MAIN_LR", "MAIN_RANK", "HEAD_MODES"]
@@ -289,35 +290,6 @@ _SECTIONS = {"model": ModelConfig, "data": DataConfig, "method": MethodConfig, "
              "train": TrainConfig, "eval": EvalConfig}
 
 
-def _parse_file(path: str | Path) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config: no such file {str(path)!r}")
-    text = p.read_text()
-    try:
-        if p.suffix == ".toml":
-            try:
-                import tomllib
-            except ModuleNotFoundError:  # Python 3.10
-                import tomli as tomllib
-            data = tomllib.loads(text)
-        elif p.suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text) or {}
-        elif p.suffix == ".json":
-            data = json.loads(text)
-        else:
-            raise ConfigError(f"config: expected a .yaml/.yml, .toml or .json file, got {str(path)!r}")
-    except ConfigError:
-        raise
-    except Exception as e:  # a syntax error in the file: one line, where it is
-        raise ConfigError(f"config: cannot parse {str(path)!r}: {str(e).splitlines()[0]}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"config: {str(path)!r} must hold a table of sections")
-    return data
-
-
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """``section.field=value`` assignments (value parsed as YAML: numbers, true/false, null,
     [lists], {tables}); unknown keys are caught later by ``RunConfig.from_dict``."""
@@ -362,8 +334,9 @@ def resolve_config(name_or_path: str | Path) -> Path:
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:
-    """A file (or the defaults when ``path`` is None) plus ``--set`` overrides → a validated RunConfig."""
-    data = _parse_file(path) if path is not None else {}
+    """A config file or a bundled config's name (or the defaults when ``path`` is None) plus ``--set``
+    overrides → a validated RunConfig."""
+    data = read_table_file(resolve_config(path), "config") if path is not None else {}
     return RunConfig.from_dict(apply_overrides(data, overrides))
 
 

@@ -45,7 +45,7 @@ from fedlora.errors import ConfigError
 from fedlora.methods import create_method, get_method
 from fedlora.methods.base import Method
 from fedlora.payload import Payload
-from fedlora.io import check_output_dir, write_json_atomic
+from fedlora.io import check_output_dir, write_bytes_atomic, write_json_atomic
 from fedlora.simulator import DownloadLedger, Federation
 from fedlora.state import ClientStore, record_nbytes
 
@@ -199,7 +199,7 @@ class FederatedRun:
         self.model.to(device=self.device)
         self.model.train(mc.dropout)  # dropout off (eval mode) unless asked for
         self._lora_layers = [m for m in self.model.modules() if isinstance(m, SlotLoRALinear)]
-        if isinstance(self.method, _output_fn_methods()):
+        if hasattr(self.method, "output_fn"):
             self.method.output_fn = self._logits_fn  # H²Tune's eq. 7 needs the logits
 
         # clients' initial records, the server's initial state ----------------------------
@@ -267,8 +267,13 @@ class FederatedRun:
         return mode
 
     def _bind(self, clients: Sequence[int]) -> None:
+        """Give every adapted layer one slot per client and bind the method to them; fresh per-slot
+        training-loss sums for the objective."""
         set_slots(self.model, len(clients))
         self.method.bind(self.model, list(clients), n_clients=self.K_train)
+        self._slots = len(clients)
+        self._loss_sum = torch.zeros(len(clients), dtype=torch.float64, device=self.device)
+        self._loss_calls = 0
 
     @torch.no_grad()
     def _init_slots(self, clients: Sequence[int]) -> None:
@@ -351,13 +356,21 @@ class FederatedRun:
 
     # ------------------------------------------------------------------------------------------
     # loading / storing clients
+    def _load_record(self, slot: int, rec: Mapping[str, torch.Tensor]) -> None:
+        """The method's part of a client state record into ``slot`` (the sampler's entries stay out)."""
+        self.method.load_replica_state(slot, {n: v for n, v in rec.items() if not n.startswith(_RNG)})
+
     def _load(self, clients: Sequence[int]) -> list[ClientSampler]:
+        """Each client's record into its slot; returns their data samplers."""
         samplers = []
         for i, k in enumerate(clients):
             rec = self.store.get(k)
             samplers.append(ClientSampler.from_state(self.sizes[k], rec))
-            self.method.load_replica_state(i, {n: v for n, v in rec.items() if not n.startswith(_RNG)})
+            self._load_record(i, rec)
         return samplers
+
+    def _store(self, slot: int, client: int, sampler: ClientSampler) -> None:
+        self.store.put(client, {**self.method.replica_state(slot), **sampler.state()}, copy=False)
 
     def _sync(self, slot: int, client: int, rnd: int, count: bool) -> int:
         """Download into ``slot`` what ``client`` lacks of the server's state; returns the bytes."""
@@ -373,14 +386,16 @@ class FederatedRun:
             self.ledger.sync(client, rnd)
         return sent
 
-    def _refresh(self, client: int, rnd: int) -> int:
-        """Send ``client`` what it lacks of the server's state after round ``rnd`` and store it."""
-        self._bind([client])
-        rec = self.store.get(client)
-        self.method.load_replica_state(0, {n: v for n, v in rec.items() if not n.startswith(_RNG)})
-        sent = self._sync(0, client, rnd, count=True)
-        self.store.put(client, {**self.method.replica_state(0), **{n: v for n, v in rec.items() if n.startswith(_RNG)}},
-                       copy=False)
+    def _refresh(self, clients: Sequence[int], rnd: int) -> dict[int, int]:
+        """Send each of ``clients`` what it lacks of the server's state after round ``rnd`` and store
+        it, ``clients_per_pass`` at a time; returns the bytes each received."""
+        sent = {}
+        for chunk in _chunks(clients, self.P):
+            self._bind(chunk)
+            samplers = self._load(chunk)
+            for i, k in enumerate(chunk):
+                sent[k] = self._sync(i, k, rnd, count=True)
+                self._store(i, k, samplers[i])
         return sent
 
     # ------------------------------------------------------------------------------------------
@@ -392,12 +407,9 @@ class FederatedRun:
         steps, upload, store. Fills ``payloads``, ``bytes_down``, ``train_loss`` (and ``ranks``) per client."""
         I = self.cfg.train.local_steps
         self._bind(clients)
-        self._slots = len(clients)
         samplers = self._load(clients)
         for i, k in enumerate(clients):
             bytes_down[k] = self._sync(i, k, rnd - 1, count=True)
-        self._loss_sum = torch.zeros(len(clients), dtype=torch.float64, device=self.device)
-        self._loss_calls = 0
         sample = self._sampler_fn(samplers, clients)
         self.method.begin_round(rnd)
         for j in range(I):
@@ -411,7 +423,7 @@ class FederatedRun:
             train_loss[k] = mean_loss[i]
             if ranks is not None:
                 ranks[k] = self.method.describe_replica(i)
-            self.store.put(k, {**self.method.replica_state(i), **samplers[i].state()}, copy=False)
+            self._store(i, k, samplers[i])
 
     def run_round(self, rnd: int) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -447,7 +459,7 @@ class FederatedRun:
         """Predictions and per-row losses of every slot on its own rows (slot p: ``row_sets[p]``)."""
         b = self.cfg.eval.batch_size
         S = len(row_sets)
-        self._slots = S
+        assert S == self._slots, "bind as many slots as row sets"
         n_iter = max(math.ceil(len(r) / b) for r in row_sets) if any(len(r) for r in row_sets) else 0
         preds = [[] for _ in range(S)]
         losses = [[] for _ in range(S)]
@@ -462,9 +474,10 @@ class FederatedRun:
             batch = self._rows(enc, torch.cat(idx))
             logits = self._forward(params, batch).float().view(S, b, -1)
             ce = F.cross_entropy(logits.reshape(S * b, -1), batch["labels"], reduction="none").view(S, b)
+            pred, ce = logits.argmax(-1).cpu().numpy(), ce.cpu().numpy()  # one copy to the host per batch
             for p in range(S):
-                preds[p].append(logits[p, :real[p]].argmax(-1).cpu().numpy())
-                losses[p].append(ce[p, :real[p]].cpu().numpy())
+                preds[p].append(pred[p, :real[p]])
+                losses[p].append(ce[p, :real[p]])
         return [(np.concatenate(preds[p]) if preds[p] else np.zeros(0, np.int64),
                  np.concatenate(losses[p]) if losses[p] else np.zeros(0)) for p in range(S)]
 
@@ -491,11 +504,7 @@ class FederatedRun:
             samplers = self._load(owners)
             for i, k in enumerate(owners):
                 self._sync(i, k, rnd, count=False)
-            params = None
-            if type(m).personalised_params is not Method.personalised_params:
-                self._slots = len(chunk)
-                self._loss_sum, self._loss_calls = torch.zeros(len(chunk), dtype=torch.float64, device=self.device), 0
-                params = m.personalised_params(self._objective, self._sampler_fn(samplers, owners))
+            params = m.personalised_params(self._objective, self._sampler_fn(samplers, owners))
             tests = self._predict(self.enc_test, [self.clients[k].test for k in chunk], params)
             vals = self._predict(self.enc_train, [self.clients[k].val for k in chunk], params)
             for i, k in enumerate(chunk):
@@ -507,7 +516,7 @@ class FederatedRun:
         out["test"] = aggregate_client_metrics([per_client[k]["test"] for k in ok], [sizes[k] for k in ok])
         if self.cfg.eval.global_model and m.has_global_model:
             self._bind([0])
-            self.method.load_replica_state(0, {n: v for n, v in self.initial_record.items() if not n.startswith(_RNG)})
+            self._load_record(0, self.initial_record)
             m.global_replica(0)
             m.download(0, dict(self.server))
             everything = np.arange(len(y_test))
@@ -524,7 +533,7 @@ class FederatedRun:
         if not self.prepared:
             self.prepare()
         if self.write:
-            _write_json(out / "config.json", {"config": cfg.to_dict(), "resolved": self.describe()})
+            write_json_atomic(out / "config.json", {"config": cfg.to_dict(), "resolved": self.describe()})
             (out / "rounds.jsonl").write_text("")
         main = self.task.main_metric
         bar = _progress(cfg.train.rounds, self.progress)
@@ -535,8 +544,8 @@ class FederatedRun:
             rec = self.run_round(rnd)
             last = rnd == cfg.train.rounds - 1
             if last:  # the final global state goes to every client (counted)
-                for k in range(self.K_train):
-                    rec["bytes_down"][str(k)] = rec["bytes_down"].get(str(k), 0) + self._refresh(k, rnd)
+                for k, sent in self._refresh(range(self.K_train), rnd).items():
+                    rec["bytes_down"][str(k)] = rec["bytes_down"].get(str(k), 0) + sent
             if last or (rnd + 1) % cfg.eval.every == 0:
                 ev = self.evaluate(rnd)
                 rec["eval"] = ev
@@ -552,7 +561,7 @@ class FederatedRun:
         summary = self._summary(evals, time.perf_counter() - t0)
         if self.write:
             self.save_adapters(out / "adapters")
-            _write_json(out / "summary.json", summary)
+            write_json_atomic(out / "summary.json", summary)
             try:
                 from .plots import plot_run
 
@@ -598,7 +607,7 @@ class FederatedRun:
         with the current global state downloaded (read-only). Keys are the model's parameter names."""
         owner = 0 if self.centralized else client
         self._bind([owner])
-        self.method.load_replica_state(0, {n: v for n, v in self.store.get(owner).items() if not n.startswith(_RNG)})
+        self._load_record(0, self.store.get(owner))
         self._sync(0, owner, -1, count=False)
         out = {n: p.detach()[0].cpu().clone() for n, p in self.method.params.items()}
         out.update({n: b[0].cpu().clone() for n, b in self.method._stacked_buffers().items()})
@@ -612,16 +621,13 @@ class FederatedRun:
 
     def save_adapters(self, folder: Path) -> list[Path]:
         """Every client's final adapter (and the head, if trained) as ``client_<k>.safetensors``."""
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
-        folder.mkdir(parents=True, exist_ok=True)
         paths = []
         for k in range(self.cfg.federation.clients):
             path = folder / f"client_{k}.safetensors"
-            tmp = path.with_suffix(".tmp")
-            save_file({n: v.contiguous() for n, v in self.client_adapter(k).items()}, str(tmp),
-                      metadata={"method": self.method.name, "client": str(k)})
-            os.replace(tmp, path)
+            write_bytes_atomic(path, save({n: v.contiguous() for n, v in self.client_adapter(k).items()},
+                                          metadata={"method": self.method.name, "client": str(k)}))
             paths.append(path)
         return paths
 
@@ -634,44 +640,21 @@ def _eager_attention(model) -> None:
         model.config._attn_implementation = "eager"
 
 
-def _output_fn_methods() -> tuple[type, ...]:
-    from fedlora.methods import H2Tune
-
-    return (H2Tune,)
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    write_json_atomic(path, obj)
-
-
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def set_postfix(self, d: Mapping[str, Any]) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 def _progress(total: int, enabled: bool):
-    if not enabled:
-        return _NoBar()
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc="rounds", unit="round")
+    return tqdm(total=total, desc="rounds", unit="round", disable=not enabled)
 
 
 def run(config: RunConfig | Mapping[str, Any] | str | os.PathLike, overrides: Sequence[str] = (),
         progress: bool = False) -> dict[str, Any]:
-    """``fedlora run`` from Python: a RunConfig, a dict of sections, or a YAML/TOML/JSON path."""
+    """``fedlora run`` from Python: a RunConfig, a dict of sections, a YAML/TOML/JSON path or a
+    bundled config's name."""
     from .config import apply_overrides, load_config
 
-    if isinstance(config, RunConfig):
-        cfg = config if not overrides else RunConfig.from_dict(apply_overrides(config.to_dict(), overrides))
-    elif isinstance(config, Mapping):
-        cfg = RunConfig.from_dict(apply_overrides(dict(config), overrides))
+    if isinstance(config, (RunConfig, Mapping)):
+        data = config.to_dict() if isinstance(config, RunConfig) else dict(config)
+        cfg = RunConfig.from_dict(apply_overrides(data, overrides))
     else:
         cfg = load_config(config, overrides)
     return FederatedRun(cfg, progress=progress).run()

@@ -46,6 +46,23 @@ def test_a_bundled_config_switches_to_every_method_with_one_flag(method, tmp_pat
     assert json.loads((out / "summary.json").read_text())["method"] == method
 
 
+@pytest.mark.parametrize("name", ["123", "yes", "null", "a: b"])
+def test_out_is_a_folder_name_never_yaml(name, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "tiny-smoke", "--out", name, "--dry-run"]) == 0
+    assert json.loads(capsys.readouterr().out)["output_dir"] == name
+
+
+def test_python_entry_point_takes_a_bundled_name(tmp_path):
+    import fedlora.llm
+    import llm.runtime
+
+    for entry in (fedlora.llm.run, llm.runtime.run):
+        out = tmp_path / entry.__module__
+        s = entry("tiny-smoke", [f"output_dir={json.dumps(str(out))}", "train.rounds=1", "train.local_steps=1"])
+        assert s["rounds"] == 1 and (out / "summary.json").is_file()
+
+
 def test_dry_run_validates_and_writes_nothing(tmp_path, capsys):
     assert main(["run", "minilm-debian", "--dry-run", "--set", "method.name=pf2lora",
                  "--set", "method.options={client_rank: 2}", "--out", str(tmp_path / "x")]) == 0

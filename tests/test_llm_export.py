@@ -49,9 +49,8 @@ def _run(tmp_path, folder, method, options, head="auto", lr=0.02):
 def _client_logits(run, client, batch):
     """The client's model as the runtime evaluates it (its record + the global state), one slot."""
     run._bind([client])
-    run.method.load_replica_state(0, {n: v for n, v in run.store.get(client).items() if not n.startswith("sampler:")})
+    run._load_record(0, run.store.get(client))
     run._sync(0, client, -1, count=False)
-    run._slots = 1
     with torch.no_grad():
         return run._forward(None, batch)
 
