@@ -235,7 +235,7 @@ def test_auto_runs_the_timed_choice_and_is_correct(fake_timed_auto, faster):
                  lambda *t: _oracle(*t[:5], 0.5, t[5], t[6], 2.0), (x, w, bb, a, b, c, d))
     assert timer.calls == ["triton", "cublas"]  # both timed once (forward + backward each) …
     n_timed = len(seen)
-    assert _variant_of(seen) in ("cublas", "triton")
+    assert _variant_of(seen) == "cublas"  # the timing run executed the cuBLAS variant too
     with recorded_launches() as seen2:
         y = lora_linear(x, w, bb, a, b, 0.5, c, d, 2.0, backend="triton")
         y.sum().backward()

@@ -472,3 +472,21 @@ def test_flora_aggregate_rejects_a_payload_without_its_scale():
     a, b = torch.ones(2, 3, dtype=torch.float64), torch.ones(3, 2, dtype=torch.float64)
     with pytest.raises(ConfigError, match=r"flora: payloads \[0\] lack the scale of lora_A"):
         FLoRA.aggregate([Payload({"lora_A": a, "lora_B": b})], torch.tensor([1.0]))
+
+
+@pytest.mark.parametrize("name,head_mode,says", [("perfedavg", "shared", "no lora_A/lora_B"),
+                                                 ("pf2lora", "personal", "needs a client adapter")])
+def test_a_trained_head_alone_is_no_adapter(name, head_mode, says):
+    """A head's parameters join the method's trained set only after the adapter check: a model
+    whose only trained layer is a head (no LoRA factors / no client factors) is refused."""
+    from llm.inject import SlotHead
+
+    model = torch.nn.Sequential(SlotHead(torch.nn.Linear(4, 3), slots=2))
+    m = get_method(name)(rank=2, **({"client_rank": 1} if name == "pf2lora" else {}))
+    m.head_mode = head_mode
+    with pytest.raises(ConfigError, match=says):
+        m.bind(model, [0, 1])
+    if name == "pf2lora":  # common factors but no client ones: still refused with a personal head
+        with_common = torch.nn.ModuleDict({"lin": _layer(2, rank=2), "head": SlotHead(torch.nn.Linear(4, 3), 2)})
+        with pytest.raises(ConfigError, match=says):
+            m.bind(with_common, [0, 1])

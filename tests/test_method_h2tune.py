@@ -13,6 +13,7 @@ from fedlora.aggmath.h2tune import (kl_softmax, server_mean, sparsify_support, t
                                     trilora_delta)
 from fedlora.errors import ConfigError
 from fedlora.methods import H2Tune, get_method
+from fedlora.optim import StackedAdamW
 from fedlora.methods.h2tune import output_kl
 from fedlora.payload import Payload
 from fedlora.simulator import Federation, run_rounds
@@ -400,7 +401,9 @@ def test_default_optimizer_is_plain_sgd_as_in_app_a():
     for opt, lr in ((m.opt_shared, 0.02), (m.opt_specific, 0.05)):
         assert type(opt) is torch.optim.SGD
         assert opt.defaults["lr"] == lr and opt.defaults["momentum"] == 0 and opt.defaults["weight_decay"] == 0
-    assert isinstance(H2Tune(rank=3, optimizer="adamw").optimizer, str)  # AdamW stays an option
+    adamw = H2Tune(rank=3, lr=0.05, shared_lr=0.02, optimizer="adamw")  # AdamW stays an option
+    adamw.setup(model, [0, 1])
+    assert type(adamw.opt_shared) is StackedAdamW and type(adamw.opt_specific) is StackedAdamW
 
 
 # ---------------------------------------------------------------------------------------------

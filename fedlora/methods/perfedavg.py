@@ -81,11 +81,12 @@ class PerFedAvgLoRA(AveragedFactors):
 
     def bind(self, model, replica_clients, n_clients=None) -> None:
         super().bind(model, replica_clients, n_clients)
-        self.x_names = self._names("lora_A", "lora_B") + self.head_names()
-        if not self.x_names:
+        lora = self._names("lora_A", "lora_B")
+        if not lora:  # checked before the head joins: a head alone is no adapter
             raise ConfigError("perfedavg: the model has no lora_A/lora_B parameters")
+        self.x_names = lora + self.head_names()
         G = len(self.replica_clients)
-        for n in [n for n in self.x_names if n.endswith(("lora_A", "lora_B"))]:
+        for n in lora:
             if self.params[n].dim() != 3 or self.params[n].shape[0] != G:
                 raise ConfigError(f"perfedavg: {n} must be stacked with G={G} replicas first, "
                                   f"got shape {tuple(self.params[n].shape)}")

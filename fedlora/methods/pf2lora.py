@@ -73,11 +73,12 @@ class PF2LoRA(AveragedFactors):
         super().bind(model, replica_clients, n_clients)
         # a trained head (LLM runtime) belongs to the common adapter x when shared (averaged), to
         # the client adapter y when personal (updated by the lower level's SGD, never sent)
-        self.x_names = self._names("lora_A", "lora_B") + self.shared_head_names()
-        self.y_names = self._names("lora_C", "lora_D") + (self.head_names() if self.head_mode == "personal" else [])
-        if not self.y_names:
+        common, client = self._names("lora_A", "lora_B"), self._names("lora_C", "lora_D")
+        if not client:  # checked before the head joins: a personal head alone is no client adapter
             raise ConfigError("pf2lora needs a client adapter: build the model with client_rank ≥ 1")
-        for n in [n for n in self.x_names + self.y_names if n.endswith(("lora_A", "lora_B", "lora_C", "lora_D"))]:
+        self.x_names = common + self.shared_head_names()
+        self.y_names = client + (self.head_names() if self.head_mode == "personal" else [])
+        for n in common + client:
             want = self.rank if n.endswith(("lora_A", "lora_B")) else self.client_rank
             got = self.params[n].shape[-2 if n.endswith(("lora_A", "lora_C")) else -1]
             if got != want:
