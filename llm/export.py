@@ -160,15 +160,9 @@ def unmerge_adapters(model: torch.nn.Module, backup: Mapping[str, torch.Tensor])
 def load_run_base_model(info: Mapping[str, Any]):
     """The run's base model as ``fedlora run`` built it (same seed for a new head, same dtype), without
     adapters, and its tokenizer."""
-    from .model import load_classifier, load_tokenizer
-    from .runtime import _seed_of
+    from .runtime import load_base
 
-    cfg = info["config"]
-    mc = cfg["model"]
-    tok = load_tokenizer(mc.get("tokenizer") or mc["name"])
-    torch.manual_seed(_seed_of(cfg["seed"], "model") % 2**31)
-    model = load_classifier(mc["name"], info["resolved"]["num_labels"], from_config=mc.get("from_config"),
-                            dtype=mc["dtype"], pad_token_id=tok.pad_token_id)
+    model, tok = load_base(info["config"]["model"], info["config"]["seed"], info["resolved"]["num_labels"])
     names = info["resolved"].get("label_names")
     if names:  # the run's class names, so a saved model predicts "mail", not "LABEL_2"
         model.config.id2label = {i: str(n) for i, n in enumerate(names)}

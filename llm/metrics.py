@@ -6,7 +6,6 @@ mean, the mean weighted by test-split size, and the min / max over clients.
 """
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -127,8 +126,7 @@ def aggregate_client_metrics(per_client: Sequence[dict[str, float]], sizes: Sequ
         v = np.array([float(m[key]) for m, _ in scored], dtype=np.float64)
         out["mean"][key] = float(v.mean())
         out["weighted_mean"][key] = float((w * v).sum() / w.sum())
-        out["min"][key] = float(v.min()) if not np.isnan(v).any() else math.nan
-        out["max"][key] = float(v.max()) if not np.isnan(v).any() else math.nan
+        out["min"][key], out["max"][key] = float(v.min()), float(v.max())  # NaN propagates
     out["n_clients"] = len(scored)
     out["n_skipped"] = len(per_client) - len(scored)
     return out

@@ -30,8 +30,8 @@ import json
 import math
 import os
 import time
+import dataclasses
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -98,13 +98,6 @@ class ClientSampler:
         return s
 
 
-@dataclass
-class _Client:
-    train: np.ndarray  # row indices into the encoded train set
-    val: np.ndarray
-    test: np.ndarray   # row indices into the encoded test set
-
-
 def _chunks(seq: Sequence[int], size: int) -> list[list[int]]:
     return [list(seq[i:i + size]) for i in range(0, len(seq), size)]
 
@@ -127,7 +120,7 @@ class FederatedRun:
     # preparation
     def prepare(self) -> "FederatedRun":
         from . import data as D
-        from .model import load_classifier, load_tokenizer, torch_dtype
+        from .model import torch_dtype
 
         cfg = self.cfg
         if cfg.train.threads is not None:
@@ -140,9 +133,8 @@ class FederatedRun:
 
         # data ------------------------------------------------------------------------------
         dc = cfg.data
-        columns = {field: getattr(dc, key) for field, key in (("text", "text_column"), ("text_pair", "text_pair_column"),
-                                                                ("label", "label_column"), ("client_key", "client_column"))
-                   if getattr(dc, key) is not None} or None  # the task's columns, overridden field by field
+        columns = {field: getattr(dc, key.split(".")[1]) for field, key in D.CONFIG_FIELD.items()
+                   if getattr(dc, key.split(".")[1]) is not None} or None  # the task's columns, overridden field by field
         self.train_data, self.test_data, self.task = D.load_text_data(
             task=dc.task, path=dc.path, hf_name=dc.hf_name, hf_config=dc.hf_config, columns=columns,
             train_split=dc.train_split, test_split=dc.test_split, labels=dc.labels,
@@ -152,20 +144,13 @@ class FederatedRun:
         fc = cfg.federation
         splits = D.split_clients(self.train_data, self.test_data, partition=fc.partition, n_clients=fc.clients,
                                  seed=cfg.seed, val_fraction=fc.val_fraction)
-        self.clients = [_Client(np.asarray(s.train), np.asarray(s.val), np.asarray(s.test)) for s in splits]
-        if cfg.eval.max_samples is not None:
-            for c in self.clients:
-                c.test = c.test[:cfg.eval.max_samples]
+        self.clients = [dataclasses.replace(s, test=s.test[:cfg.eval.max_samples]) for s in splits]  # None: all
         self.split_report = D.describe_split(splits, self.train_data, self.test_data)
 
         # model -----------------------------------------------------------------------------
         mc = cfg.model
-        self.tokenizer = self._given_tokenizer or load_tokenizer(mc.tokenizer or mc.name,
-                                                                 "model.tokenizer" if mc.tokenizer else "model.name")
-        torch.manual_seed(_seed_of(cfg.seed, "model") % 2**31)  # the new head's init: part of the run's seed
-        self.model = self._given_model or load_classifier(
-            mc.name, self.num_labels, from_config=mc.from_config, dtype=mc.dtype,
-            pad_token_id=self.tokenizer.pad_token_id)
+        self.model, self.tokenizer = load_base(dataclasses.asdict(mc), cfg.seed, self.num_labels,
+                                               model=self._given_model, tokenizer=self._given_tokenizer)
         if self.method.needs_second_order:  # fused SDPA kernels have no double backward (CPU flash)
             _eager_attention(self.model)
         out_features = getattr(self.model.config, "num_labels", self.num_labels)
@@ -512,8 +497,7 @@ class FederatedRun:
                                  "val": self._score(vals[i], y_train[self.clients[k].val])}
         out: dict[str, Any] = {"round": rnd + 1, "clients": {str(k): v for k, v in per_client.items()}}
         sizes = [len(self.clients[k].test) for k in range(K)]
-        ok = [k for k in range(K) if per_client[k]["test"]]
-        out["test"] = aggregate_client_metrics([per_client[k]["test"] for k in ok], [sizes[k] for k in ok])
+        out["test"] = aggregate_client_metrics([per_client[k]["test"] for k in range(K)], sizes)  # size 0: skipped
         if self.cfg.eval.global_model and m.has_global_model:
             self._bind([0])
             self._load_record(0, self.initial_record)
@@ -630,6 +614,20 @@ class FederatedRun:
                                           metadata={"method": self.method.name, "client": str(k)}))
             paths.append(path)
         return paths
+
+
+def load_base(mc: Mapping[str, Any], seed: int, num_labels: int, *, model=None, tokenizer=None):
+    """The run's frozen base classifier and its tokenizer, as ``fedlora run`` builds them: the model
+    section ``mc`` (a ``ModelConfig`` as a dict, as config.json holds it), the new head's init drawn
+    from the run's ``seed``. ``model`` / ``tokenizer``: ready ones to use instead (tests)."""
+    from .model import load_classifier, load_tokenizer
+
+    tok = tokenizer or load_tokenizer(mc.get("tokenizer") or mc["name"],
+                                      "model.tokenizer" if mc.get("tokenizer") else "model.name")
+    torch.manual_seed(_seed_of(seed, "model") % 2**31)  # the new head's init: part of the run's seed
+    model = model or load_classifier(mc["name"], num_labels, from_config=mc.get("from_config"), dtype=mc["dtype"],
+                                     pad_token_id=tok.pad_token_id)
+    return model, tok
 
 
 def _eager_attention(model) -> None:
