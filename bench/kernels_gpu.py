@@ -296,6 +296,18 @@ def main(argv=None) -> int:
         hbm, peak = measure_ceilings(do_bench)
         print(f"measured ceilings: HBM {hbm:.2f} TB/s (copy), bf16 matmul {peak:.1f} TFLOP/s (8192³)")
 
+    def errors(fn, fn_args, inputs, gy, y_ref, g_ref, label: str) -> tuple[float, float]:
+        """Relative errors of ``fn(*fn_args)`` and of its gradients (cotangent ``gy``) wrt ``inputs``
+        against the float64 references; a failure is reported and scored NaN (then exit 1)."""
+        try:
+            with torch.no_grad():
+                v_err = rel_err(fn(*fn_args), y_ref)
+            grads = torch.autograd.grad(fn(*fn_args), inputs, gy)
+            return v_err, max(rel_err(gt, gr) for gt, gr in zip(grads, g_ref, strict=True))
+        except Exception as exc:  # report, keep going
+            print(f"  {label}: error check FAILED {exc!r}")
+            return float("nan"), float("nan")
+
     def timed(call, label: str) -> float:
         """Median ms of ``call``; a failure is reported and timed as NaN (the run goes on, then exits 1)."""
         try:
@@ -367,17 +379,8 @@ def main(argv=None) -> int:
                 for name, fn in variants:
                     inputs = [x] if name == "base" else lora_in
                     y_ref, g_ref = ref64["base" if name == "base" else "lora"]
-                    try:
-                        with torch.no_grad():
-                            v_err = rel_err(fn(x, w, a, b, 0.5, c, dd, 2.0), y_ref)
-                        y = fn(x, w, a, b, 0.5, c, dd, 2.0)
-                        grads = torch.autograd.grad(y, inputs, gy)
-                        del y
-                        g_err = max(rel_err(gt, gr) for gt, gr in zip(grads, g_ref, strict=True))
-                        del grads
-                    except Exception as exc:  # report, keep going
-                        print(f"  {name} M={M} d={d_} r={r}+{rc}: error check FAILED {exc!r}")
-                        v_err = g_err = float("nan")
+                    v_err, g_err = errors(fn, (x, w, a, b, 0.5, c, dd, 2.0), inputs, gy, y_ref, g_ref,
+                                          f"{name} M={M} d={d_} r={r}+{rc}")
                     for bwd in (False, True):
                         ms = timed(make_call(fn, (x, w, a, b, 0.5, c, dd, 2.0), inputs, gy, bwd),
                                    f"{name} M={M} d={d_} r={r}+{rc} bwd={bwd}")
@@ -405,15 +408,7 @@ def main(argv=None) -> int:
                     m_args = (x, w, a, b, 0.5, ck, dk, 2.0, offs)
                     for m_name, m_bg, single_name in multi_variants:
                         m_fn = (lambda *t, _bg=m_bg: multi(*t, base_gemm=_bg))
-                        try:
-                            with torch.no_grad():
-                                m_err = rel_err(m_fn(*m_args), y64)
-                            grads = torch.autograd.grad(m_fn(*m_args), m_in, gy)
-                            m_gerr = max(rel_err(gt, gr) for gt, gr in zip(grads, g64, strict=True))
-                            del grads
-                        except Exception as exc:  # report, keep going
-                            print(f"  {m_name} M={M} d={d_} r={r}+{rc} K={K}: error check FAILED {exc!r}")
-                            m_err = m_gerr = float("nan")
+                        m_err, m_gerr = errors(m_fn, m_args, m_in, gy, y64, g64, f"{m_name} M={M} d={d_} r={r}+{rc} K={K}")
                         for bwd in (False, True):
                             p_name = "fwd+bwd" if bwd else "fwd"
                             ms = timed(make_call(m_fn, m_args, m_in, gy, bwd),

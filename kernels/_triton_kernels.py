@@ -38,10 +38,8 @@ import os
 import triton
 import triton.language as tl
 
-from .base_gemm import m_bucket as _bucket  # noqa: F401  (re-exported: autotune key buckets)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-SMEM_LIMIT_SM90 = 232448  # bytes of shared memory one block may use on H100 (227 KiB opt-in)
 DET_MAX_SPLIT = 4  # deterministic mode: partial-sum slices per output (memory: DET_MAX_SPLIT × G×P×Q fp32)
 
 

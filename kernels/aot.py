@@ -230,12 +230,12 @@ class Compiler:
     def hook(self, kernel, grid, args, kwargs):
         """``compile_only`` hook: compile every config the autotuner would try for this launch."""
         at = kernel
-        at.nargs = dict(zip(at.arg_names, args))
+        named = dict(zip(at.arg_names, args))
+        at.nargs = named
         try:
             pruned = at.prune_configs(kwargs)  # the autotuner's own pruning (early_config_prune)
         finally:
             at.nargs = None
-        named = dict(zip(at.arg_names, args))
         kname = at.base_fn.__name__
         shape = {k: named[k] for k in ("M", "N", "K", "R", "P", "Q") if k in named}
         launch = {"case": self.case.name, "kernel": kname, "flags": _flags(kwargs),
@@ -420,12 +420,16 @@ def _worker_init(arch: int, smem_limit: int):
     _WORKER.update(compiler=Compiler(arch, smem_limit), session=session)
 
 
-def _worker_case(case_fields: dict):
-    comp = _WORKER["compiler"]
+def _run_one(comp: "Compiler", case: "Case") -> tuple:
+    """Compile one case; returns its (rows, launches, failures, seconds)."""
     n0, l0, f0 = len(comp.rows), len(comp.launches), len(comp.failures)
     t0 = time.perf_counter()
-    comp.run_case(Case(**case_fields))
+    comp.run_case(case)
     return comp.rows[n0:], comp.launches[l0:], comp.failures[f0:], time.perf_counter() - t0
+
+
+def _worker_case(case_fields: dict):
+    return _run_one(_WORKER["compiler"], Case(**case_fields))
 
 
 def run(cases, arch: int = 90, smem_limit: int = SMEM_LIMIT_H100, jobs: int = 1, log=print) -> tuple:
@@ -445,10 +449,7 @@ def run(cases, arch: int = 90, smem_limit: int = SMEM_LIMIT_H100, jobs: int = 1,
         comp = Compiler(arch, smem_limit)
         with _compile_session(arch, None):
             for i, case in enumerate(cases):
-                n0, l0, f0 = len(comp.rows), len(comp.launches), len(comp.failures)
-                t0 = time.perf_counter()
-                comp.run_case(case)
-                done(i, case, comp.rows[n0:], comp.launches[l0:], comp.failures[f0:], time.perf_counter() - t0)
+                done(i, case, *_run_one(comp, case))
     else:
         import concurrent.futures as cf
         import multiprocessing as mp

@@ -606,8 +606,9 @@ _CHOOSER = Chooser()
 _TIMED_DEVICES = ("cuda",)  # where 'auto' times the variants (tests add "cpu" with a fake timer)
 
 
-def _resolve_variant(base_gemm, x, weight, bias, a_cat, b_cat, segs, precision, fuse, M):
-    mode = requested_base_gemm(base_gemm)
+def _resolve_variant(mode, x, weight, bias, a_cat, b_cat, segs, precision, fuse, M):
+    """The base-GEMM variant of this call: ``mode`` ('auto' | 'triton' | 'cublas', validated) or, for
+    'auto' on a timed device, the cached first-use timing winner of the shape bucket."""
     if weight is None:
         return "triton"  # no base GEMM at all: the variants coincide
     if mode != "auto":
@@ -617,8 +618,11 @@ def _resolve_variant(base_gemm, x, weight, bias, a_cat, b_cat, segs, precision, 
     needs = (x.requires_grad, a_cat.requires_grad, b_cat.requires_grad)
     grad = torch.is_grad_enabled() and any(needs)
     key = shape_key(M, b_cat.shape[1], x.shape[-1], a_cat.shape[1], x.dtype, x.device, grad)
+    hit = _CHOOSER.choices.get(key)
+    if hit is not None:  # the hot path: one dict lookup
+        return hit
     if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return _CHOOSER.choices.get(key, "triton")  # no timing (sync) inside a CUDA graph capture
+        return "triton"  # no timing (sync) inside a CUDA graph capture
 
     def runner(variant):
         def run():
@@ -629,15 +633,11 @@ def _resolve_variant(base_gemm, x, weight, bias, a_cat, b_cat, segs, precision, 
         return run
 
     choice = _CHOOSER.choose(key, {"triton": runner("triton"), "cublas": runner("cublas")})
-    failed = [n for n, t in _CHOOSER.timings.get(key, {}).items() if math.isinf(t)]
-    if failed and key not in _WARNED:
-        _WARNED.add(key)
+    failed = [n for n, t in _CHOOSER.timings[key].items() if math.isinf(t)]
+    if failed:  # once per bucket: the next call is a cache hit
         warnings.warn(f"lora_linear: base_gemm variant(s) {failed} failed to run at {key}; using {choice!r}",
                       RuntimeWarning, stacklevel=3)
     return choice
-
-
-_WARNED: set = set()
 
 
 def _segmented_call(x, weight, bias, a_cat, b_cat, segs, precision, fuse, base_gemm):
@@ -651,14 +651,14 @@ def _segmented_call(x, weight, bias, a_cat, b_cat, segs, precision, fuse, base_g
     prec = select_precision(x.dtype, x.device.type, precision)
     if fuse is None:
         fuse = M <= FUSE_MAX_M
-    requested_base_gemm(base_gemm)  # validate even when it ends up unused
+    mode = requested_base_gemm(base_gemm)  # validated even when it ends up unused
     if M == 0:
         return lora_linear_reference(x.reshape(0, K), weight, bias, a_cat[0], b_cat[0])
     if weight is not None:
         weight = weight.detach()
     if bias is not None:
         bias = bias.detach()
-    variant = _resolve_variant(base_gemm, x, weight, bias, a_cat, b_cat, segs, prec, bool(fuse), M)
+    variant = _resolve_variant(mode, x, weight, bias, a_cat, b_cat, segs, prec, bool(fuse), M)
     return _SegLoRAFunction.apply(x, weight, bias, a_cat, b_cat, segs, prec, bool(fuse), variant)
 
 
