@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 
 from ..errors import ConfigError
-from ..optim import StackedAdamW
+from ..optim import make_optimizer
 from ..payload import Payload
 from .base import AveragedFactors, Objective, Sampler, broadcast_initial_factors, register
 
@@ -79,9 +79,7 @@ class FactorLoRA(AveragedFactors):
         self.opt = self._make_optimizer([self.params[n] for n in self.a_names + self.b_names + self.heads])
 
     def _make_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
-        if self.optimizer == "adamw":
-            return StackedAdamW(params, lr=self.lr, weight_decay=self.weight_decay)
-        return torch.optim.SGD(params, lr=self.lr, weight_decay=self.weight_decay)
+        return make_optimizer(self.optimizer, params, self.lr, self.weight_decay)
 
     def _train(self, objective: Objective, sample: Sampler, names: Sequence[str]) -> None:
         """One optimizer step on the parameters ``names`` of every replica; the others stay frozen

@@ -45,7 +45,7 @@ from ..adapter import LoRALinear
 from ..aggmath.flexlora import flexlora_aggregate
 from ..aggregation import fedavg_factors
 from ..errors import ConfigError
-from ..optim import StackedAdamW
+from ..optim import make_optimizer
 from ..payload import Payload
 from .base import Method, Objective, Sampler, register
 
@@ -124,8 +124,7 @@ class FlexLoRA(Method):
 
     def _new_optimizer(self) -> None:
         ps = [self.params[n] for _, a, b, _ in self.layers for n in (a, b)] + [self.params[n] for n in self.head_names()]
-        self.opt = (torch.optim.SGD(ps, lr=self.lr, weight_decay=self.weight_decay) if self.optimizer == "sgd"
-                    else StackedAdamW(ps, lr=self.lr, weight_decay=self.weight_decay))
+        self.opt = make_optimizer(self.optimizer, ps, self.lr, self.weight_decay)
 
     @torch.no_grad()
     def _apply_rank_mask(self) -> None:

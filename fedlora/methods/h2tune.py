@@ -93,7 +93,7 @@ from ..aggmath.h2tune import (
     to_global,
 )
 from ..errors import ConfigError
-from ..optim import StackedAdamW
+from ..optim import make_optimizer
 from ..payload import Payload
 from .base import Method, Objective, Sampler, register
 
@@ -251,8 +251,8 @@ class H2Tune(Method):
         shared = self._leaf("lora_R") + self._leaf("lora_Phi") + [self.omega]
         # a trained classifier head (LLM runtime) is task-specific: personal, trained in step (2)
         specific = self._leaf("lora_A") + self._leaf("lora_B") + [self.params[n] for n in self.head_names()]
-        make = (lambda ps, lr: torch.optim.SGD(ps, lr=lr)) if self.optimizer == "sgd" else (
-            lambda ps, lr: StackedAdamW(ps, lr=lr, weight_decay=0.0))  # ν is explicit in eq. 7
+        def make(ps, lr):  # no weight decay: ν is explicit in eq. 7
+            return make_optimizer(self.optimizer, ps, lr)
         self.opt_shared = make(shared, self.shared_lr)
         self.opt_specific = make(specific, self.lr)
 

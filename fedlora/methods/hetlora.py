@@ -23,7 +23,7 @@ import torch
 
 from ..aggregation import fedavg_factors, hetlora_aggregate
 from ..errors import ConfigError
-from ..optim import StackedAdamW
+from ..optim import make_optimizer
 from ..payload import Payload
 from .base import Method, Objective, Sampler, register
 
@@ -83,8 +83,7 @@ class HetLoRA(Method):
         self._set_ranks(self._initial_ranks.clone())  # placeholder until init_state / a loaded record
         self.heads = self.head_names()
         params = [self.params[n] for ab in self.pairs for n in ab] + [self.params[n] for n in self.heads]
-        self.opt = (torch.optim.SGD(params, lr=self.lr) if self.optimizer == "sgd"
-                    else StackedAdamW(params, lr=self.lr, weight_decay=0.0))
+        self.opt = make_optimizer(self.optimizer, params, self.lr)
 
     def init_state(self) -> None:
         super().init_state()  # the server's rank-r_max adapter to every client

@@ -60,7 +60,7 @@ from ..aggmath.lora_a2 import (
     upload_tensors,
 )
 from ..errors import ConfigError
-from ..optim import StackedAdamW
+from ..optim import make_optimizer
 from ..payload import Payload
 from .base import Method, Objective, Sampler, register
 
@@ -156,9 +156,7 @@ class LoRAA2(Method):
         self.budgets = [ranks[k] for k in self.replica_clients]  # r_k of each replica
         groups = [{"params": [self.params[a] for a, _ in self.modules.values()], "lr": self.lr},
                   {"params": [self.params[b] for _, b in self.modules.values()], "lr": self.lr * self.lr_ratio}]
-        self.opt = (StackedAdamW(groups, lr=self.lr, weight_decay=self.weight_decay)
-                    if self.optimizer == "adamw" else
-                    torch.optim.SGD(groups, lr=self.lr, weight_decay=self.weight_decay))
+        self.opt = make_optimizer(self.optimizer, groups, self.lr, self.weight_decay)
         # selected ranks of the last round: module prefix → (G, r_G) bool
         dev = self.params[next(iter(self.modules.values()))[0]].device
         self.masks = {m: torch.zeros(G, self.rank, dtype=torch.bool, device=dev) for m in self.modules}

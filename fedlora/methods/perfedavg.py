@@ -31,7 +31,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ..errors import ConfigError
-from ..optim import StackedAdamW
+from ..optim import make_optimizer
 from ..payload import Payload
 from .base import AveragedFactors, Objective, Sampler, register
 
@@ -94,8 +94,7 @@ class PerFedAvgLoRA(AveragedFactors):
             if got != self.rank:
                 raise ConfigError(f"perfedavg: {n} has rank {got} but the method was built for rank={self.rank}")
         xs = [self.params[n] for n in self.x_names]
-        self.opt = (StackedAdamW(xs, lr=self.lr, weight_decay=self.weight_decay) if self.optimizer == "adamw"
-                    else torch.optim.SGD(xs, lr=self.lr, weight_decay=self.weight_decay))
+        self.opt = make_optimizer(self.optimizer, xs, self.lr, self.weight_decay)
 
     # f(x; batch) summed over replicas: replicas are independent, so gradients stay per replica
     def _loss_grad(self, objective: Objective, x: Sequence[torch.Tensor], batch: Any) -> list[torch.Tensor]:

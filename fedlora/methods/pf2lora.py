@@ -19,7 +19,7 @@ import torch
 
 from ..aggregation import fedavg_factors
 from ..errors import ConfigError
-from ..optim import StackedAdamW
+from ..optim import make_optimizer
 from ..payload import Payload
 from .base import AveragedFactors, Objective, Sampler, register
 from .hypergradient import HYPERGRADIENT_MODES, bilevel_direction
@@ -85,10 +85,7 @@ class PF2LoRA(AveragedFactors):
                 raise ConfigError(f"pf2lora: {n} has rank {got} but the method was built for "
                                   f"rank={self.rank}, client_rank={self.client_rank}")
         xs = [self.params[n] for n in self.x_names]
-        if self.upper_optimizer == "adamw":
-            self.opt = StackedAdamW(xs, lr=self.upper_lr, weight_decay=self.weight_decay)
-        else:
-            self.opt = torch.optim.SGD(xs, lr=self.upper_lr, weight_decay=self.weight_decay)
+        self.opt = make_optimizer(self.upper_optimizer, xs, self.upper_lr, self.weight_decay)
         # Optional cosine decay of the upper-level step to 0 over the run (not in the paper, whose
         # App. C steps are constant): AdamW at a constant step hovers at a floor set by that step,
         # and a decay lets the tuned preset use a larger step early without paying for it at the end.
