@@ -279,8 +279,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # --out is a path, never YAML: quoted, so "123", "yes" or "null" stay folder names
     overrides = list(args.set) + ([f"output_dir={json.dumps(args.out)}"] if args.out is not None else [])
     cfg = load_config(args.config, overrides)
-    if args.dry_run:
-        print(json.dumps(cfg.to_dict(), indent=1))
+    if args.dry_run:  # the config and the method as the run would build it (bad options fail here)
+        from llm.config import describe_method
+
+        print(json.dumps({**cfg.to_dict(), "resolved": {"method": describe_method(cfg)}}, indent=1))
         return 0
     out = check_output_dir(cfg.output_dir, "--out" if args.out is not None else "output_dir")
     from llm.runtime import FederatedRun

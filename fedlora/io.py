@@ -9,7 +9,46 @@ from typing import Any
 
 from .errors import ConfigError
 
-__all__ = ["write_bytes_atomic", "write_json_atomic", "check_output_dir", "read_table_file"]
+__all__ = ["write_bytes_atomic", "write_json_atomic", "check_output_dir", "read_table_file", "yaml_load"]
+
+
+def _yaml12_loader():
+    """PyYAML's SafeLoader with YAML 1.2's float syntax: YAML 1.1 (PyYAML) needs a dot and a signed
+    exponent, so ``1e-3``, ``1E-3``, ``5e+2`` and ``1.0e3`` — step sizes as researchers write them —
+    would be read as text. Everything else (ints with ``_``, ``.5``, ``.inf``, booleans) is unchanged."""
+    import re
+
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.yaml_implicit_resolvers = {k: [r for r in v if r[0] != "tag:yaml.org,2002:float"]
+                                      for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                    |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                    |[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                    |[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*
+                    |[-+]?\.(?:inf|Inf|INF)
+                    |\.(?:nan|NaN|NAN))$""", re.X),
+        list("-+0123456789."))
+    return Loader
+
+
+_LOADER = None
+
+
+def yaml_load(text: str) -> Any:
+    """``yaml.safe_load`` that reads YAML 1.2 floats (``1e-3``) as numbers (see ``_yaml12_loader``)."""
+    import yaml
+
+    global _LOADER
+    if _LOADER is None:
+        _LOADER = _yaml12_loader()
+    return yaml.load(text, Loader=_LOADER)
 
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
@@ -50,9 +89,7 @@ def read_table_file(path: str | os.PathLike, what: str = "config") -> dict[str, 
                 import tomli as tomllib
             data = tomllib.loads(text)
         elif p.suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text) or {}
+            data = yaml_load(text) or {}
         elif p.suffix == ".json":
             data = json.loads(text)
         else:

@@ -16,18 +16,15 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from fedlora.errors import ConfigError
-from fedlora.io import read_table_file
+from fedlora.io import read_table_file, yaml_load
 
 __all__ = ["ModelConfig", "DataConfig", "MethodConfig", "FederationConfig", "TrainConfig", "EvalConfig",
-           "RunConfig", "load_config", "apply_overrides", "bundled_configs", "resolve_config", "MAIN_LR", "MAIN_RANK", "HEAD_MODES"]
+           "RunConfig", "load_config", "apply_overrides", "bundled_configs", "resolve_config", "build_method", "describe_method", "HEAD_MODES",
+           "coerce_number"]
 
 HEAD_MODES = ("auto", "frozen", "shared", "personal")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
-#: the option that is a method's main step size (``method.lr`` maps to it)
-MAIN_LR = {"pf2lora": "upper_lr"}
-#: the option that is a method's common rank where it is not called ``rank`` (``method.rank`` maps to
-#: it): HetLoRA's global adapter has rank r_max, the clients truncate it to their own ranks
-MAIN_RANK = {"hetlora": "r_max"}
+OPTIMIZERS = ("adamw", "sgd")
 
 
 @dataclass
@@ -92,14 +89,22 @@ class DataConfig:
 
 @dataclass
 class MethodConfig:
-    """The federated method (``fedlora.methods``) and its options. ``rank`` and ``lr`` are shortcuts
-    for the common rank r (HetLoRA's ``r_max``) and the main step size (PF2LoRA's ``upper_lr``); a
-    shortcut and the option it stands for may not both be given; ``options`` holds any
-    other constructor option of the method (e.g. ``client_rank``, ``lower_lr``, ``client_ranks``)."""
+    """The federated method (``fedlora.methods``) and its options.
+
+    Shortcuts for the options every method has under its own name (``Method.rank_option``,
+    ``lr_option``, ``optimizer_option``): ``rank`` — the rank of the paper's tables (FedAvg's r,
+    PF2LoRA's common r, HetLoRA's r_min, LoRA-A²'s client budget r_k with r_G = 16); ``optimizer`` —
+    adamw or sgd for the main step; ``lr`` — the main step size (PF2LoRA's upper level), either one
+    number for whichever method runs, or a table per optimizer (``{adamw: 2e-3, sgd: 5e-2}``) so a
+    config can switch methods and each gets a step size for its own optimizer. Left out, a method gets
+    its own default for its optimizer (``Method.llm_lr``) and the paper's LLM setting
+    (``Method.llm_options``). A shortcut and the option it stands for may not both be given.
+    ``options`` holds any other constructor option (``client_rank``, ``lower_lr``, ``client_ranks``…)."""
 
     name: str = "fedavg"
     rank: int | None = None
-    lr: float | None = None
+    lr: float | dict | None = None
+    optimizer: str | None = None
     options: dict = field(default_factory=dict)
 
 
@@ -111,7 +116,9 @@ class FederationConfig:
     similarity(s), by_key (needs ``data.client_column``). sample_fraction: share of clients drawn
     each round. clients_per_pass: slots — clients trained together in one base forward (1 = the
     classic sequential loop; on a GPU more slots are faster, one launch per layer for all of them; on
-    a 2-core CPU 1–2 were fastest — README "Memory and speed"). store: where client state records
+    a 2-core CPU 1–2 were fastest — README "Memory and speed"). ``auto`` (default): 1 on a CPU (the
+    measured best), on CUDA every participant of a round as far as the free GPU memory allows
+    (``llm.runtime.auto_clients_per_pass``); config.json records the value chosen. store: where client state records
     live between rounds, ``memory`` or ``disk`` (safetensors files under ``output_dir/clients``).
     val_fraction: each client's held-out validation share of its training data.
     """
@@ -119,19 +126,23 @@ class FederationConfig:
     clients: int = 4
     partition: str = "dirichlet(0.5)"
     sample_fraction: float = 1.0
-    clients_per_pass: int = 4
+    clients_per_pass: int | str = "auto"
     store: str = "memory"
     val_fraction: float = 0.1
 
 
 @dataclass
 class TrainConfig:
-    """Rounds, local steps (minibatches per client per round), batch size per client, and a
-    schedule multiplying every step size by f(t), t = round·local_steps + step: ``constant``,
-    ``linear`` (to 0 at the end) or ``cosine`` (to 0). threads: torch CPU threads (default: torch's)."""
+    """Rounds; a client's local work per round, as ``local_steps`` (minibatches, default 10) or
+    ``local_epochs`` E (client k takes ⌈E·n_k/b⌉ steps, as the papers train: LoRA-A² 5 epochs, RoLoRA
+    20; give one of the two); batch size per client; and a schedule multiplying every step size of
+    the method (PF2LoRA's lower level and Per-FedAvg's inner step included) by f(t), t = the run's
+    share done — rounds plus the pass's steps: ``constant``, ``linear`` (to 0 at the end) or
+    ``cosine`` (to 0). threads: torch CPU threads (default: torch's)."""
 
     rounds: int = 10
-    local_steps: int = 10
+    local_steps: int | None = None
+    local_epochs: float | None = None
     batch_size: int = 16
     lr_schedule: str = "constant"
     threads: int | None = None
@@ -229,8 +240,15 @@ class RunConfig:
                               f"available: {', '.join(available_methods())}")
         if me.rank is not None:
             _int(me.rank, "method.rank", 1)
-        if me.lr is not None:
+        if isinstance(me.lr, dict):
+            for opt, v in me.lr.items():
+                _choice(opt, "method.lr (a table's keys are optimizers)", OPTIMIZERS)
+                me.lr[opt] = coerce_number(v, "float", f"method.lr.{opt}")
+                _num(me.lr[opt], f"method.lr.{opt}", 0.0, strict=True)
+        elif me.lr is not None:
             _num(me.lr, "method.lr", 0.0, strict=True)
+        if me.optimizer is not None:
+            _choice(me.optimizer, "method.optimizer", OPTIMIZERS)
         if not isinstance(me.options, dict):
             raise ConfigError(f"method.options: expected a table of the method's options, got {me.options!r}")
         f = self.federation
@@ -239,14 +257,24 @@ class RunConfig:
         _num(f.sample_fraction, "federation.sample_fraction", 0.0, strict=True)
         if f.sample_fraction > 1:
             raise ConfigError(f"federation.sample_fraction: must be in (0, 1], got {f.sample_fraction!r}")
-        _int(f.clients_per_pass, "federation.clients_per_pass", 1)
+        if f.clients_per_pass != "auto":
+            if isinstance(f.clients_per_pass, str):
+                raise ConfigError(f"federation.clients_per_pass: must be auto or an integer ≥ 1, "
+                                  f"got {f.clients_per_pass!r}")
+            _int(f.clients_per_pass, "federation.clients_per_pass", 1)
         _choice(f.store, "federation.store", ("memory", "disk"))
         _num(f.val_fraction, "federation.val_fraction", 0.0, strict=False)
         if f.val_fraction >= 1:
             raise ConfigError(f"federation.val_fraction: must be in [0, 1), got {f.val_fraction!r}")
         t = self.train
         _int(t.rounds, "train.rounds", 1)
-        _int(t.local_steps, "train.local_steps", 1)
+        if t.local_steps is not None and t.local_epochs is not None:
+            raise ConfigError(f"train: give local_steps ({t.local_steps}) or local_epochs ({t.local_epochs}), "
+                              f"not both")
+        if t.local_steps is not None:
+            _int(t.local_steps, "train.local_steps", 1)
+        if t.local_epochs is not None:
+            _num(t.local_epochs, "train.local_epochs", 0.0, strict=True)
         _int(t.batch_size, "train.batch_size", 1)
         _choice(t.lr_schedule, "train.lr_schedule", ("constant", "linear", "cosine"))
         if t.threads is not None:
@@ -258,6 +286,68 @@ class RunConfig:
             _int(e.max_samples, "eval.max_samples", 1)
         _bool(e.global_model, "eval.global_model")
         return self
+
+
+# --------------------------------------------------------------------------------------------------
+# the run's method
+def method_options(cfg: RunConfig) -> dict[str, Any]:
+    """The constructor options of the run's method, resolved (see ``MethodConfig``), in this order:
+    ``method.options`` (numbers written as text take their value by the option's annotation); the
+    shortcuts ``rank`` / ``optimizer`` / ``lr`` onto the method's own option names; the paper's LLM
+    setting (``llm_options``) and options derived from the others for whatever is still missing; the
+    main step size from ``method.lr`` (a number, or the entry for the method's optimizer) or else the
+    method's default for its optimizer (``llm_lr``); ``seed`` from the run."""
+    import inspect
+
+    from fedlora.methods import get_method
+
+    mc = cfg.method
+    cls = get_method(mc.name)
+    params = {k: p for k, p in inspect.signature(cls.__init__).parameters.items() if k != "self"}
+    options = {str(k).replace("-", "_"): coerce_number(v, params[k].annotation, f"method.options.{k}")
+               if k in params else v for k, v in mc.options.items()}
+    for short, value, key in (("rank", mc.rank, cls.rank_option), ("optimizer", mc.optimizer, cls.optimizer_option),
+                              ("lr", mc.lr if not isinstance(mc.lr, dict) else None, cls.lr_option)):
+        if value is None:
+            continue
+        if key is None or key not in params:
+            raise ConfigError(f"method.{short}: {mc.name} has no single {short} option; set it in "
+                              f"method.options (accepted: {', '.join(sorted(params))})")
+        if key in options and options[key] != value:
+            raise ConfigError(f"method.{short}: {value} and method.options.{key}: {options[key]} are the same "
+                              f"setting for {mc.name}; give one of them")
+        options[key] = value
+    for key, value in cls.llm_options.items():
+        options.setdefault(key, value)
+    options = dict(cls.derive_options(options))
+    if cls.lr_option not in options:
+        opt_key = cls.optimizer_option
+        optimizer = options.get(opt_key, params[opt_key].default if opt_key in params else "adamw")
+        table = mc.lr if isinstance(mc.lr, dict) else {}
+        options[cls.lr_option] = table.get(optimizer, cls.llm_lr.get(optimizer))
+    if "seed" in params:
+        options.setdefault("seed", cfg.seed)
+    if options.get("upper_schedule", "constant") != "constant":
+        raise ConfigError("method.options.upper_schedule: the LLM runtime schedules every step size with "
+                          "train.lr_schedule (constant | linear | cosine); leave upper_schedule constant")
+    return options
+
+
+def describe_method(cfg: RunConfig) -> dict[str, Any]:
+    """What ``fedlora run --dry-run`` and config.json say of the method: its resolved options and every
+    step size with its optimizer. Builds the method, so a bad option fails here, before any loading."""
+    method = build_method(cfg)
+    return {"name": method.name, "options": method_options(cfg), "step_sizes": method.step_sizes()}
+
+
+def build_method(cfg: RunConfig):
+    """The run's ``Method`` from ``method_options`` (bad options: one-line ``ConfigError``)."""
+    from fedlora.methods import create_method
+
+    try:
+        return create_method(cfg.method.name, **method_options(cfg))
+    except ConfigError as e:
+        raise ConfigError(f"method: {e}") from None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -282,8 +372,33 @@ def _build(cls, data: Mapping[str, Any], prefix: str):
                 raise ConfigError(f"config: {where!r} must be a table (section), got {value!r}")
             kwargs[key] = _build(sub, value, f"{key}.")
         else:
-            kwargs[key] = value
+            kwargs[key] = coerce_number(value, fields[key].type, where)
     return cls(**kwargs)
+
+
+_NUMBER_TYPES = {"int": int, "float": float}
+
+
+def coerce_number(value: Any, annotation: Any, where: str) -> Any:
+    """A numeric field given text that is a number of its type takes that number: ``"1e-3"`` for a
+    float (a TOML string, a dict from Python), ``"1_000"`` for an int. Other values pass unchanged and
+    are judged by ``RunConfig.validate`` (whose message then says the value was read as text)."""
+    if not isinstance(value, str):
+        return value
+    names = {a.strip() for a in str(getattr(annotation, "__name__", annotation)).split("|")}
+    text = value.strip()
+    if "int" in names:
+        try:
+            return int(text, 10)
+        except ValueError:
+            pass
+    if "float" in names:
+        try:
+            out = float(text)  # Python's float syntax: 1e-3, 1E-3, 5e+2, .5, 1_000.5
+        except ValueError:
+            return value
+        return out if math.isfinite(out) else value
+    return value
 
 
 _SECTIONS = {"model": ModelConfig, "data": DataConfig, "method": MethodConfig, "federation": FederationConfig,
@@ -301,7 +416,7 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
         if not sep or not key.strip():
             raise ConfigError(f"--set: expected key=value (e.g. train.rounds=5), got {item!r}")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else None
+            value = yaml_load(raw) if raw.strip() else None
         except yaml.YAMLError:
             value = raw
         parts = key.strip().split(".")
@@ -346,15 +461,20 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _as_text(v) -> str:
+    """``repr(v)``, saying so when a value that should be a number was read as text."""
+    return f"{v!r} (read as text, not as a number)" if isinstance(v, str) else repr(v)
+
+
 def _int(v, name: str, low: int) -> None:
     if not _is_int(v) or v < low:
-        raise ConfigError(f"{name}: must be an integer ≥ {low}, got {v!r}")
+        raise ConfigError(f"{name}: must be an integer ≥ {low}, got {_as_text(v)}")
 
 
 def _num(v, name: str, low: float, strict: bool) -> None:
     ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (v > low if strict else v >= low)
     if not ok:
-        raise ConfigError(f"{name}: must be a finite number {'>' if strict else '≥'} {low:g}, got {v!r}")
+        raise ConfigError(f"{name}: must be a finite number {'>' if strict else '≥'} {low:g}, got {_as_text(v)}")
 
 
 def _str(v, name: str) -> None:

@@ -49,7 +49,7 @@ from fedlora.io import check_output_dir, write_bytes_atomic, write_json_atomic
 from fedlora.simulator import DownloadLedger, Federation
 from fedlora.state import ClientStore, record_nbytes
 
-from .config import MAIN_LR, MAIN_RANK, RunConfig
+from .config import RunConfig
 from .inject import SlotLoRALinear, head_linear_names, inject_adapters, make_head_trainable, match_targets, set_slots
 
 __all__ = ["FederatedRun", "ClientSampler", "run"]
@@ -162,9 +162,9 @@ class FederatedRun:
 
         # adapters ----------------------------------------------------------------------------
         K = fc.clients
-        self.centralized = self.method.name == "centralized"
+        self.centralized = self.method.pooled_data
         self.K_train = 1 if self.centralized else K  # Centralized: one model on the pooled data
-        self.P = min(fc.clients_per_pass, self.K_train)
+        self.P = min(self._clients_per_pass(), self.K_train)
         kwargs = dict(self.method.adapter_kwargs())
         if mc.lora_alpha is not None:
             kwargs["alpha"] = float(mc.lora_alpha)
@@ -193,6 +193,7 @@ class FederatedRun:
             [c.train for c in self.clients]
         self.train_sets = [np.sort(t) for t in train_sets]
         self.sizes = [len(t) for t in self.train_sets]
+        self.steps = self._local_steps()
         self.federation = Federation(n_groups=1, n_clients=self.K_train, client_weights=self.sizes,
                                      sample_fraction=1.0 if self.centralized else fc.sample_fraction,
                                      sample_seed=cfg.seed)
@@ -214,32 +215,10 @@ class FederatedRun:
         return self
 
     def _build_method(self) -> Method:
-        mc = self.cfg.method
-        cls = get_method(mc.name)
-        import inspect
+        from .config import build_method, method_options
 
-        accepted = set(inspect.signature(cls.__init__).parameters) - {"self"}
-        options = dict(mc.options)
-        for short, value, key in (("rank", mc.rank, MAIN_RANK.get(mc.name, "rank")),
-                                  ("lr", mc.lr, MAIN_LR.get(mc.name, "lr"))):
-            if value is None:
-                continue
-            if key not in accepted:
-                raise ConfigError(f"method.{short}: {mc.name} has no single {short} option; set it in "
-                                  f"method.options (accepted: {', '.join(sorted(accepted))})")
-            if key in options and options[key] != value:
-                raise ConfigError(f"method.{short}: {value} and method.options.{key}: {options[key]} are the same "
-                                  f"setting for {mc.name}; give one of them")
-            options[key] = value
-        if "seed" in accepted:
-            options.setdefault("seed", self.cfg.seed)
-        if options.get("upper_schedule", "constant") != "constant":
-            raise ConfigError("method.options.upper_schedule: the LLM runtime schedules every step size with "
-                              "train.lr_schedule (constant | linear | cosine); leave upper_schedule constant")
-        try:
-            return create_method(mc.name, **options)
-        except ConfigError as e:
-            raise ConfigError(f"method: {e}") from None
+        self.method_options = {k: v for k, v in method_options(self.cfg).items()}
+        return build_method(self.cfg)
 
     def _head_mode(self) -> str:
         mode = self.cfg.model.head
@@ -258,7 +237,8 @@ class FederatedRun:
         self.method.bind(self.model, list(clients), n_clients=self.K_train)
         self._slots = len(clients)
         self._loss_sum = torch.zeros(len(clients), dtype=torch.float64, device=self.device)
-        self._loss_calls = 0
+        self._loss_n = torch.zeros(len(clients), dtype=torch.float64, device=self.device)
+        self._active = torch.ones(len(clients), dtype=torch.float64, device=self.device)
 
     @torch.no_grad()
     def _init_slots(self, clients: Sequence[int]) -> None:
@@ -306,8 +286,9 @@ class FederatedRun:
         # half-precision logits are scored in float32; float32/float64 as they are
         logits = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
         ce = F.cross_entropy(logits, batch["labels"], reduction="none").view(S, -1).mean(1)
-        self._loss_sum += ce.detach().double()  # on the model's device: no host sync per step
-        self._loss_calls += 1
+        # on the model's device (no host sync per step); a slot that has finished its steps counts no more
+        self._loss_sum += ce.detach().double() * self._active
+        self._loss_n += self._active
         return ce
 
     def _logits_fn(self, params: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -323,21 +304,36 @@ class FederatedRun:
 
         return sample
 
-    def _lr_factor(self, t: int) -> float:
-        total = self.cfg.train.rounds * self.cfg.train.local_steps
+    def _lr_factor(self, t: float) -> float:
+        """The schedule's f at ``t`` ∈ [0, 1), the share of the run done."""
         kind = self.cfg.train.lr_schedule
         if kind == "linear":
-            return 1.0 - t / total
+            return 1.0 - t
         if kind == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * t / total))
+            return 0.5 * (1.0 + math.cos(math.pi * t))
         return 1.0
 
-    def _set_lr(self, t: int) -> None:
-        f = self._lr_factor(t)
-        for opt in self.method._optimizers():
-            for g in opt.param_groups:
-                g.setdefault("base_lr", g["lr"])
-                g["lr"] = g["base_lr"] * f
+    def _clients_per_pass(self) -> int:
+        """``federation.clients_per_pass``, with ``auto`` resolved (see ``auto_clients_per_pass``)."""
+        fc = self.cfg.federation
+        if fc.clients_per_pass != "auto":
+            return fc.clients_per_pass
+        return auto_clients_per_pass(self.device, max(1, math.ceil(fc.sample_fraction * fc.clients - 1e-9)),
+                                     self.model if hasattr(self, "model") else None, self.cfg.train.batch_size,
+                                     self.cfg.model.max_length)
+
+    def _local_steps(self) -> list[int]:
+        """Each training client's local steps per round: ``train.local_epochs`` E → ⌈E·n_k/b⌉, else
+        ``train.local_steps`` (default 10). Pooled data (Centralized) takes the federation's total of
+        a round — the participants' steps added up — so both references see as many batches per round."""
+        t, b = self.cfg.train, self.cfg.train.batch_size
+        if t.local_epochs is not None:
+            return [max(1, math.ceil(t.local_epochs * n / b - 1e-9)) for n in self.sizes]
+        per_client = t.local_steps if t.local_steps is not None else 10
+        if self.centralized:
+            fc = self.cfg.federation
+            return [per_client * max(1, math.ceil(fc.sample_fraction * fc.clients - 1e-9))]
+        return [per_client] * len(self.sizes)
 
     # ------------------------------------------------------------------------------------------
     # loading / storing clients
@@ -389,19 +385,35 @@ class FederatedRun:
                    bytes_down: dict[int, int], train_loss: dict[int, float],
                    ranks: dict[int, Any] | None = None) -> None:
         """One pass of round ``rnd``: ``clients[p]`` in slot p — load, synchronise, the round's local
-        steps, upload, store. Fills ``payloads``, ``bytes_down``, ``train_loss`` (and ``ranks``) per client."""
-        I = self.cfg.train.local_steps
+        steps, upload, store. Fills ``payloads``, ``bytes_down``, ``train_loss`` (and ``ranks``) per client.
+
+        Clients with fewer local steps than their pass-mates (``train.local_epochs``) finish early:
+        from then on their slot's loss is no longer counted, and once the pass's steps are done the
+        slot is put back to the state it had after its own last step (parameters, optimizer moments and
+        step counts, data sampler) before the round ends, the upload is taken and the record stored —
+        so each client's record is the one of training its own steps, whatever its pass-mates do."""
+        steps = [self.steps[k] for k in clients]
+        I = max(steps)
         self._bind(clients)
         samplers = self._load(clients)
         for i, k in enumerate(clients):
             bytes_down[k] = self._sync(i, k, rnd - 1, count=True)
         sample = self._sampler_fn(samplers, clients)
         self.method.begin_round(rnd)
+        finished: dict[int, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
         for j in range(I):
-            self._set_lr(rnd * I + j)
+            self.method.set_lr_factor(self._lr_factor((rnd + j / I) / self.cfg.train.rounds))
             self.method.local_step(self._objective, sample)
+            for i, n in enumerate(steps):
+                if n == j + 1 and n < I:  # slot i's client is done: keep its state as it is now
+                    finished[i] = (self.method.replica_state(i),
+                                   samplers[i].state())
+                    self._active[i] = 0.0
+        for i, (state, sampler_state) in finished.items():
+            self.method.load_replica_state(i, state)
+            samplers[i] = ClientSampler.from_state(self.sizes[clients[i]], sampler_state)
         self.method.end_round(rnd)
-        mean_loss = (self._loss_sum / max(self._loss_calls, 1)).cpu().tolist()
+        mean_loss = (self._loss_sum / self._loss_n.clamp(min=1)).cpu().tolist()
         for i, k in enumerate(clients):
             up = self.method.upload(i)
             payloads[k] = Payload({n: v.detach().cpu() for n, v in up.tensors.items()}, dict(up.meta))
@@ -410,6 +422,17 @@ class FederatedRun:
                 ranks[k] = self.method.describe_replica(i)
             self._store(i, k, samplers[i])
 
+    def _passes(self, participants: Sequence[int]) -> list[list[int]]:
+        """The round's passes: ``clients_per_pass`` participants at a time, in order; for a method
+        whose replicas must take equal steps (``equal_steps_per_pass``) only clients with the same
+        number of local steps share a pass."""
+        if not self.method.equal_steps_per_pass:
+            return _chunks(participants, self.P)
+        by_steps: dict[int, list[int]] = {}
+        for k in participants:
+            by_steps.setdefault(self.steps[k], []).append(k)
+        return [c for group in by_steps.values() for c in _chunks(group, self.P)]
+
     def run_round(self, rnd: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         participants = self.federation.participants(rnd, 0)
@@ -417,7 +440,7 @@ class FederatedRun:
         bytes_down: dict[int, int] = {}
         train_loss: dict[int, float] = {}
         ranks: dict[int, Any] = {}
-        for chunk in _chunks(participants, self.P):
+        for chunk in self._passes(participants):
             self.train_pass(chunk, rnd, payloads, bytes_down, train_loss, ranks)
         weights = normalise_weights([self.sizes[k] for k in participants])
         aggregated = self.method.aggregate([payloads[k] for k in participants], weights)
@@ -500,9 +523,12 @@ class FederatedRun:
         out["test"] = aggregate_client_metrics([per_client[k]["test"] for k in range(K)], sizes)  # size 0: skipped
         if self.cfg.eval.global_model and m.has_global_model:
             self._bind([0])
-            self._load_record(0, self.initial_record)
-            m.global_replica(0)
-            m.download(0, dict(self.server))
+            if self.centralized:  # the one model on the pooled data is the global model
+                self._load_record(0, self.store.get(0))
+            else:  # the server's state in a fresh replica
+                self._load_record(0, self.initial_record)
+                m.global_replica(0)
+                m.download(0, dict(self.server))
             everything = np.arange(len(y_test))
             out["global"] = self._score(self._predict(self.enc_test, [everything], None)[0], y_test)
         return out
@@ -571,6 +597,14 @@ class FederatedRun:
              "wall_s": wall, "record_bytes_per_client": record_nbytes(self.store.get(0))}
         if "global" in last:
             s["round0_global"], s["final_global"] = first.get("global"), last["global"]
+        # The round with the best clients' mean of the main metric — chosen ON THE TEST SPLIT, as
+        # RoLoRA's tables report it: for comparison with papers only, never a model selection.
+        best = max(evals[1:] or evals, key=lambda e: e["test"]["mean"].get(main, float("-inf")))
+        s["best_round"] = {"round": best["round"], "test": best["test"], "selected_on": "test",
+                           "note": "best clients' mean over the evaluated rounds, selected on the test split: "
+                                   "for comparison with papers that report it, not a model selection"}
+        if "global" in best:
+            s["best_round"]["global"] = best["global"]
         return s
 
     def describe(self) -> dict[str, Any]:
@@ -584,6 +618,8 @@ class FederatedRun:
                 "label_names": list(self.train_data.label_names), "task": self.task.name,
                 "metrics": list(self.task.metrics), "train_sizes": self.sizes,
                 "test_sizes": [len(c.test) for c in self.clients], "clients_per_pass": self.P,
+                "local_steps": self.steps, "method_options": self.method_options,
+                "step_sizes": self.method.step_sizes(), "lr_schedule": self.cfg.train.lr_schedule,
                 "device": str(self.device), "split": self.split_report}
 
     def client_adapter(self, client: int) -> dict[str, torch.Tensor]:
@@ -656,3 +692,21 @@ def run(config: RunConfig | Mapping[str, Any] | str | os.PathLike, overrides: Se
     else:
         cfg = load_config(config, overrides)
     return FederatedRun(cfg, progress=progress).run()
+
+
+def auto_clients_per_pass(device: torch.device, participants: int, model=None, batch_size: int = 16,
+                          max_length: int = 128) -> int:
+    """``federation.clients_per_pass: auto``. On a CPU: 1 — batched passes were slower there
+    (README "Memory and speed": 1.03× the sequential loop at 2 slots, 1.65× at 8, on 2 cores;
+    element-wise ops fall out of cache). On CUDA: all of a round's participants, as many as fit in
+    half of the free GPU memory by an activation estimate per client of
+    ``batch_size · max_length · hidden · layers · 64`` bytes (about 16 saved fp32 activations of
+    width ``hidden`` per token and layer in training; the base model is already resident)."""
+    if device.type != "cuda":
+        return 1
+    cfg = getattr(model, "config", None)
+    hidden = int(getattr(cfg, "hidden_size", 0) or getattr(cfg, "n_embd", 0) or 1024)
+    layers = int(getattr(cfg, "num_hidden_layers", 0) or getattr(cfg, "n_layer", 0) or 24)
+    per_client = batch_size * max_length * hidden * layers * 64
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(1, min(participants, int(0.5 * free // per_client)))

@@ -67,7 +67,10 @@ def test_dry_run_validates_and_writes_nothing(tmp_path, capsys):
     assert main(["run", "minilm-debian", "--dry-run", "--set", "method.name=pf2lora",
                  "--set", "method.options={client_rank: 2}", "--out", str(tmp_path / "x")]) == 0
     cfg = json.loads(capsys.readouterr().out)
-    assert cfg["method"] == {"name": "pf2lora", "rank": 8, "lr": 0.002, "options": {"client_rank": 2}}
+    assert cfg["method"] == {"name": "pf2lora", "rank": 8, "lr": None, "optimizer": None, "options": {"client_rank": 2}}
+    # the method as the run builds it: PF2LoRA's own step sizes (none was given)
+    assert cfg["resolved"]["method"]["step_sizes"] == {"upper_lr": {"optimizer": "adamw", "lr": 2e-3},
+                                                      "lower_lr": {"optimizer": "sgd", "lr": 1e-3}}
     assert not (tmp_path / "x").exists()
 
 

@@ -125,6 +125,52 @@ class Method(abc.ABC):
     #: the clients end with one common model (evaluated as "the global model"); False for
     #: personalised-only methods (FedSA's B_k, H²Tune's private A_k, B_k, Local)
     has_global_model: ClassVar[bool] = True
+    #: one model trained on the clients' pooled data (Centralized): a runtime trains ONE client on
+    #: the union of the clients' rows, and that model is both every client's and the global model
+    pooled_data: ClassVar[bool] = False
+    #: part of a round's training runs in ``end_round`` for every replica alike (LoRA-A²'s masked
+    #: steps after the probe), so replicas trained together must take the same number of local steps
+    #: (a runtime groups clients with unequal steps into separate passes)
+    equal_steps_per_pass: ClassVar[bool] = False
+
+    # -- what a runtime needs to know about the options (declared here so no runtime tests names) --
+    #: the option that is the method's main step size (a config's ``method.lr`` sets it)
+    lr_option: ClassVar[str] = "lr"
+    #: the option that is the method's rank (a config's ``method.rank`` sets it); None: no such option
+    rank_option: ClassVar[str | None] = "rank"
+    #: the option that chooses the optimizer of the main step size ("adamw" | "sgd")
+    optimizer_option: ClassVar[str | None] = "optimizer"
+    #: the main step size per optimizer when a real-model run (``fedlora run``) names none: LoRA on a
+    #: pretrained encoder, batch 16 (measured on the bundled MiniLM run; README "Methods in the LLM
+    #: runtime"). The constructor's own ``lr`` default is the synthetic testbed's.
+    llm_lr: ClassVar[dict[str, float]] = {"adamw": 2e-3, "sgd": 5e-2}
+    #: other options a real-model run uses unless its config sets them: the paper's own LLM setting
+    llm_options: ClassVar[dict[str, Any]] = {}
+
+    @classmethod
+    def derive_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        """Options that follow from others where the config leaves them out (e.g. HetLoRA's r_max
+        from r_min); the default adds nothing."""
+        return options
+
+    def step_sizes(self) -> dict[str, dict[str, Any]]:
+        """Every step size the method uses: option name → ``{"optimizer", "lr"}`` (what the dry run
+        and config.json report). Subclasses with more than the main one extend it."""
+        opt = getattr(self, self.optimizer_option, None) if self.optimizer_option else None
+        return {self.lr_option: {"optimizer": opt, "lr": float(getattr(self, self.lr_option))}}
+
+    #: the schedule's factor f(t) on every step size (``set_lr_factor``); methods with a step that is
+    #: not an optimizer's (PF2LoRA's lower level, Per-FedAvg's inner step) multiply it in themselves
+    lr_factor: float = 1.0
+
+    def set_lr_factor(self, factor: float) -> None:
+        """Scale every step size of the method to ``factor`` × its configured value (a schedule's
+        f(t)): every optimizer's param groups and the method's own steps (``lr_factor``)."""
+        self.lr_factor = float(factor)
+        for opt in self._optimizers():
+            for g in opt.param_groups:
+                g.setdefault("base_lr", g["lr"])
+                g["lr"] = g["base_lr"] * self.lr_factor
 
     def setup(self, model: nn.Module, replica_clients: Sequence[int], n_clients: int | None = None) -> None:
         """Bind to ``model`` and put the protocol's initial state on every replica: ``bind`` then

@@ -196,6 +196,11 @@ class H2Tune(Method):
         self.optimizer = optimizer
         self._warned = False
 
+    def step_sizes(self) -> dict:
+        """η on the task-specific A, B and η' on the task-shared R, Φ, Ω (App. A, Alg. 1)."""
+        return {"lr": {"optimizer": self.optimizer, "lr": float(self.lr)},
+                "shared_lr": {"optimizer": self.optimizer, "lr": float(self.shared_lr)}}
+
     def adapter_kwargs(self) -> dict[str, Any]:
         return {"rank": self.rank, "middle": True}
 

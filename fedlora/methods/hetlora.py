@@ -38,6 +38,18 @@ def hetlora_initial_ranks(n_clients: int, r_min: int, r_max: int) -> list[int]:
 @register
 class HetLoRA(Method):
     name = "hetlora"
+    #: The PF2LoRA paper's GLUE comparison (its §6.1.1 and Table 6): HetLoRA with AdamW and
+    #: r_min = 8, r_max = 12 against a rank-8 common adapter, so a config's ``method.rank`` is r_min
+    #: and r_max follows as ⌈1.5·r_min⌉ unless given (``derive_options``).
+    rank_option = "r_min"
+    llm_options = {"optimizer": "adamw", "r_min": 8}
+
+    @classmethod
+    def derive_options(cls, options: dict) -> dict:
+        """r_max = ⌈1.5·r_min⌉ (Table 6's 8 → 12) when only r_min is given."""
+        if "r_max" not in options and isinstance(options.get("r_min"), int):
+            return {**options, "r_max": -(-3 * options["r_min"] // 2)}
+        return options
 
     def __init__(self, lr: float = 2e-3, r_min: int = 1, r_max: int = 12, gamma: float = 0.99,
                  penalty: float = 5e-3, initial_ranks: Sequence[int] | None = None,

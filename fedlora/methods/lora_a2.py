@@ -79,7 +79,10 @@ class LoRAA2(Method):
         lr: η_A, the step size of A (App. B: 5e-4); B uses η_B = ``lr_ratio``·η_A.
         lr_ratio: η_B / η_A (App. B: 5).
         client_ranks: rank budget r_k of each client k (length = number of clients), 1 ≤ r_k ≤ r_G;
-            ``None`` = r_G for everyone. A client selects r_k·N ranks over the N modules.
+            ``None`` = ``client_rank`` for everyone. A client selects r_k·N ranks over the N modules.
+        client_rank: every client's budget r_k when ``client_ranks`` is not given (default r_G: no
+            selection). The paper's tables give this budget as "rank r" with r_G = 16 (§5.3: "selects
+            2·N ranks from a total of 16·N"), so a config's ``method.rank`` sets it.
         probe_steps: local steps of the probe that scores the ranks; ``None`` = as many as the
             round's local steps (see the module docstring).
         optimizer: 'adamw' (App. B) or 'sgd'; weight_decay: AdamW/SGD decoupled decay (0 by default;
@@ -88,12 +91,15 @@ class LoRAA2(Method):
     """
 
     name = "lora-a2"
+    rank_option = "client_rank"  # the tables' "rank r" is the client's budget; r_G stays 16
+    equal_steps_per_pass = True  # end_round runs as many masked steps as the round's probe steps
     default_head = "frozen"  # App. B: "a frozen classifier is added upon the model" (Sun et al.)
     head_modes = ("frozen",)
 
     def __init__(self, rank: int = 16, lr: float = 5e-4, lr_ratio: float = 5.0,
                  client_ranks: Sequence[int] | None = None, probe_steps: int | None = None,
-                 optimizer: str = "adamw", weight_decay: float = 0.0, index_dtype: str = "int64") -> None:
+                 optimizer: str = "adamw", weight_decay: float = 0.0, index_dtype: str = "int64",
+                 client_rank: int | None = None) -> None:
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
             raise ConfigError(f"lora-a2: rank (r_G) must be an integer ≥ 1, got {rank!r}")
         if not lr > 0:
@@ -106,6 +112,13 @@ class LoRAA2(Method):
             if bad or not client_ranks:
                 raise ConfigError(f"lora-a2: client_ranks must be integers r_k with 1 ≤ r_k ≤ rank (r_G = {rank}), "
                                   f"got {client_ranks}")
+        if client_rank is not None and (not isinstance(client_rank, int) or isinstance(client_rank, bool)
+                                        or not 1 <= client_rank <= rank):
+            raise ConfigError(f"lora-a2: client_rank (every client's budget r_k) must be an integer with "
+                              f"1 ≤ r_k ≤ rank (r_G = {rank}; set options.rank for a larger r_G), got {client_rank!r}")
+        if client_rank is not None and client_ranks is not None:
+            raise ConfigError("lora-a2: give client_rank (one budget for all) or client_ranks (one per client), "
+                              "not both")
         if probe_steps is not None and (not isinstance(probe_steps, int) or isinstance(probe_steps, bool)
                                         or probe_steps < 1):
             raise ConfigError(f"lora-a2: probe_steps must be None (= the round's local steps) or an integer ≥ 1, "
@@ -119,10 +132,15 @@ class LoRAA2(Method):
         if rank - 1 > torch.iinfo(_INDEX_DTYPES[index_dtype]).max:
             raise ConfigError(f"lora-a2: index_dtype {index_dtype} cannot hold rank index {rank - 1}")
         self.rank, self.lr, self.lr_ratio = rank, lr, lr_ratio
-        self.client_ranks, self.probe_steps = client_ranks, probe_steps
+        self.client_ranks, self.probe_steps, self.client_rank = client_ranks, probe_steps, client_rank
         self.optimizer, self.weight_decay = optimizer, weight_decay
         self.index_dtype = _INDEX_DTYPES[index_dtype]
         self._factor: str | None = None  # factor the current / last round trains
+
+    def step_sizes(self) -> dict[str, dict[str, Any]]:
+        """η_A and η_B = lr_ratio·η_A (App. B)."""
+        return {"lr": {"optimizer": self.optimizer, "lr": float(self.lr)},
+                "lr·lr_ratio (B)": {"optimizer": self.optimizer, "lr": float(self.lr * self.lr_ratio)}}
 
     def adapter_kwargs(self) -> dict[str, Any]:
         """Rank r_G with alpha = 16, i.e. s = 16 / r_G (App. B merge scale)."""
@@ -150,7 +168,7 @@ class LoRAA2(Method):
                 raise ConfigError(f"lora-a2: module {prefix.rstrip('.') or '<root>'!r} has rank {A.shape[1]}, "
                                   f"the method was built for rank r_G = {self.rank}")
             self.modules[prefix] = (a, b)
-        ranks = self.client_ranks or [self.rank] * self.n_clients
+        ranks = self.client_ranks or [self.client_rank or self.rank] * self.n_clients
         if len(ranks) != self.n_clients:
             raise ConfigError(f"lora-a2: client_ranks has {len(ranks)} entries for {self.n_clients} clients")
         self.budgets = [ranks[k] for k in self.replica_clients]  # r_k of each replica

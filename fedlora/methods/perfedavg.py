@@ -79,6 +79,10 @@ class PerFedAvgLoRA(AveragedFactors):
         self.variant, self.delta = variant, float(delta)
         self.optimizer, self.weight_decay = optimizer, float(weight_decay)
 
+    def step_sizes(self) -> dict:
+        """β of the meta step (the optimizer's) and α of the one-step personalisation (plain SGD)."""
+        return {**super().step_sizes(), "inner_lr": {"optimizer": "sgd", "lr": float(self.inner_lr)}}
+
     def bind(self, model, replica_clients, n_clients=None) -> None:
         super().bind(model, replica_clients, n_clients)
         lora = self._names("lora_A", "lora_B")
@@ -105,7 +109,7 @@ class PerFedAvgLoRA(AveragedFactors):
     def meta_direction(self, objective: Objective, sample: Sampler) -> list[torch.Tensor]:
         """h for every replica (list aligned with ``x_names``); the parameters are not modified."""
         x = [self.params[n].detach() for n in self.x_names]
-        a = self.inner_lr
+        a = self.inner_lr * self.lr_factor
         g_in = self._loss_grad(objective, x, sample())                       # ∇f(x; D)
         x_tilde = [xi - a * gi for xi, gi in zip(x, g_in)]                   # one SGD step
         g = self._loss_grad(objective, x_tilde, sample())                    # ∇f(x̃; D′)

@@ -31,6 +31,9 @@ __all__ = ["PF2LoRA"]
 class PF2LoRA(AveragedFactors):
     name = "pf2lora"
     needs_client_adapter = True
+    lr_option, optimizer_option = "upper_lr", "upper_optimizer"
+    #: §6.1.1 / Table 5: SGD on the client adapter at the common adapter's step (1e-3 on GLUE)
+    llm_options = {"lower_lr": 1e-3}
 
     def __init__(self, upper_lr: float = 5e-3, lower_lr: float = 2e-3, upper_optimizer: str = "adamw",
                  rank: int = 8, client_rank: int = 2,
@@ -60,6 +63,10 @@ class PF2LoRA(AveragedFactors):
         self.upper_lr, self.lower_lr = upper_lr, lower_lr
         self.upper_optimizer, self.weight_decay = upper_optimizer, weight_decay
         self.hypergradient, self.batches, self.fd_eps = hypergradient, batches, fd_eps
+
+    def step_sizes(self) -> dict:
+        """The upper level's (common adapter, AdamW/SGD) and the lower level's α (client adapter, SGD)."""
+        return {**super().step_sizes(), "lower_lr": {"optimizer": "sgd", "lr": float(self.lower_lr)}}
 
     @property
     def needs_second_order(self) -> bool:
@@ -99,7 +106,7 @@ class PF2LoRA(AveragedFactors):
 
         h, y_plus = bilevel_direction(
             F, [self.params[n] for n in self.x_names], [self.params[n] for n in self.y_names],
-            self.lower_lr, [sample() for _ in range(self.batches)], self.hypergradient, self.fd_eps,
+            self.lower_lr * self.lr_factor, [sample() for _ in range(self.batches)], self.hypergradient, self.fd_eps,
             per_replica=self.params[self.x_names[0]].dim() == 3)
         with torch.no_grad():
             for n, v in zip(self.y_names, y_plus):

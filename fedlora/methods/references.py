@@ -37,6 +37,7 @@ class Centralized(FactorLoRA):
     client_weights (w_k ∝ n_k, one per client; default uniform — pass the federation's)."""
 
     name = "centralized"
+    pooled_data = True
     head_modes = ("frozen", "shared")  # one model: its head is the one head
 
     def __init__(self, rank: int = 8, lr: float = 5e-4, optimizer: str = "adamw", weight_decay: float = 0.0,
