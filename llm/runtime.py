@@ -50,6 +50,7 @@ from fedlora.simulator import DownloadLedger, Federation
 from fedlora.state import ClientStore, record_nbytes
 
 from .config import MAIN_LR, MAIN_RANK, RunConfig
+from .dropout import install_client_dropout
 from .inject import SlotLoRALinear, head_linear_names, inject_adapters, make_head_trainable, match_targets, set_slots
 
 __all__ = ["FederatedRun", "ClientSampler", "run"]
@@ -182,7 +183,7 @@ class FederatedRun:
         if hasattr(self.method, "shared_base"):
             self.method.shared_base = True  # FLoRA: one base for all clients, merged server-side
         self.model.to(device=self.device)
-        self.model.train(mc.dropout)  # dropout off (eval mode) unless asked for
+        self.dropout = install_client_dropout(self.model, mc.dropout, mc.max_length, self.device)  # eval mode
         self._lora_layers = [m for m in self.model.modules() if isinstance(m, SlotLoRALinear)]
         if hasattr(self.method, "output_fn"):
             self.method.output_fn = self._logits_fn  # H²Tune's eq. 7 needs the logits
@@ -205,7 +206,8 @@ class FederatedRun:
                 self.server = {k: v.detach().cpu().clone() for k, v in self.method.initial_server_state(0).items()}
             for i, k in enumerate(chunk):
                 sampler = ClientSampler(self.sizes[k], _seed_of(cfg.seed, "sampler", k))
-                self.store.put(k, {**self.method.replica_state(i), **sampler.state()}, copy=False)
+                self.store.put(k, {**self.method.replica_state(i), **sampler.state(),
+                                   **self.dropout.initial_state(_seed_of(cfg.seed, "dropout", k))}, copy=False)
         self.initial_record = self.store.get(0)
         self.ledger = DownloadLedger(self.K_train, self.server)
         self.increments: dict[int, int] = {}  # FLoRA: round → bytes of the stack every client must merge
@@ -352,10 +354,12 @@ class FederatedRun:
             rec = self.store.get(k)
             samplers.append(ClientSampler.from_state(self.sizes[k], rec))
             self._load_record(i, rec)
+            self.dropout.load(i, rec)
         return samplers
 
     def _store(self, slot: int, client: int, sampler: ClientSampler) -> None:
-        self.store.put(client, {**self.method.replica_state(slot), **sampler.state()}, copy=False)
+        self.store.put(client, {**self.method.replica_state(slot), **sampler.state(), **self.dropout.state(slot)},
+                       copy=False)
 
     def _sync(self, slot: int, client: int, rnd: int, count: bool) -> int:
         """Download into ``slot`` what ``client`` lacks of the server's state; returns the bytes."""
@@ -391,6 +395,7 @@ class FederatedRun:
         """One pass of round ``rnd``: ``clients[p]`` in slot p — load, synchronise, the round's local
         steps, upload, store. Fills ``payloads``, ``bytes_down``, ``train_loss`` (and ``ranks``) per client."""
         I = self.cfg.train.local_steps
+        self.model.train(self.cfg.model.dropout)  # each client's own masks (llm.dropout)
         self._bind(clients)
         samplers = self._load(clients)
         for i, k in enumerate(clients):
@@ -480,6 +485,7 @@ class FederatedRun:
         from .metrics import aggregate_client_metrics
 
         K, m = self.cfg.federation.clients, self.method
+        self.model.eval()  # no dropout
         per_client: dict[int, dict[str, dict[str, float]]] = {}
         y_train = np.asarray(self.train_data.labels)
         y_test = np.asarray(self.test_data.labels)
