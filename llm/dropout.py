@@ -23,8 +23,8 @@ Dropout sites (transformers 5: BERT, RoBERTa, MiniLM (a BERT), GPT-2 and any mod
   the model is switched to the attention implementation ``fedlora_slot_eager`` registered here: the
   eager softmax(QKᵀ·s + mask)·V with the probabilities' dropout drawn per slot, the same formula as
   transformers' eager attention (which has second derivatives: PF2LoRA's hypergradient works).
-  A model that cannot switch its attention implementation is refused (``ConfigError``): its attention
-  dropout could not be made per-client.
+  A HF model that cannot switch its attention implementation is refused (``ConfigError``): its
+  attention dropout could not be made per-client. (A plain ``nn.Module`` gets the module swap only.)
 
 Evaluation runs the model in eval mode: no site draws anything (``training`` is False).
 """

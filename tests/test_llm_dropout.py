@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch import nn
 
+from fedlora.methods import available_methods
 from fedlora.state import record_from_bytes, record_to_bytes
 from llm.dropout import ATTENTION, KEY, ClientDropout, SlotDropout, install_client_dropout
 from llm.runtime import FederatedRun
@@ -202,6 +203,19 @@ def test_dropout_generator_resumes_from_the_client_record(tmp_path):
     one.run_round(0)
     for k in range(3):
         assert _equal_records(two.store.get(k), one.store.get(k)), k
+
+
+@pytest.mark.parametrize("method", available_methods())
+def test_every_method_trains_with_per_client_dropout(tmp_path, method):
+    """Each method's round (LoRA-A²'s end-of-round steps, H²Tune's logits, FLoRA's merges, Centralized's
+    one model) runs with dropout on; the participants' generators advance, the others' stay."""
+    run = FederatedRun(tiny_config(tmp_path, method, **ON), write=False).prepare()
+    before = [run.store.get(k)[KEY] for k in range(run.K_train)]
+    rec = run.run_round(0)
+    for k in range(run.K_train):
+        assert torch.equal(run.store.get(k)[KEY], before[k]) == (k not in rec["participants"]), k
+    assert all(v == v for v in rec["train_loss"].values())  # not NaN
+    run.evaluate(0)
 
 
 def test_evaluation_is_deterministic_and_dropout_free(tmp_path):
