@@ -161,21 +161,28 @@ def test_local_epochs_give_each_client_its_own_step_count(tmp_path):
     assert run.steps == [math.ceil(1.5 * n / 8) for n in run.sizes] and len(set(run.steps)) == 2
 
 
-@pytest.mark.parametrize("name", ["fedavg", "pf2lora", "hetlora"])
-def test_a_client_that_finishes_early_keeps_the_state_of_its_own_last_step(tmp_path, name):
+@pytest.mark.parametrize("name,dropout", [("fedavg", False), ("pf2lora", False), ("hetlora", False),
+                                          ("fedavg", True)])
+def test_a_client_that_finishes_early_keeps_the_state_of_its_own_last_step(tmp_path, name, dropout):
     """Its record after a pass with a longer client equals, bit for bit, the record after a pass that
     stops at its own step count with the same pass-mate (so it trained exactly its own steps, its
-    optimizer's step count untouched afterwards), and its loss counts only its own steps."""
-    a = FederatedRun(_epochs_config(tmp_path / "a", name, local_epochs=1.0), write=False).prepare()
+    optimizer's step count untouched afterwards; with dropout, its generator too), and its loss counts
+    only its own steps."""
+    def config(path, **train):
+        cfg = _epochs_config(path, name, **train)
+        cfg.model.dropout = dropout
+        return cfg
+
+    a = FederatedRun(config(tmp_path / "a", local_epochs=1.0), write=False).prepare()
     short = min(range(2), key=lambda k: a.steps[k])
     n_short = a.steps[short]
     assert n_short < a.steps[1 - short]
-    b = FederatedRun(_epochs_config(tmp_path / "b", name, local_steps=n_short), write=False).prepare()
+    b = FederatedRun(config(tmp_path / "b", local_steps=n_short), write=False).prepare()
     rec = {}
     for run in (a, b):
         rec[run] = run.run_round(0)
     ra, rb = a.store.get(short), b.store.get(short)
-    assert ra.keys() == rb.keys()
+    assert ra.keys() == rb.keys() and (("sampler:dropout" in ra) == dropout)
     for key in ra:
         assert torch.equal(ra[key], rb[key]), key
     steps = [v for k, v in ra.items() if k.startswith("optim:") and k.endswith(":step")]
