@@ -105,11 +105,17 @@ def _add_command(sub: argparse._SubParsersAction, ep: metadata.EntryPoint) -> st
     return None
 
 
-def _build_parser() -> _Parser:
+def _build_parser(command: str | None = None) -> _Parser:
+    """The ``fedlora`` parser with every discovered command; with ``command`` (the first argument) naming
+    one, with that one only: running a command loads no other plugin (``fedlora synthetic …`` does not
+    import the LLM layer, and a broken plugin costs nothing to the commands it does not provide)."""
     p = _Parser(prog="fedlora", description="Federated LoRA fine-tuning research toolkit.")
     sub = p.add_subparsers(dest="group", required=True, parser_class=_Parser)
     p.unavailable = {}
-    for ep in command_entry_points():
+    eps = command_entry_points()
+    if any(ep.name == command for ep in eps):
+        eps = [ep for ep in eps if ep.name == command]
+    for ep in eps:
         why = _add_command(sub, ep)
         if why is None:
             continue
@@ -123,7 +129,7 @@ def _build_parser() -> _Parser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        parser = _build_parser()
+        parser = _build_parser(argv[0] if argv else None)
         if argv and argv[0] in parser.unavailable:
             raise ConfigError(parser.unavailable[argv[0]])
         args = parser.parse_args(argv)
