@@ -167,6 +167,23 @@ def test_the_command_as_users_start_it(launcher, tmp_path):
     assert (r.returncode, r.stderr) == (2, "fedlora: error: --seeds: must be an integer ≥ 1, got 0\n")
 
 
+SNIPPETS = {  # what a fresh interpreter must not have imported after running the snippet
+    "a command loads only its own layer": (
+        "rc = main(['synthetic', 'tune', '--seeds', '0', '--out', OUT]); assert rc == 2", ("llm",)),
+    "the command list loads no layer's runtime": ("_build_parser()", ("torch", "llm.runtime", "synthetic.runner")),
+}
+
+
+@pytest.mark.parametrize("case", list(SNIPPETS))
+def test_what_the_command_imports(case, tmp_path):
+    snippet, absent = SNIPPETS[case]
+    code = (f"import sys\nfrom fedlora.cli import _build_parser, main\nOUT = {str(tmp_path / 'o')!r}\n{snippet}\n"
+            f"print(sorted(m for m in sys.modules if any(m == a or m.startswith(a + '.') for a in {absent!r})))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout
+
+
 # ---------------------------------------------------------------------------------------------
 # other packages' commands, and broken plugins
 
@@ -243,6 +260,7 @@ def test_a_broken_plugin_is_one_line_naming_it(plugins, capsys, name, why):
 
 def test_a_broken_plugin_leaves_every_other_command_working(plugins, tmp_path, capsys):
     assert main(["run", "--list-configs"]) == 0 and "tiny-smoke" in capsys.readouterr().out
+    assert "fake_fedlora_plugins_broken" not in sys.modules  # running a command loads no other plugin
     assert main(["synthetic", "tune", "--seeds", "0", "--out", str(tmp_path / "o")]) == 2
     assert capsys.readouterr().err == "fedlora: error: --seeds: must be an integer ≥ 1, got 0\n"
     for path in (["synthetic"], ["synthetic", "compare"], ["run"], ["export"], ["hello"]):
