@@ -225,7 +225,8 @@ def plugins(tmp_path, monkeypatch):
     site = tmp_path / "site"
     _install_fake_dist(site, "fake-fedlora-plugins", ENTRY_POINTS)
     (site / "fake_fedlora_plugins.py").write_text(PLUGINS)
-    (site / "fake_fedlora_plugins_broken.py").write_text("import no_such_module_for_fedlora_tests\n")
+    # the broken one imports its sibling first: a failed import leaves no trace in sys.modules, the sibling does
+    (site / "fake_fedlora_plugins_broken.py").write_text("import fake_fedlora_plugins\nimport no_such_module_for_fedlora_tests\n")
     monkeypatch.syspath_prepend(str(site))
     for mod in ("fake_fedlora_plugins", "fake_fedlora_plugins_broken"):
         monkeypatch.delitem(sys.modules, mod, raising=False)
@@ -260,7 +261,7 @@ def test_a_broken_plugin_is_one_line_naming_it(plugins, capsys, name, why):
 
 def test_a_broken_plugin_leaves_every_other_command_working(plugins, tmp_path, capsys):
     assert main(["run", "--list-configs"]) == 0 and "tiny-smoke" in capsys.readouterr().out
-    assert "fake_fedlora_plugins_broken" not in sys.modules  # running a command loads no other plugin
+    assert "fake_fedlora_plugins" not in sys.modules  # running a command loads no other plugin
     assert main(["synthetic", "tune", "--seeds", "0", "--out", str(tmp_path / "o")]) == 2
     assert capsys.readouterr().err == "fedlora: error: --seeds: must be an integer ≥ 1, got 0\n"
     for path in (["synthetic"], ["synthetic", "compare"], ["run"], ["export"], ["hello"]):
