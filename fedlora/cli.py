@@ -1,4 +1,4 @@
-"""The ``fedlora`` command line.
+"""The ``fedlora`` command line: a thin dispatcher that finds its subcommands in the layers above it.
 
     fedlora synthetic rank-recovery [--preset paper|tuned] [--ground-truth …] [--seeds N] [--out DIR]
     fedlora synthetic bilevel-convergence [--steps T] [--seed S] [--out DIR]
@@ -7,328 +7,136 @@
     fedlora run CONFIG [--set key=value …] [--out DIR] [--dry-run] [--list-configs]
     fedlora export RUN_DIR --client K --out DIR [--format peft|merged]
 
-Bad input exits with status 2 and one line ``fedlora: error: --flag: what is allowed`` — no traceback.
-Every command checks its output folder with ``check_output_dir`` before any work (new commands too).
+The core imports nothing from the layers built on it (``synthetic``, ``llm``): each layer owns its
+commands (``synthetic/cli.py``, ``llm/cli.py``), and this module discovers them through the
+entry-point group ``fedlora.commands`` (pyproject.toml). An entry point is named after the command it
+adds and names a ``register(subparsers)`` callable, which adds that command with
+``subparsers.add_parser(NAME, …)`` and gives every runnable (sub)command a handler with
+``set_defaults(handler=fn)``, ``fn(args) -> int`` (the exit status). Any installed package can add a
+command the same way. Without the package's metadata (a source checkout that was never installed, or
+an install older than the entry points) the built-in commands come from ``BUILTIN_COMMANDS``.
+
+A plugin that fails to load costs only its own command: the others work, ``fedlora --help`` marks it
+unavailable, and running it prints one line naming the plugin and why (exit status 2).
+
+Bad input exits with status 2 and one line ``fedlora: error: --flag: what is allowed`` — no traceback:
+handlers raise ``ConfigError``. Every command checks its output folder with ``check_output_dir`` before
+any work (new commands too).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from typing import Any, Sequence
+from importlib import metadata
+from typing import Sequence
 
 from .errors import ConfigError
-from .io import check_output_dir, read_table_file, write_json_atomic  # noqa: F401  (public here too)
+from .io import check_output_dir, read_table_file, write_json_atomic  # noqa: F401  (the commands' helpers)
+
+#: the entry-point group a package declares its ``fedlora`` subcommands in
+COMMANDS_GROUP = "fedlora.commands"
+
+#: the built-in commands, in the order ``fedlora --help`` lists them: name → ``module:register``.
+#: Must equal pyproject.toml's ``[project.entry-points."fedlora.commands"]`` (tests/test_cli_layering.py).
+BUILTIN_COMMANDS: dict[str, str] = {
+    "synthetic": "synthetic.cli:register",
+    "run": "llm.cli:register_run",
+    "export": "llm.cli:register_export",
+}
+
+#: the exit status of bad input (``ConfigError``) and of an unavailable command
+EXIT_USAGE = 2
+
+_DIST = "fedlora"
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, no usage dump
+    """The parser class of every (sub)command: its errors are one line, no usage dump.
+    ``unavailable``: command name → why it cannot run (its plugin failed to load)."""
+
+    unavailable: dict[str, str]
+
+    def error(self, message: str) -> None:
         raise ConfigError(message)
 
 
-def _ints(text: str) -> tuple[int, ...]:
+def _dist_name(ep: metadata.EntryPoint) -> str | None:
+    dist = getattr(ep, "dist", None)
+    name = getattr(dist, "name", None) if dist is not None else None
+    return name.lower().replace("_", "-") if name else None
+
+
+def command_entry_points() -> list[metadata.EntryPoint]:
+    """The ``fedlora.commands`` entry points, in help order: the core's own (the built-ins, in
+    ``BUILTIN_COMMANDS`` order) and then every other package's, by name. Without the core's own in
+    the metadata (not installed, or installed before the group existed) the built-ins come from
+    ``BUILTIN_COMMANDS``. A name that is already taken — a built-in, or a second package's — is skipped."""
+    eps = list(metadata.entry_points(group=COMMANDS_GROUP))
+    own = [ep for ep in eps if _dist_name(ep) == _DIST]
+    if not own:
+        own = [metadata.EntryPoint(name, value, COMMANDS_GROUP) for name, value in BUILTIN_COMMANDS.items()]
+    order = list(BUILTIN_COMMANDS)
+    own.sort(key=lambda ep: (order.index(ep.name) if ep.name in order else len(order), ep.name))
+    chosen: dict[str, metadata.EntryPoint] = {}
+    for ep in own + sorted((ep for ep in eps if _dist_name(ep) != _DIST), key=lambda ep: ep.name):
+        chosen.setdefault(ep.name, ep)
+    return list(chosen.values())
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
+def _add_command(sub: argparse._SubParsersAction, ep: metadata.EntryPoint) -> str | None:
+    """Load ``ep`` and let it add its command; on failure, the one-line reason (and nothing raised)."""
+    dist = _dist_name(ep)
+    plugin = f"plugin {ep.value!r}" + (f" (package {dist})" if dist else "")
     try:
-        return tuple(int(t) for t in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
-def _floats(text: str) -> tuple[float, ...]:
+        register = ep.load()
+    except Exception as e:
+        return f"command {ep.name!r} is unavailable: its {plugin} failed to load: {_first_line(e)}"
     try:
-        return tuple(float(t) for t in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+        register(sub)
+    except Exception as e:
+        return f"command {ep.name!r} is unavailable: its {plugin} failed to register it: {_first_line(e)}"
+    if ep.name not in sub.choices:
+        return f"command {ep.name!r} is unavailable: its {plugin} did not add a command of that name"
+    return None
 
 
-def _load_config_file(path: str) -> dict[str, Any]:
-    """A synthetic command's --config file → options (dashes → underscores, lists → tuples)."""
-    data = read_table_file(path, "--config")
-    return {k.replace("-", "_"): (tuple(v) if isinstance(v, list) else v) for k, v in data.items()}
-
-
-# flag name → (type, help); every flag defaults to None so that only what the user gave overrides
-_RR_FLAGS: dict[str, tuple[Any, str]] = {
-    "ground-truth": (str, "independent (the paper's W_k* = A_k*B_k*) or shared-private (W_k* = S + P_k)"),
-    "seeds": (int, "number of seeds (independent federations), seeds offset…offset+N−1 (default 1)"),
-    "seed-offset": (int, "first seed (default 0)"),
-    "methods": (lambda s: tuple(s.split(",")), "comma-separated subset of pf2lora,hetlora"),
-    "steps": (int, "total local steps T (paper: 2000)"),
-    "interval": (int, "local steps per round I (paper: 10)"),
-    "rank": (int, "PF2LoRA common rank r (paper: 4)"),
-    "client-rank": (int, "PF2LoRA client rank r̃ < r (paper: 2)"),
-    "upper-lr": (float, "PF2LoRA upper-level (common adapter) step size"),
-    "lower-lr": (float, "PF2LoRA lower-level (client adapter) SGD step size"),
-    "upper-optimizer": (str, "adamw (default) or sgd"),
-    "hypergradient": (str, "exact (default), finite-difference, or none (the 'without bilevel' ablation)"),
-    "het-lr": (float, "HetLoRA SGD step size"),
-    "het-r-min": (int, "HetLoRA r_min (paper: 1)"),
-    "het-r-max": (int, "HetLoRA r_max (paper: 12)"),
-    "het-initial-ranks": (_ints, "HetLoRA initial client ranks, comma-separated (paper: 2,10)"),
-    "het-penalty": (float, "HetLoRA tail penalty λ (paper: 0.1)"),
-    "het-gamma": (float, "HetLoRA γ: penalise and prune ranks ≥ ⌊γ r_k⌋ (paper's 'last 30 %%': 0.7)"),
-    "true-ranks": (_ints, "true ranks per client, comma-separated (default 3,4)"),
-    "shared-rank": (int, "shared-private: rank of the shared part S (default 2)"),
-    "noise-std": (_floats, "noise standard deviation per client (default 0.1,0.2)"),
-    "dim": (int, "d_in = d_out (default 10)"),
-    "n-samples": (int, "samples per client (default 1000)"),
-    "n-train": (int, "training samples per client (default 700)"),
-    "batch-size": (int, "0 = full batch (default), else minibatch size"),
-    "rank-tol": (float, "numerical rank: count σ_i > tol·σ_1 (default 0.02)"),
-    "upper-schedule": (str, "PF2LoRA upper-level step: constant (paper) or cosine (decay to 0 over --steps)"),
-    "jobs": (int, "worker processes for the methods (0 = one per method up to the CPU count; 1 = none)"),
-}
-
-
-# `synthetic compare`: flag name → (type, help); None default = not given (config file / defaults apply)
-_CMP_FLAGS: dict[str, tuple[Any, str]] = {
-    "methods": (lambda s: tuple(m for m in s.split(",") if m), "comma-separated methods (default: every registered one)"),
-    "heterogeneity": (_floats, "comma-separated h values of W_k* = S + h·P_k (default 0,0.5,1)"),
-    "seeds": (int, "number of seeds (default 3)"),
-    "seed-offset": (int, "first seed (default 0)"),
-    "rounds": (int, "communication rounds R (default 30)"),
-    "local-steps": (int, "local steps per round I (default 5)"),
-    "clients": (int, "clients per federation M (default 4)"),
-    "dim": (int, "input dimension d_in (= d_out for regression; default 10)"),
-    "classes": (int, "classes C of the classification task (default 6)"),
-    "rank": (int, "common LoRA rank r of every method (default 4)"),
-    "lr-grid": (_floats, "common step-size grid (default 0.001,0.003,0.01,0.03,0.1,0.3)"),
-    "shared-rank": (int, "rank of the shared part S (default 2)"),
-    "private-rank": (int, "rank of each private part P_k (default 2)"),
-    "n-train": (_ints, "training samples per client, comma-separated (default 75,100,125,…)"),
-    "n-test": (int, "test samples per client (default 500)"),
-    "val-fraction": (float, "share of each client's training data held out to choose the step size (default 0.2)"),
-    "noise-std": (float, "regression noise standard deviation (default 0.5)"),
-    "sample-fraction": (float, "share of clients drawn each round, in (0, 1] (default 1: all)"),
-    "rank-tol": (float, "numerical rank: count σ_i > tol·σ_1 (default 0.02)"),
-}
-
-
-def _build_parser() -> argparse.ArgumentParser:
+def _build_parser(command: str | None = None) -> _Parser:
+    """The ``fedlora`` parser with every discovered command; with ``command`` (the first argument) naming
+    one, with that one only: running a command loads no other plugin (``fedlora synthetic …`` does not
+    import the LLM layer, and a broken plugin costs nothing to the commands it does not provide)."""
     p = _Parser(prog="fedlora", description="Federated LoRA fine-tuning research toolkit.")
     sub = p.add_subparsers(dest="group", required=True, parser_class=_Parser)
-    syn = sub.add_parser("synthetic", help="the reduced-rank-regression testbed")
-    ssub = syn.add_subparsers(dest="experiment", required=True, parser_class=_Parser)
-
-    rr = ssub.add_parser("rank-recovery", help="PF2LoRA vs HetLoRA rank recovery (paper §5, Fig. 2)")
-    rr.add_argument("--preset", default="paper", help="paper (App. C, default) or tuned (our grid)")
-    rr.add_argument("--config", help="TOML/YAML/JSON file of options (flags override it)")
-    rr.add_argument("--out", default="runs/rank-recovery", help="output folder (default runs/rank-recovery)")
-    rr.add_argument("--no-plot", action="store_true", help="skip the PNG figure")
-    for flag, (typ, help_) in _RR_FLAGS.items():
-        rr.add_argument(f"--{flag}", type=typ, default=None, help=help_)
-
-    bc = ssub.add_parser("bilevel-convergence", help="single-loop bilevel rate and Lemma A.5 bias (paper §7)")
-    bc.add_argument("--steps", type=int, default=None, help="T, the longest horizon (default 10000)")
-    bc.add_argument("--seed", type=int, default=None, help="problem seed (default 0)")
-    bc.add_argument("--hypergradient", default=None, help="exact (default) or finite-difference")
-    bc.add_argument("--out", default="runs/bilevel-convergence", help="output folder")
-    bc.add_argument("--no-plot", action="store_true", help="skip the PNG figure")
-
-    tu = ssub.add_parser("tune", help="the step-size grid behind --preset tuned")
-    tu.add_argument("--ground-truth", default="shared-private")
-    tu.add_argument("--seeds", type=int, default=5, help="held-out seeds used for selection (default 5)")
-    tu.add_argument("--seed-offset", type=int, default=100, help="first held-out seed (default 100)")
-    tu.add_argument("--out", default="runs/tune", help="output folder")
-
-    cm = ssub.add_parser("compare", help="every method on M heterogeneous clients over a heterogeneity sweep")
-    cm.add_argument("--task", default=None, help="regression, classification or both (default both)")
-    cm.add_argument("--config", help="TOML/YAML/JSON file of options, incl. method_options (flags override it)")
-    cm.add_argument("--out", default="runs/compare", help="output folder (default runs/compare)")
-    cm.add_argument("--no-plot", action="store_true", help="skip the PNG figure")
-    for flag, (typ, help_) in _CMP_FLAGS.items():
-        cm.add_argument(f"--{flag}", type=typ, default=None, help=help_)
-
-    run = sub.add_parser("run", help="federated LoRA fine-tuning of a HuggingFace model (one config file)",
-                         description="Federate a HF classifier with any method: `fedlora run CONFIG [--set key=value …]`. "
-                                     "CONFIG is a YAML/TOML/JSON file or the name of a bundled one "
-                                     "(--list-configs); every field is described in llm/config.py and the README.")
-    run.add_argument("config", nargs="?", help="config file, or a bundled config's name (e.g. minilm-debian)")
-    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a field, e.g. --set train.rounds=5 --set method.name=rolora (repeatable)")
-    run.add_argument("--out", default=None, help="output folder (overrides output_dir)")
-    run.add_argument("--dry-run", action="store_true", help="validate and print the resolved config; train nothing")
-    run.add_argument("--list-configs", action="store_true", help="list the bundled configs and exit")
-    run.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-    ex = sub.add_parser("export", help="export a client's model of a finished run (PEFT adapter or merged model)")
-    ex.add_argument("run_dir", help="the run's output folder (holds config.json and adapters/)")
-    ex.add_argument("--client", type=int, default=0, help="client index (default 0)")
-    ex.add_argument("--out", required=True, help="output folder")
-    ex.add_argument("--format", default="peft", choices=("peft", "merged"), help="peft (a LoRA adapter PEFT loads, default) or merged "
-                                                     "(the base model with the adapter merged, save_pretrained)")
+    p.unavailable = {}
+    eps = command_entry_points()
+    if any(ep.name == command for ep in eps):
+        eps = [ep for ep in eps if ep.name == command]
+    for ep in eps:
+        why = _add_command(sub, ep)
+        if why is None:
+            continue
+        p.unavailable[ep.name] = why
+        if ep.name not in sub.choices:  # listed in --help as unavailable; main() says why when it is run
+            note = f"unavailable: its plugin failed to load (`fedlora {ep.name}` says why)"
+            sub.add_parser(ep.name, add_help=False, help=note.replace("%", "%%"))
     return p
 
 
-def _print_rank_recovery(result: dict[str, Any]) -> None:
-    print(f"{'method':8} {'client':>6} {'true':>4} {'rank90':>14} {'num.rank':>14} "
-          f"{'test MSE (mean±std)':>22} {'oracle':>8} {'best reachable':>14} {'test/oracle':>12}")
-    for s in result["summary"]:
-        print(f"{s['method']:8} {s['client']:>6} {s['true_rank']:>4} {','.join(map(str, s['rank90'])):>14} "
-              f"{','.join(map(str, s['numerical_rank'])):>14} "
-              f"{s['test_mse_mean']:>11.4g} ± {s['test_mse_std']:<8.2g} {s['oracle_mse_mean']:>8.4g} "
-              f"{s['best_attainable_mse_mean']:>14.4g} {s['test_over_oracle_min']:>5.3g}–{s['test_over_oracle_max']:<6.3g}")
-
-
-def _cmd_rank_recovery(args: argparse.Namespace) -> int:
-    from synthetic.plots import plot_rank_recovery
-    from synthetic.rank_recovery import RankRecoveryConfig, run_rank_recovery
-
-    options = _load_config_file(args.config) if args.config else {}
-    preset = options.pop("preset", None) or args.preset
-    if args.preset != "paper":
-        preset = args.preset
-    for flag in _RR_FLAGS:
-        val = getattr(args, flag.replace("-", "_"))
-        if val is not None:
-            options[flag.replace("-", "_")] = val
-    cfg = RankRecoveryConfig.from_preset(preset, **options)
-    out = check_output_dir(args.out)
-    result = run_rank_recovery(cfg)
-    write_json_atomic(out / "metrics.json", result)
-    _print_rank_recovery(result)
-    print(f"wrote {out / 'metrics.json'}")
-    if not args.no_plot:
-        print(f"wrote {plot_rank_recovery(result, out / 'rank_recovery.png')}")
-    return 0
-
-
-def _cmd_bilevel(args: argparse.Namespace) -> int:
-    from synthetic.bilevel import BilevelConfig, plot_bilevel_convergence, run_bilevel_convergence
-
-    kw: dict[str, Any] = {}
-    if args.steps is not None:
-        kw["max_steps"] = args.steps
-    if args.seed is not None:
-        kw["seed"] = args.seed
-    if args.hypergradient is not None:
-        kw["hypergradient_mode"] = args.hypergradient
-    cfg = BilevelConfig(**kw)
-    cfg.validate()
-    out = check_output_dir(args.out)
-    result = run_bilevel_convergence(cfg)
-    write_json_atomic(out / "metrics.json", result)
-    fit, checks = result["fit"], result["checks"]
-    k, bias = result["constants"], result["bias_check"]
-    print("constants: " + ", ".join(f"{n} = {v:.4g}" for n, v in k.items() if isinstance(v, (int, float))))
-    print(f"fitted slope of log((1/T) Σ‖∇Φ(x_t)‖²) vs log T over T ∈ [{fit['T_min']}, {fit['T_max']}]: "
-          f"{fit['slope']:.3f}")
-    print(f"hypergradient bias vs Lemma A.5 bound: max ratio {bias['max_ratio_bias_over_bound']}, "
-          f"violations {bias['violations']}")
-    print(f"checks: {checks}")
-    print(f"wrote {out / 'metrics.json'}")
-    if not args.no_plot:
-        plot_bilevel_convergence(result, out / "bilevel_convergence.png")
-        print(f"wrote {out / 'bilevel_convergence.png'}")
-    return 0
-
-
-def _cmd_tune(args: argparse.Namespace) -> int:
-    from synthetic.tune import tune_rank_recovery
-
-    if args.seeds < 1:
-        raise ConfigError(f"--seeds: must be an integer ≥ 1, got {args.seeds}")
-    out = check_output_dir(args.out)
-    result = tune_rank_recovery(args.ground_truth, args.seeds, args.seed_offset)
-    write_json_atomic(out / "tune.json", result)
-    for method, t in result["choice"].items():
-        print(f"{method}: {t}")
-    print(f"wrote {out / 'tune.json'}")
-    return 0
-
-
-def _cmd_compare(args: argparse.Namespace) -> int:
-    from synthetic.compare import CompareConfig, plot_compare, run_compare, to_markdown
-
-    options = _load_config_file(args.config) if args.config else {}
-    task = args.task if args.task is not None else options.pop("task", None)
-    if task is not None:
-        tasks = {"regression": ("regression",), "classification": ("classification",),
-                 "both": ("regression", "classification")}
-        if task not in tasks:
-            raise ConfigError(f"--task: must be regression, classification or both, got {task!r}")
-        options["tasks"] = tasks[task]
-    for flag in _CMP_FLAGS:
-        val = getattr(args, flag.replace("-", "_"))
-        if val is not None:
-            options[flag.replace("-", "_")] = val
-    if isinstance(options.get("methods"), str):
-        options["methods"] = tuple(m for m in options["methods"].split(",") if m)
-    cfg = CompareConfig.from_options(**options)
-    out = check_output_dir(args.out)
-    result = run_compare(cfg)
-    write_json_atomic(out / "compare.json", result)
-    md = to_markdown(result)
-    (out / "compare.md").write_text(md)
-    print(md, end="")
-    print(f"wrote {out / 'compare.json'}, {out / 'compare.md'}")
-    if not args.no_plot:
-        print(f"wrote {plot_compare(result, out / 'compare.png')}")
-    return 0
-
-
-def _cmd_run(args: argparse.Namespace) -> int:
-    from llm.config import bundled_configs, load_config
-
-    if args.list_configs:
-        for name, path in bundled_configs().items():
-            first = next((ln[1:].strip() for ln in path.read_text().splitlines() if ln.startswith("#")), "")
-            print(f"{name:22} {first}")
-        return 0
-    if not args.config:
-        raise ConfigError("run: give a config file or a bundled config's name (fedlora run --list-configs)")
-    # --out is a path, never YAML: quoted, so "123", "yes" or "null" stay folder names
-    overrides = list(args.set) + ([f"output_dir={json.dumps(args.out)}"] if args.out is not None else [])
-    cfg = load_config(args.config, overrides)
-    if args.dry_run:  # the config and the method as the run would build it (bad options fail here)
-        from llm.config import describe_method
-
-        print(json.dumps({**cfg.to_dict(), "resolved": {"method": describe_method(cfg)}}, indent=1))
-        return 0
-    out = check_output_dir(cfg.output_dir, "--out" if args.out is not None else "output_dir")
-    from llm.runtime import FederatedRun
-
-    summary = FederatedRun(cfg, progress=not args.no_progress).run()
-    m = summary["main_metric"]
-    print(f"{summary['method']} on {summary['task']}: {summary['clients']} clients, {summary['rounds']} rounds, "
-          f"{summary['wall_s']:.1f} s")
-    print(f"test {m} (clients' mean): round 0 {summary['round0_test']['mean'][m]:.4f} → "
-          f"final {summary['final_test']['mean'][m]:.4f}  (min {summary['final_test']['min'][m]:.4f}, "
-          f"max {summary['final_test']['max'][m]:.4f}, size-weighted {summary['final_test']['weighted_mean'][m]:.4f})")
-    if "final_global" in summary:
-        print(f"global model test {m}: round 0 {summary['round0_global'][m]:.4f} → final {summary['final_global'][m]:.4f}")
-    print(f"bytes up {summary['bytes_up_total']:,}, down {summary['bytes_down_total']:,}")
-    print(f"wrote {out}/config.json, rounds.jsonl, summary.json, rounds.png, adapters/")
-    return 0
-
-
-def _cmd_export(args: argparse.Namespace) -> int:
-    from llm.export import export_merged, export_peft
-
-    if args.client < 0:
-        raise ConfigError(f"--client: must be an integer ≥ 0, got {args.client}")
-    out = check_output_dir(args.out)
-    path = (export_peft if args.format == "peft" else export_merged)(args.run_dir, args.client, out)
-    print(f"wrote {path} ({args.format}, client {args.client})")
-    return 0
-
-
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        args = _build_parser().parse_args(argv)
-        import torch
-
-        if args.group == "synthetic":
-            # The synthetic problems are tiny: one intra-op thread avoids spin-wait overhead, and keeps
-            # results independent of the core count.
-            torch.set_num_threads(1)
-            handler = {"rank-recovery": _cmd_rank_recovery, "bilevel-convergence": _cmd_bilevel,
-                       "tune": _cmd_tune, "compare": _cmd_compare}[args.experiment]
-        else:
-            handler = {"run": _cmd_run, "export": _cmd_export}[args.group]
-        return handler(args)
+        parser = _build_parser(argv[0] if argv else None)
+        if argv and argv[0] in parser.unavailable:
+            raise ConfigError(parser.unavailable[argv[0]])
+        args = parser.parse_args(argv)
+        return args.handler(args)
     except ConfigError as e:
         print(f"fedlora: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -7,9 +7,32 @@
 * ``llm.data``, ``llm.tasks``, ``llm.metrics`` — text data, client splits, metrics;
 * ``llm.export`` — a client's model as a PEFT adapter or merged into the base weights.
 
-``fedlora run CONFIG`` is the command line of ``run``.
+``fedlora run CONFIG`` is the command line of ``run`` (``llm.cli``).
+
+The names below are imported on first use, so that ``import llm.cli`` — which every ``fedlora`` command
+line does to list its commands — does not pull in torch and the runtime.
 """
-from .config import RunConfig, load_config
-from .runtime import FederatedRun, run
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __all__ = ["RunConfig", "load_config", "FederatedRun", "run"]
+
+_HOME = {"RunConfig": "config", "load_config": "config", "FederatedRun": "runtime", "run": "runtime"}
+
+if TYPE_CHECKING:
+    from .config import RunConfig, load_config
+    from .runtime import FederatedRun, run
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_HOME[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -54,13 +54,11 @@ def test_out_is_a_folder_name_never_yaml(name, tmp_path, monkeypatch, capsys):
 
 
 def test_python_entry_point_takes_a_bundled_name(tmp_path):
-    import fedlora.llm
-    import llm.runtime
+    import llm
 
-    for entry in (fedlora.llm.run, llm.runtime.run):
-        out = tmp_path / entry.__module__
-        s = entry("tiny-smoke", [f"output_dir={json.dumps(str(out))}", "train.rounds=1", "train.local_steps=1"])
-        assert s["rounds"] == 1 and (out / "summary.json").is_file()
+    out = tmp_path / "o"
+    s = llm.run("tiny-smoke", [f"output_dir={json.dumps(str(out))}", "train.rounds=1", "train.local_steps=1"])
+    assert s["rounds"] == 1 and (out / "summary.json").is_file()
 
 
 def test_dry_run_validates_and_writes_nothing(tmp_path, capsys):
@@ -75,7 +73,7 @@ def test_dry_run_validates_and_writes_nothing(tmp_path, capsys):
 
 
 def test_own_yaml_and_toml_files_and_the_python_entry_point(tmp_path):
-    import fedlora.llm
+    import llm
 
     yaml_cfg = tmp_path / "run.yaml"
     yaml_cfg.write_text(f"""
@@ -110,8 +108,8 @@ rounds = 1
 local_steps = 1
 batch_size = 2
 """)
-    a = fedlora.llm.run(str(yaml_cfg))
-    b = fedlora.llm.run(str(toml_cfg))
+    a = llm.run(str(yaml_cfg))
+    b = llm.run(str(toml_cfg))
     assert a["final_test"] == b["final_test"] and a["method"] == "rolora"  # same run, two formats, same numbers
     assert (tmp_path / "y" / "summary.json").is_file() and (tmp_path / "t" / "summary.json").is_file()
 

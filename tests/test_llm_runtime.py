@@ -220,7 +220,7 @@ def _records_without_timing(path):
 def test_same_seed_same_numbers_other_seed_other_numbers(tmp_path):
     """Reproducible on CPU: one seed gives the same round records (losses, metrics, bytes, ranks) to
     the last bit, whatever the output folder; another seed changes the split, the init and the batches."""
-    from fedlora.llm import run
+    from llm import run
 
     rows = {}
     for name, seed in (("a", 0), ("b", 0), ("c", 1)):

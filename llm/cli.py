@@ -1,0 +1,85 @@
+"""``fedlora run`` and ``fedlora export``: the LLM layer's commands. The ``fedlora`` dispatcher finds
+``register_run`` and ``register_export`` through the entry points ``run`` and ``export`` of the group
+``fedlora.commands`` (fedlora/cli.py says how)."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from fedlora.cli import check_output_dir
+from fedlora.errors import ConfigError
+
+
+def register_run(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``run`` (federate a HF model from one config file) to the ``fedlora`` command's subparsers."""
+    run = subparsers.add_parser(
+        "run", help="federated LoRA fine-tuning of a HuggingFace model (one config file)",
+        description="Federate a HF classifier with any method: `fedlora run CONFIG [--set key=value …]`. "
+                    "CONFIG is a YAML/TOML/JSON file or the name of a bundled one "
+                    "(--list-configs); every field is described in llm/config.py and the README.")
+    run.add_argument("config", nargs="?", help="config file, or a bundled config's name (e.g. minilm-debian)")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a field, e.g. --set train.rounds=5 --set method.name=rolora (repeatable)")
+    run.add_argument("--out", default=None, help="output folder (overrides output_dir)")
+    run.add_argument("--dry-run", action="store_true", help="validate and print the resolved config; train nothing")
+    run.add_argument("--list-configs", action="store_true", help="list the bundled configs and exit")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.set_defaults(handler=_cmd_run)
+
+
+def register_export(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``export`` (a client's model of a finished run as a PEFT adapter or merged model)."""
+    ex = subparsers.add_parser("export", help="export a client's model of a finished run (PEFT adapter or merged model)")
+    ex.add_argument("run_dir", help="the run's output folder (holds config.json and adapters/)")
+    ex.add_argument("--client", type=int, default=0, help="client index (default 0)")
+    ex.add_argument("--out", required=True, help="output folder")
+    ex.add_argument("--format", default="peft", choices=("peft", "merged"),
+                    help="peft (a LoRA adapter PEFT loads, default) or merged "
+                         "(the base model with the adapter merged, save_pretrained)")
+    ex.set_defaults(handler=_cmd_export)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from llm.config import bundled_configs, load_config
+
+    if args.list_configs:
+        for name, path in bundled_configs().items():
+            first = next((ln[1:].strip() for ln in path.read_text().splitlines() if ln.startswith("#")), "")
+            print(f"{name:22} {first}")
+        return 0
+    if not args.config:
+        raise ConfigError("run: give a config file or a bundled config's name (fedlora run --list-configs)")
+    # --out is a path, never YAML: quoted, so "123", "yes" or "null" stay folder names
+    overrides = list(args.set) + ([f"output_dir={json.dumps(args.out)}"] if args.out is not None else [])
+    cfg = load_config(args.config, overrides)
+    if args.dry_run:  # the config and the method as the run would build it (bad options fail here)
+        from .config import describe_method
+
+        print(json.dumps({**cfg.to_dict(), "resolved": {"method": describe_method(cfg)}}, indent=1))
+        return 0
+    out = check_output_dir(cfg.output_dir, "--out" if args.out is not None else "output_dir")
+    from llm.runtime import FederatedRun
+
+    summary = FederatedRun(cfg, progress=not args.no_progress).run()
+    m = summary["main_metric"]
+    print(f"{summary['method']} on {summary['task']}: {summary['clients']} clients, {summary['rounds']} rounds, "
+          f"{summary['wall_s']:.1f} s")
+    print(f"test {m} (clients' mean): round 0 {summary['round0_test']['mean'][m]:.4f} → "
+          f"final {summary['final_test']['mean'][m]:.4f}  (min {summary['final_test']['min'][m]:.4f}, "
+          f"max {summary['final_test']['max'][m]:.4f}, size-weighted {summary['final_test']['weighted_mean'][m]:.4f})")
+    if "final_global" in summary:
+        print(f"global model test {m}: round 0 {summary['round0_global'][m]:.4f} → final {summary['final_global'][m]:.4f}")
+    print(f"bytes up {summary['bytes_up_total']:,}, down {summary['bytes_down_total']:,}")
+    print(f"wrote {out}/config.json, rounds.jsonl, summary.json, rounds.png, adapters/")
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from llm.export import export_merged, export_peft
+
+    if args.client < 0:
+        raise ConfigError(f"--client: must be an integer ≥ 0, got {args.client}")
+    out = check_output_dir(args.out)
+    path = (export_peft if args.format == "peft" else export_merged)(args.run_dir, args.client, out)
+    print(f"wrote {path} ({args.format}, client {args.client})")
+    return 0

@@ -1,0 +1,244 @@
+"""``fedlora synthetic …``: the synthetic testbed's commands (rank-recovery, bilevel-convergence, tune,
+compare). The ``fedlora`` dispatcher finds ``register`` through the entry point ``synthetic`` of the
+group ``fedlora.commands`` (fedlora/cli.py says how)."""
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable
+
+from fedlora.cli import check_output_dir, read_table_file, write_json_atomic
+from fedlora.errors import ConfigError
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _load_config_file(path: str) -> dict[str, Any]:
+    """A synthetic command's --config file → options (dashes → underscores, lists → tuples)."""
+    data = read_table_file(path, "--config")
+    return {k.replace("-", "_"): (tuple(v) if isinstance(v, list) else v) for k, v in data.items()}
+
+
+# flag name → (type, help); every flag defaults to None so that only what the user gave overrides
+_RR_FLAGS: dict[str, tuple[Any, str]] = {
+    "ground-truth": (str, "independent (the paper's W_k* = A_k*B_k*) or shared-private (W_k* = S + P_k)"),
+    "seeds": (int, "number of seeds (independent federations), seeds offset…offset+N−1 (default 1)"),
+    "seed-offset": (int, "first seed (default 0)"),
+    "methods": (lambda s: tuple(s.split(",")), "comma-separated subset of pf2lora,hetlora"),
+    "steps": (int, "total local steps T (paper: 2000)"),
+    "interval": (int, "local steps per round I (paper: 10)"),
+    "rank": (int, "PF2LoRA common rank r (paper: 4)"),
+    "client-rank": (int, "PF2LoRA client rank r̃ < r (paper: 2)"),
+    "upper-lr": (float, "PF2LoRA upper-level (common adapter) step size"),
+    "lower-lr": (float, "PF2LoRA lower-level (client adapter) SGD step size"),
+    "upper-optimizer": (str, "adamw (default) or sgd"),
+    "hypergradient": (str, "exact (default), finite-difference, or none (the 'without bilevel' ablation)"),
+    "het-lr": (float, "HetLoRA SGD step size"),
+    "het-r-min": (int, "HetLoRA r_min (paper: 1)"),
+    "het-r-max": (int, "HetLoRA r_max (paper: 12)"),
+    "het-initial-ranks": (_ints, "HetLoRA initial client ranks, comma-separated (paper: 2,10)"),
+    "het-penalty": (float, "HetLoRA tail penalty λ (paper: 0.1)"),
+    "het-gamma": (float, "HetLoRA γ: penalise and prune ranks ≥ ⌊γ r_k⌋ (paper's 'last 30 %%': 0.7)"),
+    "true-ranks": (_ints, "true ranks per client, comma-separated (default 3,4)"),
+    "shared-rank": (int, "shared-private: rank of the shared part S (default 2)"),
+    "noise-std": (_floats, "noise standard deviation per client (default 0.1,0.2)"),
+    "dim": (int, "d_in = d_out (default 10)"),
+    "n-samples": (int, "samples per client (default 1000)"),
+    "n-train": (int, "training samples per client (default 700)"),
+    "batch-size": (int, "0 = full batch (default), else minibatch size"),
+    "rank-tol": (float, "numerical rank: count σ_i > tol·σ_1 (default 0.02)"),
+    "upper-schedule": (str, "PF2LoRA upper-level step: constant (paper) or cosine (decay to 0 over --steps)"),
+    "jobs": (int, "worker processes for the methods (0 = one per method up to the CPU count; 1 = none)"),
+}
+
+
+# `synthetic compare`: flag name → (type, help); None default = not given (config file / defaults apply)
+_CMP_FLAGS: dict[str, tuple[Any, str]] = {
+    "methods": (lambda s: tuple(m for m in s.split(",") if m), "comma-separated methods (default: every registered one)"),
+    "heterogeneity": (_floats, "comma-separated h values of W_k* = S + h·P_k (default 0,0.5,1)"),
+    "seeds": (int, "number of seeds (default 3)"),
+    "seed-offset": (int, "first seed (default 0)"),
+    "rounds": (int, "communication rounds R (default 30)"),
+    "local-steps": (int, "local steps per round I (default 5)"),
+    "clients": (int, "clients per federation M (default 4)"),
+    "dim": (int, "input dimension d_in (= d_out for regression; default 10)"),
+    "classes": (int, "classes C of the classification task (default 6)"),
+    "rank": (int, "common LoRA rank r of every method (default 4)"),
+    "lr-grid": (_floats, "common step-size grid (default 0.001,0.003,0.01,0.03,0.1,0.3)"),
+    "shared-rank": (int, "rank of the shared part S (default 2)"),
+    "private-rank": (int, "rank of each private part P_k (default 2)"),
+    "n-train": (_ints, "training samples per client, comma-separated (default 75,100,125,…)"),
+    "n-test": (int, "test samples per client (default 500)"),
+    "val-fraction": (float, "share of each client's training data held out to choose the step size (default 0.2)"),
+    "noise-std": (float, "regression noise standard deviation (default 0.5)"),
+    "sample-fraction": (float, "share of clients drawn each round, in (0, 1] (default 1: all)"),
+    "rank-tol": (float, "numerical rank: count σ_i > tol·σ_1 (default 0.02)"),
+}
+
+
+def _single_threaded(cmd: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    def handler(args: argparse.Namespace) -> int:
+        # The synthetic problems are tiny: one intra-op thread avoids spin-wait overhead, and keeps
+        # results independent of the core count.
+        import torch
+
+        torch.set_num_threads(1)
+        return cmd(args)
+
+    return handler
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``synthetic`` and its experiments to the ``fedlora`` command's subparsers."""
+    syn = subparsers.add_parser("synthetic", help="the reduced-rank-regression testbed")
+    ssub = syn.add_subparsers(dest="experiment", required=True, parser_class=type(syn))
+
+    rr = ssub.add_parser("rank-recovery", help="PF2LoRA vs HetLoRA rank recovery (paper §5, Fig. 2)")
+    rr.add_argument("--preset", default="paper", help="paper (App. C, default) or tuned (our grid)")
+    rr.add_argument("--config", help="TOML/YAML/JSON file of options (flags override it)")
+    rr.add_argument("--out", default="runs/rank-recovery", help="output folder (default runs/rank-recovery)")
+    rr.add_argument("--no-plot", action="store_true", help="skip the PNG figure")
+    for flag, (typ, help_) in _RR_FLAGS.items():
+        rr.add_argument(f"--{flag}", type=typ, default=None, help=help_)
+
+    bc = ssub.add_parser("bilevel-convergence", help="single-loop bilevel rate and Lemma A.5 bias (paper §7)")
+    bc.add_argument("--steps", type=int, default=None, help="T, the longest horizon (default 10000)")
+    bc.add_argument("--seed", type=int, default=None, help="problem seed (default 0)")
+    bc.add_argument("--hypergradient", default=None, help="exact (default) or finite-difference")
+    bc.add_argument("--out", default="runs/bilevel-convergence", help="output folder")
+    bc.add_argument("--no-plot", action="store_true", help="skip the PNG figure")
+
+    tu = ssub.add_parser("tune", help="the step-size grid behind --preset tuned")
+    tu.add_argument("--ground-truth", default="shared-private")
+    tu.add_argument("--seeds", type=int, default=5, help="held-out seeds used for selection (default 5)")
+    tu.add_argument("--seed-offset", type=int, default=100, help="first held-out seed (default 100)")
+    tu.add_argument("--out", default="runs/tune", help="output folder")
+
+    cm = ssub.add_parser("compare", help="every method on M heterogeneous clients over a heterogeneity sweep")
+    cm.add_argument("--task", default=None, help="regression, classification or both (default both)")
+    cm.add_argument("--config", help="TOML/YAML/JSON file of options, incl. method_options (flags override it)")
+    cm.add_argument("--out", default="runs/compare", help="output folder (default runs/compare)")
+    cm.add_argument("--no-plot", action="store_true", help="skip the PNG figure")
+    for flag, (typ, help_) in _CMP_FLAGS.items():
+        cm.add_argument(f"--{flag}", type=typ, default=None, help=help_)
+
+    for parser, cmd in ((rr, _cmd_rank_recovery), (bc, _cmd_bilevel), (tu, _cmd_tune), (cm, _cmd_compare)):
+        parser.set_defaults(handler=_single_threaded(cmd))
+
+
+def _print_rank_recovery(result: dict[str, Any]) -> None:
+    print(f"{'method':8} {'client':>6} {'true':>4} {'rank90':>14} {'num.rank':>14} "
+          f"{'test MSE (mean±std)':>22} {'oracle':>8} {'best reachable':>14} {'test/oracle':>12}")
+    for s in result["summary"]:
+        print(f"{s['method']:8} {s['client']:>6} {s['true_rank']:>4} {','.join(map(str, s['rank90'])):>14} "
+              f"{','.join(map(str, s['numerical_rank'])):>14} "
+              f"{s['test_mse_mean']:>11.4g} ± {s['test_mse_std']:<8.2g} {s['oracle_mse_mean']:>8.4g} "
+              f"{s['best_attainable_mse_mean']:>14.4g} {s['test_over_oracle_min']:>5.3g}–{s['test_over_oracle_max']:<6.3g}")
+
+
+def _cmd_rank_recovery(args: argparse.Namespace) -> int:
+    from synthetic.plots import plot_rank_recovery
+    from synthetic.rank_recovery import RankRecoveryConfig, run_rank_recovery
+
+    options = _load_config_file(args.config) if args.config else {}
+    preset = options.pop("preset", None) or args.preset
+    if args.preset != "paper":
+        preset = args.preset
+    for flag in _RR_FLAGS:
+        val = getattr(args, flag.replace("-", "_"))
+        if val is not None:
+            options[flag.replace("-", "_")] = val
+    cfg = RankRecoveryConfig.from_preset(preset, **options)
+    out = check_output_dir(args.out)
+    result = run_rank_recovery(cfg)
+    write_json_atomic(out / "metrics.json", result)
+    _print_rank_recovery(result)
+    print(f"wrote {out / 'metrics.json'}")
+    if not args.no_plot:
+        print(f"wrote {plot_rank_recovery(result, out / 'rank_recovery.png')}")
+    return 0
+
+
+def _cmd_bilevel(args: argparse.Namespace) -> int:
+    from synthetic.bilevel import BilevelConfig, plot_bilevel_convergence, run_bilevel_convergence
+
+    kw: dict[str, Any] = {}
+    if args.steps is not None:
+        kw["max_steps"] = args.steps
+    if args.seed is not None:
+        kw["seed"] = args.seed
+    if args.hypergradient is not None:
+        kw["hypergradient_mode"] = args.hypergradient
+    cfg = BilevelConfig(**kw)
+    cfg.validate()
+    out = check_output_dir(args.out)
+    result = run_bilevel_convergence(cfg)
+    write_json_atomic(out / "metrics.json", result)
+    fit, checks = result["fit"], result["checks"]
+    k, bias = result["constants"], result["bias_check"]
+    print("constants: " + ", ".join(f"{n} = {v:.4g}" for n, v in k.items() if isinstance(v, (int, float))))
+    print(f"fitted slope of log((1/T) Σ‖∇Φ(x_t)‖²) vs log T over T ∈ [{fit['T_min']}, {fit['T_max']}]: "
+          f"{fit['slope']:.3f}")
+    print(f"hypergradient bias vs Lemma A.5 bound: max ratio {bias['max_ratio_bias_over_bound']}, "
+          f"violations {bias['violations']}")
+    print(f"checks: {checks}")
+    print(f"wrote {out / 'metrics.json'}")
+    if not args.no_plot:
+        plot_bilevel_convergence(result, out / "bilevel_convergence.png")
+        print(f"wrote {out / 'bilevel_convergence.png'}")
+    return 0
+
+
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from synthetic.tune import tune_rank_recovery
+
+    if args.seeds < 1:
+        raise ConfigError(f"--seeds: must be an integer ≥ 1, got {args.seeds}")
+    out = check_output_dir(args.out)
+    result = tune_rank_recovery(args.ground_truth, args.seeds, args.seed_offset)
+    write_json_atomic(out / "tune.json", result)
+    for method, t in result["choice"].items():
+        print(f"{method}: {t}")
+    print(f"wrote {out / 'tune.json'}")
+    return 0
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from synthetic.compare import CompareConfig, plot_compare, run_compare, to_markdown
+
+    options = _load_config_file(args.config) if args.config else {}
+    task = args.task if args.task is not None else options.pop("task", None)
+    if task is not None:
+        tasks = {"regression": ("regression",), "classification": ("classification",),
+                 "both": ("regression", "classification")}
+        if task not in tasks:
+            raise ConfigError(f"--task: must be regression, classification or both, got {task!r}")
+        options["tasks"] = tasks[task]
+    for flag in _CMP_FLAGS:
+        val = getattr(args, flag.replace("-", "_"))
+        if val is not None:
+            options[flag.replace("-", "_")] = val
+    if isinstance(options.get("methods"), str):
+        options["methods"] = tuple(m for m in options["methods"].split(",") if m)
+    cfg = CompareConfig.from_options(**options)
+    out = check_output_dir(args.out)
+    result = run_compare(cfg)
+    write_json_atomic(out / "compare.json", result)
+    md = to_markdown(result)
+    (out / "compare.md").write_text(md)
+    print(md, end="")
+    print(f"wrote {out / 'compare.json'}, {out / 'compare.md'}")
+    if not args.no_plot:
+        print(f"wrote {plot_compare(result, out / 'compare.png')}")
+    return 0

@@ -1,0 +1,290 @@
+"""Layering of the command line (issue 13 §3): dependencies point kernels ← fedlora ← synthetic, llm.
+
+* No module of the core (``fedlora/``) imports a layer built on it, nor ``kernels`` the core — read
+  from the source with ``ast`` (imports inside functions and relative imports included).
+* The ``fedlora`` command discovers its subcommands through the entry-point group ``fedlora.commands``:
+  pyproject.toml's table, the dispatcher's built-in fallback and (when the distribution is installed)
+  the installed metadata agree, and every entry point resolves and adds its command.
+* A plugin that fails costs only its own command: one line naming it, exit status 2, no traceback.
+"""
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from fedlora import cli
+from fedlora.cli import BUILTIN_COMMANDS, COMMANDS_GROUP, command_entry_points, main
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: package folder → modules it must not import (nor anything under them). ``fedlora.llm`` and
+#: ``fedlora.synthetic`` are the layers' names once they live under the fedlora namespace.
+FORBIDDEN = {
+    "kernels": ("fedlora", "llm", "synthetic"),
+    "fedlora": ("llm", "synthetic", "fedlora.llm", "fedlora.synthetic"),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# no upward imports
+
+def _imports(path: Path, module: str):
+    """(line, absolute module name) for every import in ``path`` (the module ``module``): ``import``
+    and ``from … import`` statements anywhere in the file, relative ones resolved, ``from a import b``
+    also as ``a.b`` (b may be a submodule), and ``importlib.import_module`` / ``__import__`` of a literal."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1])
+                name = f"{base}.{node.module}" if node.module else base
+            else:
+                name = node.module
+            yield node.lineno, name
+            for alias in node.names:
+                yield node.lineno, f"{name}.{alias.name}"
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)
+              and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("import_module", "__import__")):
+            yield node.lineno, node.args[0].value
+
+
+def _modules(package: str):
+    """(path, dotted module name) of every .py file of ``package``, leaving out the folders of the
+    layers it must not import (once they live under its namespace, they are not part of it)."""
+    skip = [ROOT / Path(*f.split(".")) for f in FORBIDDEN[package] if f.startswith(package + ".")]
+    for path in sorted((ROOT / package).rglob("*.py")):
+        if any(s in path.parents for s in skip):
+            continue
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        yield path, ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _upward_imports(package: str) -> list[str]:
+    bad = []
+    for path, module in _modules(package):
+        for line, name in _imports(path, module):
+            if any(name == f or name.startswith(f + ".") for f in FORBIDDEN[package]):
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
+    return bad
+
+
+@pytest.mark.parametrize("package", list(FORBIDDEN))
+def test_no_module_imports_a_layer_built_on_it(package):
+    assert sum(1 for _ in _modules(package)) > 3  # the walk finds the package's files
+    assert _upward_imports(package) == []
+
+
+def test_the_import_reader_sees_every_form(tmp_path):
+    """The reader is what the layering test stands on: every way to write an import is seen."""
+    f = tmp_path / "m.py"
+    f.write_text("import llm.runtime as r\nfrom synthetic import cli\ndef f():\n    from . import llm\n"
+                 "    from ..synthetic.x import y\n    importlib.import_module('llm.cli')\n    __import__('synthetic')\n")
+    names = [n for _, n in _imports(f, "fedlora.sub.m")]
+    assert {"llm.runtime", "synthetic.cli", "fedlora.sub.llm", "fedlora.synthetic.x.y", "llm.cli", "synthetic"} <= set(names)
+
+
+# ---------------------------------------------------------------------------------------------
+# entry points: pyproject.toml, the built-in fallback, the installed metadata
+
+def _pyproject_commands() -> dict[str, str]:
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    return dict(data["project"]["entry-points"][COMMANDS_GROUP])
+
+
+def _assert_resolves_and_adds(name: str, value: str) -> None:
+    register = metadata.EntryPoint(name, value, COMMANDS_GROUP).load()
+    parser = cli._Parser(prog="fedlora")
+    sub = parser.add_subparsers(dest="group", required=True, parser_class=cli._Parser)
+    register(sub)
+    assert list(sub.choices) == [name], f"entry point {name} = {value} added {list(sub.choices)}"
+
+
+def test_the_builtin_fallback_is_pyprojects_table():
+    assert _pyproject_commands() == BUILTIN_COMMANDS
+    assert list(BUILTIN_COMMANDS) == ["synthetic", "run", "export"]  # the help order users have seen
+
+
+@pytest.mark.parametrize("name", list(BUILTIN_COMMANDS))
+def test_every_entry_point_of_pyproject_resolves_and_adds_its_command(name):
+    _assert_resolves_and_adds(name, _pyproject_commands()[name])
+
+
+def test_the_installed_entry_points_resolve_and_are_the_ones_used():
+    try:
+        dist = metadata.distribution("fedlora")
+    except metadata.PackageNotFoundError:
+        pytest.skip("fedlora is not installed (a source checkout): the built-in table serves")
+    installed = {ep.name: ep.value for ep in dist.entry_points if ep.group == COMMANDS_GROUP}
+    if not installed:
+        pytest.skip("the installed fedlora predates the fedlora.commands entry points: re-run `make env`")
+    assert installed == _pyproject_commands(), "the install is stale: re-run `make env` (pip install -e .)"
+    for name, value in installed.items():
+        _assert_resolves_and_adds(name, value)
+    used = command_entry_points()[: len(installed)]
+    assert [(ep.name, ep.value) for ep in used] == list(BUILTIN_COMMANDS.items())
+    assert {cli._dist_name(ep) for ep in used} == {"fedlora"}  # from the metadata, not the fallback
+
+
+def test_without_metadata_the_builtins_still_come(monkeypatch):
+    """A clone that was never installed: no entry points at all, the same commands in the same order."""
+    monkeypatch.setattr(metadata, "entry_points", lambda **kw: metadata.EntryPoints(()))
+    assert [(ep.name, ep.value) for ep in command_entry_points()] == list(BUILTIN_COMMANDS.items())
+    assert cli._build_parser().format_usage() == "usage: fedlora [-h] {synthetic,run,export} ...\n"
+
+
+def _launchers():
+    yield "python -m fedlora", [sys.executable, "-m", "fedlora"]
+    script = shutil.which("fedlora", path=str(Path(sys.executable).parent))
+    if script:
+        yield "installed fedlora script", [script]
+
+
+@pytest.mark.parametrize("launcher", [argv for _, argv in _launchers()], ids=[n for n, _ in _launchers()])
+def test_the_command_as_users_start_it(launcher, tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    r = subprocess.run([*launcher, "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert r.stdout.startswith("usage: fedlora [-h] {synthetic,run,export} ...")
+    r = subprocess.run([*launcher, "synthetic", "tune", "--seeds", "0", "--out", str(tmp_path / "o")],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    assert (r.returncode, r.stderr) == (2, "fedlora: error: --seeds: must be an integer ≥ 1, got 0\n")
+
+
+SNIPPETS = {  # what a fresh interpreter must not have imported after running the snippet
+    "a command loads only its own layer": (
+        "rc = main(['synthetic', 'tune', '--seeds', '0', '--out', OUT]); assert rc == 2", ("llm",)),
+    "the command list loads no layer's runtime": ("_build_parser()", ("torch", "llm.runtime", "synthetic.runner")),
+}
+
+
+@pytest.mark.parametrize("case", list(SNIPPETS))
+def test_what_the_command_imports(case, tmp_path):
+    snippet, absent = SNIPPETS[case]
+    code = (f"import sys\nfrom fedlora.cli import _build_parser, main\nOUT = {str(tmp_path / 'o')!r}\n{snippet}\n"
+            f"print(sorted(m for m in sys.modules if any(m == a or m.startswith(a + '.') for a in {absent!r})))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# other packages' commands, and broken plugins
+
+PLUGINS = '''
+def register_hello(subparsers):
+    p = subparsers.add_parser("hello", help="say hello")
+    p.add_argument("--name", default="world")
+    p.set_defaults(handler=lambda args: print(f"hello {args.name}") or 0)
+
+def register_crashing(subparsers):
+    raise RuntimeError("boom\\nsecond line")
+
+def register_nothing(subparsers):
+    pass
+
+def register_hijack(subparsers):
+    raise AssertionError("another package replaced a built-in command")
+'''
+
+ENTRY_POINTS = """[fedlora.commands]
+hello = fake_fedlora_plugins:register_hello
+broken = fake_fedlora_plugins_broken:register
+crashing = fake_fedlora_plugins:register_crashing
+nameless = fake_fedlora_plugins:register_nothing
+run = fake_fedlora_plugins:register_hijack
+"""
+
+
+def _install_fake_dist(site: Path, name: str, entry_points: str) -> None:
+    info = site / f"{name.replace('-', '_')}-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(entry_points)
+
+
+@pytest.fixture
+def plugins(tmp_path, monkeypatch):
+    """An installed package 'fake-fedlora-plugins' with one working command and four faulty ones."""
+    site = tmp_path / "site"
+    _install_fake_dist(site, "fake-fedlora-plugins", ENTRY_POINTS)
+    (site / "fake_fedlora_plugins.py").write_text(PLUGINS)
+    # the broken one imports its sibling first: a failed import leaves no trace in sys.modules, the sibling does
+    (site / "fake_fedlora_plugins_broken.py").write_text("import fake_fedlora_plugins\nimport no_such_module_for_fedlora_tests\n")
+    monkeypatch.syspath_prepend(str(site))
+    for mod in ("fake_fedlora_plugins", "fake_fedlora_plugins_broken"):
+        monkeypatch.delitem(sys.modules, mod, raising=False)
+    yield
+    for mod in ("fake_fedlora_plugins", "fake_fedlora_plugins_broken"):
+        sys.modules.pop(mod, None)
+
+
+def test_another_package_adds_a_command(plugins, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out  # built-ins first, in their order; then the others by name; 'run' stays ours
+    assert out.startswith("usage: fedlora [-h] {synthetic,run,export,broken,crashing,hello,nameless} ...")
+    assert "broken unavailable: its plugin failed to load (`fedlora broken` says why)" in " ".join(out.split())
+    assert main(["hello", "--name", "plugin"]) == 0 and capsys.readouterr().out == "hello plugin\n"
+
+
+@pytest.mark.parametrize("name, why", [
+    ("broken", "failed to load: ModuleNotFoundError: No module named 'no_such_module_for_fedlora_tests'"),
+    ("crashing", "failed to register it: RuntimeError: boom"),
+    ("nameless", "did not add a command of that name"),
+])
+def test_a_broken_plugin_is_one_line_naming_it(plugins, capsys, name, why):
+    for argv in ([name], [name, "--help"], [name, "--out", "x", "anything"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+        assert err == (f"fedlora: error: command {name!r} is unavailable: its plugin "
+                       f"'{ENTRY_POINTS.split(name + ' = ')[1].splitlines()[0]}' (package fake-fedlora-plugins) {why}\n")
+
+
+def test_a_broken_plugin_leaves_every_other_command_working(plugins, tmp_path, capsys):
+    assert main(["run", "--list-configs"]) == 0 and "tiny-smoke" in capsys.readouterr().out
+    assert "fake_fedlora_plugins" not in sys.modules  # running a command loads no other plugin
+    assert main(["synthetic", "tune", "--seeds", "0", "--out", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err == "fedlora: error: --seeds: must be an integer ≥ 1, got 0\n"
+    for path in (["synthetic"], ["synthetic", "compare"], ["run"], ["export"], ["hello"]):
+        with pytest.raises(SystemExit) as e:
+            main([*path, "--help"])
+        assert e.value.code == 0 and capsys.readouterr().out.startswith(f"usage: fedlora {' '.join(path)}")
+
+
+def test_a_layer_that_cannot_load_costs_only_its_commands(monkeypatch, tmp_path, capsys):
+    """E.g. the LLM layer without its dependencies: `fedlora synthetic` works, `fedlora run` says why."""
+    monkeypatch.setitem(sys.modules, "llm.cli", None)  # import llm.cli → ModuleNotFoundError
+    assert main(["synthetic", "tune", "--seeds", "0", "--out", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err == "fedlora: error: --seeds: must be an integer ≥ 1, got 0\n"
+    for name in ("run", "export"):
+        assert main([name, "tiny-smoke", "--out", str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"fedlora: error: command {name!r} is unavailable: its plugin 'llm.cli:register_{name}'")
+        assert "failed to load: ModuleNotFoundError" in err and err.count("\n") == 1
+
+
+def test_the_installed_core_wins_over_the_fallback(tmp_path, monkeypatch):
+    """When the metadata names the core's commands, they come from there (the table is only a fallback)."""
+    site = tmp_path / "site"
+    _install_fake_dist(site, "fedlora", "[fedlora.commands]\nsynthetic = synthetic.cli:register\n")
+    monkeypatch.syspath_prepend(str(site))
+    assert [(ep.name, cli._dist_name(ep)) for ep in command_entry_points()] == [("synthetic", "fedlora")]
