@@ -42,6 +42,7 @@ import numpy as np
 from .errors import ConfigError
 
 __all__ = [
+    "validate_partition_spec",
     "iid",
     "dirichlet",
     "pathological",
@@ -584,6 +585,24 @@ def parse_partition(spec: str) -> tuple[str, dict[str, Any]]:
     return name, params
 
 
+def validate_partition_spec(spec: str, extra: Mapping[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
+    """``parse_partition`` plus what needs no data: the scheme's parameters are known and its main
+    parameter is there (``dirichlet(a=0.5)``, ``similarity()`` are refused). A config is checked with
+    this before any data is read, so a dry run refuses what the real run would. ``extra``: keyword
+    parameters given beside the spec (they override it)."""
+    name, sp = parse_partition(spec)
+    sp.update(extra or {})
+    fn, _, main = PARTITIONERS[name]
+    allowed = [p for p in inspect.signature(fn).parameters][1:]
+    unknown = sorted(set(sp) - set(allowed) - {"column"})
+    if unknown:
+        raise ConfigError(f"partition {name!r}: unknown parameter(s) {unknown}; allowed: {allowed}")
+    if main is not None and main not in ("n_clients", "column") and main not in sp:
+        if inspect.signature(fn).parameters[main].default is inspect.Parameter.empty:
+            raise ConfigError(f"partition {spec!r}: missing parameter {main} (e.g. '{name}(<{main}>)')")
+    return name, sp
+
+
 def partition(
     spec: str,
     *,
@@ -601,9 +620,8 @@ def partition(
     ``iid`` / ``disjoint`` also accept just ``n``.  Extra keyword ``params`` override the spec's.
     Returns the scheme's partition (``n_clients`` sorted index arrays).
     """
-    name, sp = parse_partition(spec)
+    name, sp = validate_partition_spec(spec, params)
     fn, data_kind, main = PARTITIONERS[name]
-    sp.update(params)
     if "n_clients" in sp:
         if n_clients is not None and sp["n_clients"] != n_clients:
             raise ConfigError(f"partition {spec!r}: n_clients={sp['n_clients']} in the spec but n_clients={n_clients} given")

@@ -55,7 +55,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.dry_run:  # the config and the method as the run would build it (bad options fail here)
         from .config import describe_method
 
-        print(json.dumps({**cfg.to_dict(), "resolved": {"method": describe_method(cfg)}}, indent=1))
+        from .runtime import FederatedRun
+
+        method = describe_method(cfg)
+        data = FederatedRun(cfg, write=False).check_data()  # columns, labels, the split: what needs no model
+        print(json.dumps({**cfg.to_dict(), "resolved": {"method": method, "data": data}}, indent=1))
         return 0
     out = check_output_dir(cfg.output_dir, "--out" if args.out is not None else "output_dir")
     from llm.runtime import FederatedRun

@@ -68,11 +68,13 @@ class DataConfig:
     """The labelled text: a registered task (``llm.tasks``: glue/cola, glue/sst2, glue/mnli, glue/qqp,
     glue/qnli, glue/rte, banking77, 20newsgroups, debian-sections), any HF dataset (``hf_name``), or a
     local csv/tsv/jsonl file or folder (``path``; with ``task``, the task's columns and metrics apply
-    to the local copy). Column fields override the task's. ``labels``: the declared label set (values
+    to the local copy; ``task: auto``, the default, is the bundled ``debian-sections`` when neither
+    ``path`` nor ``hf_name`` is given and no task otherwise — so a TOML file, which has no null, can
+    name its own labelled file). Column fields override the task's. ``labels``: the declared label set (values
     outside it are an error). ``test_fraction``: share held out as test when a local source has no
     test split. ``max_*_samples``: deterministic subsampling (quick runs)."""
 
-    task: str | None = "debian-sections"
+    task: str | None = "auto"
     path: str | None = None
     hf_name: str | None = None
     hf_config: str | None = None
@@ -215,6 +217,8 @@ class RunConfig:
             raise ConfigError(f"model.device: must be auto, cpu, cuda or cuda:N, got {m.device!r}")
         _bool(m.dropout, "model.dropout")
         d = self.data
+        if d.task == "auto":
+            d.task = None if (d.path is not None or d.hf_name is not None) else "debian-sections"
         if d.task is None and d.path is None and d.hf_name is None:
             raise ConfigError("data: give data.task (a registered task), data.hf_name (a HF dataset) or "
                               "data.path (a local csv/tsv/jsonl file or folder)")
@@ -255,6 +259,12 @@ class RunConfig:
         f = self.federation
         _int(f.clients, "federation.clients", 1)
         _str(f.partition, "federation.partition")
+        from fedlora.partition import validate_partition_spec
+
+        try:
+            validate_partition_spec(f.partition)
+        except ConfigError as e:
+            raise ConfigError(f"federation.partition: {e}") from None
         _num(f.sample_fraction, "federation.sample_fraction", 0.0, strict=True)
         if f.sample_fraction > 1:
             raise ConfigError(f"federation.sample_fraction: must be in (0, 1], got {f.sample_fraction!r}")

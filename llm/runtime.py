@@ -133,20 +133,8 @@ class FederatedRun:
         self.method = self._build_method()  # cheap checks first: bad options fail before any loading
 
         # data ------------------------------------------------------------------------------
-        dc = cfg.data
-        columns = {field: getattr(dc, key.split(".")[1]) for field, key in D.CONFIG_FIELD.items()
-                   if getattr(dc, key.split(".")[1]) is not None} or None  # the task's columns, overridden field by field
-        self.train_data, self.test_data, self.task = D.load_text_data(
-            task=dc.task, path=dc.path, hf_name=dc.hf_name, hf_config=dc.hf_config, columns=columns,
-            train_split=dc.train_split, test_split=dc.test_split, labels=dc.labels,
-            test_fraction=dc.test_fraction, max_train_samples=dc.max_train_samples,
-            max_test_samples=dc.max_test_samples, seed=cfg.seed)
-        self.num_labels = len(self.train_data.label_names)
+        self._load_data()
         fc = cfg.federation
-        splits = D.split_clients(self.train_data, self.test_data, partition=fc.partition, n_clients=fc.clients,
-                                 seed=cfg.seed, val_fraction=fc.val_fraction)
-        self.clients = [dataclasses.replace(s, test=s.test[:cfg.eval.max_samples]) for s in splits]  # None: all
-        self.split_report = D.describe_split(splits, self.train_data, self.test_data)
 
         # model -----------------------------------------------------------------------------
         mc = cfg.model
@@ -215,6 +203,39 @@ class FederatedRun:
         self.history: list[dict[str, Any]] = []
         self.prepared = True
         return self
+
+    def _load_data(self) -> None:
+        """The labelled text, the clients' split and its report (``train_data``, ``test_data``,
+        ``task``, ``num_labels``, ``clients``, ``split_report``): every check of the data and the
+        partition, with no model loaded (``check_data`` runs it for a dry run)."""
+        from . import data as D
+
+        cfg, dc, fc = self.cfg, self.cfg.data, self.cfg.federation
+        columns = {field: getattr(dc, key.split(".")[1]) for field, key in D.CONFIG_FIELD.items()
+                   if getattr(dc, key.split(".")[1]) is not None} or None  # the task's columns, overridden field by field
+        self.train_data, self.test_data, self.task = D.load_text_data(
+            task=dc.task, path=dc.path, hf_name=dc.hf_name, hf_config=dc.hf_config, columns=columns,
+            train_split=dc.train_split, test_split=dc.test_split, labels=dc.labels,
+            test_fraction=dc.test_fraction, max_train_samples=dc.max_train_samples,
+            max_test_samples=dc.max_test_samples, seed=cfg.seed)
+        self.num_labels = len(self.train_data.label_names)
+        splits = D.split_clients(self.train_data, self.test_data, partition=fc.partition, n_clients=fc.clients,
+                                 seed=cfg.seed, val_fraction=fc.val_fraction)
+        self.clients = [dataclasses.replace(s, test=s.test[:cfg.eval.max_samples]) for s in splits]  # None: all
+        self.split_report = D.describe_split(splits, self.train_data, self.test_data)
+
+    def check_data(self) -> dict[str, Any]:
+        """A dry run's data check: read the local or bundled data (columns, labels), split it among the
+        clients (the partition against this data) — no model, no training. Hub data is not fetched
+        (returns ``{"checked": False, …}``): a dry run must work offline."""
+        dc = self.cfg.data
+        if dc.hf_name is not None or (dc.path is None and dc.task is not None and not _is_bundled_task(dc.task)):
+            return {"checked": False, "why": "data from the hub is not fetched by a dry run"}
+        self._load_data()
+        return {"checked": True, "task": self.task.name, "labels": list(self.train_data.label_names),
+                "train_rows": len(self.train_data.labels), "test_rows": len(self.test_data.labels),
+                "client_train_sizes": [len(c.train) for c in self.clients],
+                "client_test_sizes": [len(c.test) for c in self.clients]}
 
     def _build_method(self) -> Method:
         from .config import build_method, method_options
@@ -718,3 +739,10 @@ def auto_clients_per_pass(device: torch.device, participants: int, model=None, b
     per_client = batch_size * max_length * hidden * layers * 64
     free, _ = torch.cuda.mem_get_info(device)
     return max(1, min(participants, int(0.5 * free // per_client)))
+
+
+def _is_bundled_task(name: str) -> bool:
+    """A registered task whose data ships with fedlora (read offline by a dry run)."""
+    from .tasks import get_task
+
+    return get_task(name).local_dir is not None

@@ -22,16 +22,18 @@ def test_run_a_bundled_config_end_to_end(tmp_path, capsys):
 
 
 def test_own_csv_with_labels_of_its_own(tmp_path, capsys):
-    """The README's own-csv line: a file with its own column names and string labels (data.task null)."""
+    """The README's own-csv line: a file with its own column names and string labels (the bundled
+    configs' ``data.task: auto`` is no task once ``data.path`` is given)."""
     f = tmp_path / "reviews.csv"
     f.write_text("sentence,sentiment\n" + "".join(f"lovely film {i},pos\nawful film {i},neg\n" for i in range(40)))
     own = ["--set", f"data.path={f}", "--set", "data.text_column=sentence", "--set", "data.label_column=sentiment"]
     out = tmp_path / "o"
-    assert main(["run", "tiny-smoke", "--out", str(out), "--no-progress", "--set", "data.task=null", *own]) == 0
+    assert main(["run", "tiny-smoke", "--out", str(out), "--no-progress", *own]) == 0
     assert f"fedavg on file:{f}: 3 clients" in capsys.readouterr().out
     assert json.loads((out / "config.json").read_text())["resolved"]["label_names"] == ["neg", "pos"]
-    # left on the bundled config's task, its labels do not fit: the line says how to use the file's own
-    assert main(["run", "tiny-smoke", "--out", str(tmp_path / "x"), "--no-progress", *own]) == 2
+    # with a task named, its labels do not fit: the line says how to use the file's own
+    assert main(["run", "tiny-smoke", "--out", str(tmp_path / "x"), "--no-progress", "--set",
+                 "data.task=debian-sections", *own]) == 2
     err = capsys.readouterr().err
     assert "is not one of the task's class names" in err and "data.task to null" in err and err.count("\n") == 1
 

@@ -51,6 +51,9 @@ def test_shell_example_parses_and_bundled_runs_validate(line, tmp_path, monkeypa
     _build_parser().parse_args(argv)  # SystemExit/ConfigError on a flag the CLI does not have
     if argv[0] == "run" and len(argv) > 1 and argv[1] in bundled_configs() and "--dry-run" not in argv:
         monkeypatch.chdir(tmp_path)
+        # the own-csv example's file, as its columns say (a dry run reads local data)
+        (tmp_path / "reviews.csv").write_text("sentence,sentiment\n" + "".join(
+            f"lovely film {i},pos\nawful film {i},neg\n" for i in range(40)))
         assert main([*argv, "--dry-run"]) == 0, capsys.readouterr().err
 
 
