@@ -238,11 +238,22 @@ class RunConfig:
                 _int(getattr(d, name), f"data.{name}", 1)
         me = self.method
         _str(me.name, "method.name")
-        from fedlora.methods import available_methods
+        from fedlora.methods import available_methods, get_method
 
-        if me.name not in available_methods():
+        if ":" in me.name:  # a method of your own, "package.module:Class"
+            try:
+                get_method(me.name)
+            except ConfigError as e:
+                raise ConfigError(f"method.name: {e}") from None
+        elif me.name not in available_methods():
+            try:
+                get_method(me.name)  # a plugin that failed to load says why
+            except ConfigError as e:
+                if "unavailable" in str(e):
+                    raise ConfigError(f"method.name: {e}") from None
             raise ConfigError(f"method.name: unknown method {me.name!r}{_suggest(me.name, available_methods())}; "
-                              f"available: {', '.join(available_methods())}")
+                              f"available: {', '.join(available_methods())} (or 'package.module:Class' for a "
+                              f"method of your own)")
         if me.rank is not None:
             _int(me.rank, "method.rank", 1)
         if isinstance(me.lr, dict):

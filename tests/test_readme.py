@@ -39,7 +39,10 @@ def test_the_readme_has_examples():
 
 @pytest.mark.parametrize("i", range(len(PYTHON)))
 def test_python_example_runs(i, tmp_path, monkeypatch):
+    from fedlora.methods import base
+
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))  # a method an example registers stays there
     exec(compile(PYTHON[i], f"README.md python block {i}", "exec"), {"__name__": "__readme__"})
 
 

@@ -40,7 +40,38 @@ def register(cls: type["Method"]) -> type["Method"]:
     return cls
 
 
+#: the entry-point group through which an installed package adds methods: ``name = "pkg.mod:Class"``
+ENTRY_POINT_GROUP = "fedlora.methods"
+_PLUGIN_ERRORS: dict[str, str] = {}
+_plugins_loaded = False
+
+
+def _load_plugins() -> None:
+    """Register the methods of installed packages (entry-point group ``fedlora.methods``), once. A
+    built-in name is never replaced; a plugin that fails to load is remembered with why, and only
+    asking for its name reports it."""
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in _REGISTRY:
+            continue
+        try:
+            cls = ep.load()
+            if not (isinstance(cls, type) and issubclass(cls, Method)) or cls.name != ep.name:
+                raise TypeError(f"{ep.value} must be a Method subclass whose name is {ep.name!r}")
+        except Exception as e:  # a broken plugin must not break the other methods
+            _PLUGIN_ERRORS[ep.name] = f"its plugin {ep.value!r} failed to load: {type(e).__name__}: {e}"
+            continue
+        _REGISTRY[ep.name] = cls
+
+
 def available_methods() -> list[str]:
+    """The registered names: the built-ins and those of installed plugins (``fedlora.methods``)."""
+    _load_plugins()
     return sorted(_REGISTRY)
 
 
@@ -71,10 +102,28 @@ def create_method(name: str, **options: Any) -> "Method":
 
 
 def get_method(name: str) -> type["Method"]:
-    try:
+    """The class registered as ``name``; or ``"package.module:Class"``, a Method subclass imported
+    from there (a method of your own, used without packaging it)."""
+    if name in _REGISTRY:
         return _REGISTRY[name]
-    except KeyError:
-        raise ConfigError(f"unknown method {name!r}; available: {', '.join(available_methods())}") from None
+    if ":" in name:
+        import importlib
+
+        mod, _, attr = name.partition(":")
+        try:
+            cls = getattr(importlib.import_module(mod), attr)
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(f"method {name!r}: cannot import {attr!r} from {mod!r} ({type(e).__name__}: {e})") from None
+        if not (isinstance(cls, type) and issubclass(cls, Method)) or not cls.name:
+            raise ConfigError(f"method {name!r}: {attr} is not a Method subclass with a name")
+        return cls
+    _load_plugins()
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    if name in _PLUGIN_ERRORS:
+        raise ConfigError(f"method {name!r} is unavailable: {_PLUGIN_ERRORS[name]}")
+    raise ConfigError(f"unknown method {name!r}; available: {', '.join(available_methods())} "
+                      f"(or 'package.module:Class' for a method of your own)") from None
 
 
 def broadcast_initial_factors(model: torch.nn.Module, groups: Sequence[Sequence[int]],
@@ -458,9 +507,10 @@ class Method(abc.ABC):
     def download(self, replica: int, state: Mapping[str, torch.Tensor]) -> Payload:
         """Write the server's state into replica ``replica``; return what was sent to it."""
 
-    # helpers shared by subclasses -------------------------------------------------------------
-    def _upload(self, replica: int, names: Sequence[str]) -> Payload:
-        """Replica ``replica``'s slice of ``names``, detached copies: what is sent is a snapshot."""
+    # helpers shared by subclasses (public: a method of your own uses them) -------------------------
+    def upload_params(self, replica: int, names: Sequence[str]) -> Payload:
+        """Replica ``replica``'s slice of the parameters ``names``, detached copies (what is sent is a
+        snapshot): the usual ``upload``."""
         return Payload({n: self.params[n][replica].detach().clone() for n in names})
 
     def _write(self, replica: int, state: Mapping[str, torch.Tensor]) -> Payload:

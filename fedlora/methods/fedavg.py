@@ -27,7 +27,7 @@ from ..optim import make_optimizer
 from ..payload import Payload
 from .base import AveragedFactors, Objective, Sampler, broadcast_initial_factors, register
 
-__all__ = ["FedAvgLoRA", "broadcast_initial_factors"]
+__all__ = ["FactorLoRA", "FedAvgLoRA", "broadcast_initial_factors"]
 
 OPTIMIZERS = ("adamw", "sgd")
 
@@ -45,10 +45,15 @@ def check_lora_options(method: str, rank, lr, optimizer, weight_decay) -> None:
 
 
 class FactorLoRA(AveragedFactors):
-    """Base of the plain-LoRA methods: factors ``lora_A`` (G, r, d_in), ``lora_B`` (G, d_out, r).
+    """Base of the plain-LoRA methods — and the public base for a method of your own (README
+    "Writing your own method"): factors ``lora_A`` (G, r, d_in), ``lora_B`` (G, d_out, r) of G
+    replicas (clients), the weighted-mean server of ``AveragedFactors``, one optimizer per client.
 
-    Subclasses say which factors a step trains and which a client uploads. ``self.pairs`` lists
-    the (A name, B name) of every adapted layer (one for the synthetic model, many for an LLM).
+    Subclasses say which factors a step trains (``train_step``) and which a client uploads
+    (``upload_params``). After ``bind``: ``pairs`` lists the (A name, B name) of every adapted layer
+    (one for the synthetic model, many for an LLM), ``a_names`` / ``b_names`` the A and B names,
+    ``heads`` a trained classifier head's parameters (LLM runtime; empty otherwise) and
+    ``shared_head_names()`` those of them that are uploaded; ``params`` maps names to the stacked tensors.
     """
 
     def __init__(self, rank: int = 8, lr: float = 5e-4, optimizer: str = "adamw",
@@ -81,7 +86,7 @@ class FactorLoRA(AveragedFactors):
     def _make_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         return make_optimizer(self.optimizer, params, self.lr, self.weight_decay)
 
-    def _train(self, objective: Objective, sample: Sampler, names: Sequence[str]) -> None:
+    def train_step(self, objective: Objective, sample: Sampler, names: Sequence[str]) -> None:
         """One optimizer step on the parameters ``names`` of every replica; the others stay frozen
         (their ``.grad`` stays None, so the optimizer leaves them and their moments untouched)."""
         self.opt.zero_grad(set_to_none=True)
@@ -103,8 +108,8 @@ class FedAvgLoRA(FactorLoRA):
     name = "fedavg"
 
     def local_step(self, objective: Objective, sample: Sampler) -> None:
-        self._train(objective, sample, self.a_names + self.b_names + self.heads)
+        self.train_step(objective, sample, self.a_names + self.b_names + self.heads)
 
     def upload(self, replica: int) -> Payload:
-        return self._upload(replica, self.a_names + self.b_names + self.shared_head_names())
+        return self.upload_params(replica, self.a_names + self.b_names + self.shared_head_names())
 

@@ -30,10 +30,10 @@ class FedSALoRA(FactorLoRA):
     has_global_model = False
 
     def local_step(self, objective: Objective, sample: Sampler) -> None:
-        self._train(objective, sample, self.a_names + self.b_names + self.heads)
+        self.train_step(objective, sample, self.a_names + self.b_names + self.heads)
 
     def upload(self, replica: int) -> Payload:
-        return self._upload(replica, self.a_names + self.shared_head_names())  # B_k is private: never uploaded
+        return self.upload_params(replica, self.a_names + self.shared_head_names())  # B_k is private: never uploaded
 
     @staticmethod
     def aggregate(payloads: Sequence[Payload], weights: torch.Tensor) -> dict[str, torch.Tensor]:

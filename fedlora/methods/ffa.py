@@ -50,8 +50,8 @@ class FFALoRA(FactorLoRA):
         check_shared(self.name, self.params, self.a_names, self.groups)
 
     def local_step(self, objective: Objective, sample: Sampler) -> None:
-        self._train(objective, sample, self.b_names + self.heads)  # A keeps grad None: frozen at its init
+        self.train_step(objective, sample, self.b_names + self.heads)  # A keeps grad None: frozen at its init
 
     def upload(self, replica: int) -> Payload:
-        return self._upload(replica, self.b_names + self.shared_head_names())
+        return self.upload_params(replica, self.b_names + self.shared_head_names())
 

@@ -121,7 +121,7 @@ class FLoRA(FactorLoRA):
         self._merged = set()
 
     def local_step(self, objective: Objective, sample: Sampler) -> None:
-        self._train(objective, sample, self.a_names + self.b_names + self.heads)
+        self.train_step(objective, sample, self.a_names + self.b_names + self.heads)
         self._apply_rank_mask()  # slots ≥ r_k stay exactly 0 (AdamW's weight decay/moments could move them)
 
     def upload(self, replica: int) -> Payload:

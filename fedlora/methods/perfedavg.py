@@ -137,5 +137,5 @@ class PerFedAvgLoRA(AveragedFactors):
         return out
 
     def upload(self, replica: int) -> Payload:
-        return self._upload(replica, self.x_names)
+        return self.upload_params(replica, self.x_names)
 

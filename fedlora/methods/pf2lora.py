@@ -119,7 +119,7 @@ class PF2LoRA(AveragedFactors):
 
     def upload(self, replica: int) -> Payload:
         # Only the common adapter leaves the client (Alg. 1 line 8); y_k stays local.
-        return self._upload(replica, self.x_names)
+        return self.upload_params(replica, self.x_names)
 
     @staticmethod
     def aggregate(payloads: Sequence[Payload], weights: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -101,7 +101,7 @@ class Local(FactorLoRA):
     has_global_model = False
 
     def local_step(self, objective: Objective, sample: Sampler) -> None:
-        self._train(objective, sample, self.a_names + self.b_names + self.heads)
+        self.train_step(objective, sample, self.a_names + self.b_names + self.heads)
 
     def upload(self, replica: int) -> Payload:
         return Payload({})

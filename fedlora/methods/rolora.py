@@ -56,10 +56,10 @@ class RoLoRA(FactorLoRA):
         return self.b_names if self.factor == "B" else self.a_names
 
     def local_step(self, objective: Objective, sample: Sampler) -> None:
-        self._train(objective, sample, self.trained_names() + self.heads)
+        self.train_step(objective, sample, self.trained_names() + self.heads)
 
     def upload(self, replica: int) -> Payload:
-        return self._upload(replica, self.trained_names() + self.shared_head_names())
+        return self.upload_params(replica, self.trained_names() + self.shared_head_names())
 
     @staticmethod
     def aggregate(payloads: Sequence[Payload], weights: torch.Tensor) -> dict[str, torch.Tensor]:
