@@ -173,7 +173,7 @@ def test_config_errors_name_the_field(tmp_path):
     (dict(method={"name": "pf2lora", "options": {"rank": 2, "client_rank": 2}}), "client_rank < rank"),
     (dict(method={"name": "lora-a2", "options": {"rank": 4}}, model__head="shared"), "lora-a2 supports frozen"),
     (dict(method={"name": "fedavg", "options": {"rnk": 2}}), "unknown option"),
-    (dict(method={"name": "hetlora", "rank": 4, "options": {"r_max": 3}}), "same setting for hetlora"),
+    (dict(method={"name": "hetlora", "rank": 4, "options": {"r_min": 3}}), "same setting for hetlora"),
     (dict(method={"name": "pf2lora", "lr": 0.1, "options": {"upper_lr": 0.2, "client_rank": 2}}),
      "method.lr: 0.1 and method.options.upper_lr: 0.2"),
 ])
