@@ -184,11 +184,12 @@ def test_bad_runs_fail_before_training_with_one_line(tmp_path, over, match):
 
 
 def test_rank_and_lr_shortcuts_reach_the_option_they_stand_for(tmp_path):
-    """method.rank / method.lr work for every method: HetLoRA's common rank is r_max, PF2LoRA's main
-    step size its upper_lr; the same value given twice is no conflict."""
+    """method.rank / method.lr work for every method: HetLoRA's rank is r_min (r_max = ⌈1.5·r_min⌉, the
+    PF2LoRA paper's 8 → 12), PF2LoRA's main step size its upper_lr; the same value given twice is no
+    conflict."""
     het = FederatedRun(tiny_config(tmp_path, method={"name": "hetlora", "rank": 3, "lr": 0.02}), write=False)
     m = het._build_method()
-    assert (m.r_max, m.lr) == (3, 0.02)
+    assert (m.r_min, m.r_max, m.lr) == (3, 5, 0.02)
     pf2 = FederatedRun(tiny_config(tmp_path, method={"name": "pf2lora", "rank": 4, "lr": 0.03,
                                                      "options": {"client_rank": 2, "rank": 4}}), write=False)
     m = pf2._build_method()
