@@ -355,11 +355,23 @@ def method_options(cfg: RunConfig) -> dict[str, Any]:
     return options
 
 
+def effective_options(cfg: RunConfig) -> dict[str, Any]:
+    """Every constructor option of the run's method with the value it takes: ``method_options`` over
+    the constructor's defaults (PF2LoRA's ``hypergradient``, ``batches`` … even where not given)."""
+    import inspect
+
+    from fedlora.methods import get_method
+
+    params = inspect.signature(get_method(cfg.method.name).__init__).parameters
+    defaults = {k: p.default for k, p in params.items() if k != "self" and p.default is not inspect.Parameter.empty}
+    return {**defaults, **method_options(cfg)}
+
+
 def describe_method(cfg: RunConfig) -> dict[str, Any]:
-    """What ``fedlora run --dry-run`` and config.json say of the method: its resolved options and every
-    step size with its optimizer. Builds the method, so a bad option fails here, before any loading."""
+    """What ``fedlora run --dry-run`` and config.json say of the method: every option with the value it
+    takes and every step size with its optimizer. Builds the method, so a bad option fails here."""
     method = build_method(cfg)
-    return {"name": method.name, "options": method_options(cfg), "step_sizes": method.step_sizes()}
+    return {"name": method.name, "options": effective_options(cfg), "step_sizes": method.step_sizes()}
 
 
 def build_method(cfg: RunConfig):

@@ -51,6 +51,7 @@ from fedlora.state import ClientStore, record_nbytes
 
 from .config import RunConfig
 from .dropout import install_client_dropout
+from .manifest import data_files, environment, file_hashes, split_indices
 from .inject import SlotLoRALinear, head_linear_names, inject_adapters, make_head_trainable, match_targets, set_slots
 
 __all__ = ["FederatedRun", "ClientSampler", "run"]
@@ -213,6 +214,14 @@ class FederatedRun:
         cfg, dc, fc = self.cfg, self.cfg.data, self.cfg.federation
         columns = {field: getattr(dc, key.split(".")[1]) for field, key in D.CONFIG_FIELD.items()
                    if getattr(dc, key.split(".")[1]) is not None} or None  # the task's columns, overridden field by field
+        from fedlora.partition import validate_partition_spec
+
+        scheme, params = validate_partition_spec(fc.partition)
+        if scheme == "by_key" and params.get("column") is not None:  # by_key(topic): the key column
+            if dc.client_column is not None and dc.client_column != params["column"]:
+                raise ConfigError(f"federation.partition: {fc.partition!r} names the key column "
+                                  f"{params['column']!r} but data.client_column is {dc.client_column!r}; give one")
+            columns = {**(columns or {}), "client_key": params["column"]}
         self.train_data, self.test_data, self.task = D.load_text_data(
             task=dc.task, path=dc.path, hf_name=dc.hf_name, hf_config=dc.hf_config, columns=columns,
             train_split=dc.train_split, test_split=dc.test_split, labels=dc.labels,
@@ -238,9 +247,9 @@ class FederatedRun:
                 "client_test_sizes": [len(c.test) for c in self.clients]}
 
     def _build_method(self) -> Method:
-        from .config import build_method, method_options
+        from .config import build_method, effective_options
 
-        self.method_options = {k: v for k, v in method_options(self.cfg).items()}
+        self.method_options = effective_options(self.cfg)  # every option with its value (config.json)
         return build_method(self.cfg)
 
     def _head_mode(self) -> str:
@@ -649,7 +658,16 @@ class FederatedRun:
                 "test_sizes": [len(c.test) for c in self.clients], "clients_per_pass": self.P,
                 "local_steps": self.steps, "method_options": self.method_options,
                 "step_sizes": self.method.step_sizes(), "lr_schedule": self.cfg.train.lr_schedule,
-                "device": str(self.device), "split": self.split_report}
+                "device": str(self.device), "split": self.split_report, "manifest": self.manifest(),
+                "split_indices": split_indices(self.clients, self.train_data.keys)}
+
+    def manifest(self) -> dict[str, Any]:
+        """Provenance (``llm.manifest``): versions, git commit, command line, the data files' hashes."""
+        from .tasks import get_task
+
+        dc = self.cfg.data
+        local_dir = get_task(dc.task).local_dir if dc.task is not None and dc.path is None else None
+        return {**environment(), "data_files": file_hashes(data_files(dc.path, local_dir))}
 
     def client_adapter(self, client: int) -> dict[str, torch.Tensor]:
         """Client ``client``'s final model as one adapter per layer (no slot dimension): its record
