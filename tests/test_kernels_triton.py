@@ -178,6 +178,70 @@ def test_hvp_through_op_matches_reference():
         assert _rel(p, q) < 1e-4  # second order through fp32 chains: looser than first order
 
 
+@pytest.mark.parametrize("stack", [None, 3])
+def test_second_order_through_dx_of_a_two_layer_chain_matches_reference(stack):
+    """The differentiable (create_graph) backward for X: PF2LoRA's mixed term through TWO stacked LoRA
+    layers, where the second layer's input depends on the first layer's adapters, so ∂²/∂(a₁,b₁)∂(c₂,d₂)
+    flows through the second op's dX and its backward. Single and stacked (3 replicas, equal segments)."""
+    gen = torch.Generator().manual_seed(11)
+    x, w1, bb1, a1, b1, c1, d1 = _make(14, 12, 10, 4, 2, stack=stack, gen=gen)
+    _, w2, bb2, a2, b2, c2, d2 = _make(14, 10, 8, 3, 2, stack=stack, gen=gen)
+    target = torch.randn(*x.shape[:-1], 8, generator=gen)
+    vs = [torch.randn_like(t) for t in (c1, d1, c2, d2)]
+
+    def second_order(op, dtype):
+        xs = x.detach().to(dtype).requires_grad_()
+        ps = [t.detach().to(dtype).requires_grad_() for t in (a1, b1, c1, d1, a2, b2, c2, d2)]
+        cast = [None if t is None else t.to(dtype) for t in (w1, bb1, w2, bb2)]
+        h = torch.tanh(op(xs, cast[0], cast[1], ps[0], ps[1], 0.5, ps[2], ps[3], 2.0))
+        y = op(h, cast[2], cast[3], ps[4], ps[5], 0.5, ps[6], ps[7], 2.0)
+        loss = torch.tanh(y - target.to(dtype)).square().mean()
+        gy = torch.autograd.grad(loss, [ps[2], ps[3], ps[6], ps[7]], create_graph=True)
+        dot = sum((g * v.to(dtype)).sum() for g, v in zip(gy, vs))
+        return torch.autograd.grad(dot, [xs, *ps])
+
+    got = second_order(lambda *t: lora_linear(*t, backend="triton"), torch.float32)
+    ref = second_order(lora_linear_reference, torch.float64)
+    for p, q in zip(got, ref):
+        assert _rel(p, q) < 1e-4
+
+
+def test_second_order_through_dx_with_unequal_client_segments_matches_reference():
+    """The same chain through the multi-client op with unequal segments (the per-segment branch of the
+    differentiable backward): against K separate float64 reference calls per layer."""
+    gen = torch.Generator().manual_seed(12)
+    offs, K = [0, 5, 6, 14], 3
+    x, w1, bb1, a1, b1, _, _ = _make(14, 12, 10, 4, 0, gen=gen)
+    _, w2, bb2, a2, b2, _, _ = _make(14, 10, 8, 3, 0, gen=gen)
+    c1, d1 = torch.randn(K, 2, 12, generator=gen), torch.randn(K, 10, 2, generator=gen)
+    c2, d2 = torch.randn(K, 2, 10, generator=gen), torch.randn(K, 8, 2, generator=gen)
+    target = torch.randn(14, 8, generator=gen)
+    vs = [torch.randn_like(t) for t in (c1, d1, c2, d2)]
+
+    def separate(x_, w, bb, a, b, c, d):
+        return torch.cat([lora_linear_reference(x_[offs[k]:offs[k + 1]], w, bb, a, b, 0.5, c[k], d[k], 2.0)
+                          for k in range(K)])
+
+    def triton(x_, w, bb, a, b, c, d):
+        return lora_linear_multi(x_, w, bb, a, b, c, d, offs, 0.5, 2.0, backend="triton")
+
+    def second_order(op, dtype):
+        xs = x.detach().to(dtype).requires_grad_()
+        ps = [t.detach().to(dtype).requires_grad_() for t in (a1, b1, c1, d1, a2, b2, c2, d2)]
+        cast = [t.to(dtype) for t in (w1, bb1, w2, bb2)]
+        h = torch.tanh(op(xs, cast[0], cast[1], *ps[:4]))
+        y = op(h, cast[2], cast[3], *ps[4:])
+        loss = torch.tanh(y - target.to(dtype)).square().mean()
+        gy = torch.autograd.grad(loss, [ps[2], ps[3], ps[6], ps[7]], create_graph=True)
+        dot = sum((g * v.to(dtype)).sum() for g, v in zip(gy, vs))
+        return torch.autograd.grad(dot, [xs, *ps])
+
+    got = second_order(triton, torch.float32)
+    ref = second_order(separate, torch.float64)
+    for p, q in zip(got, ref):
+        assert _rel(p, q) < 1e-4
+
+
 def test_gradcheck_reference_float64():
     gen = torch.Generator().manual_seed(6)
     x, w, bb, a, b, c, d = _make(5, 6, 4, 2, 1, gen=gen)
