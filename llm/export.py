@@ -16,12 +16,16 @@ B_cat A_cat = Σ_t B_stack,t A_stack,t, scale 1), which the export appends to th
 (rank r + M, exact); with a half-precision base, whose per-round rounding no LoRA reproduces, it holds
 the merged weights themselves, which the merged export copies in and the PEFT export refuses.
 
-Export refuses, in one line, what it cannot reproduce: a FLoRA adapter without its merged update, a
-PEFT export of merged weights.
+Export refuses what it cannot reproduce, in one line: a client the run did not have, an adapter file
+that another run (or an older fedlora) left in the folder — every file names the SHA-256 of its run's
+config (``config_digest``), checked against ``config.json`` — a FLoRA adapter without its merged
+update, and a non-empty output folder unless ``overwrite`` (which clears it, after every check).
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -31,10 +35,17 @@ from fedlora.errors import ConfigError
 from kernels import fold_adapters
 
 __all__ = ["lora_factors", "export_peft", "export_merged", "load_run_adapter", "load_run_base_model",
-           "merge_adapters", "unmerge_adapters", "MERGED_UPDATE"]
+           "merge_adapters", "unmerge_adapters", "config_digest", "MERGED_UPDATE"]
 
 #: FLoRA: the update merged into the run's shared base (in ``adapters/``, one for all clients)
 MERGED_UPDATE = "merged_update.safetensors"
+
+
+def config_digest(config: Mapping[str, Any]) -> str:
+    """SHA-256 of a run's config (``RunConfig.to_dict()``, config.json's "config"), as canonical JSON:
+    the saved adapters carry it, so export knows they belong to the config.json beside them."""
+    canon = json.dumps(json.loads(json.dumps(config)), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canon.encode()).hexdigest()
 
 
 def lora_factors(tensors: Mapping[str, torch.Tensor], layers: Mapping[str, Mapping[str, Any]]
@@ -82,25 +93,36 @@ def _read_safetensors(path: Path) -> tuple[dict[str, str], dict[str, torch.Tenso
 def load_run_adapter(run_dir: str | Path, client: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(config.json's content, client ``client``'s adapter tensors) of a finished run — with FLoRA's
     merged update (``MERGED_UPDATE``) joined in as ``<layer>.merged_A`` / ``merged_B`` (a LoRA) or
-    ``<layer>.merged_weight`` (the merged base weight)."""
+    ``<layer>.merged_weight`` (the merged base weight). ``ConfigError`` (one line) for a client the run
+    did not have and for files that do not belong to this run's config.json."""
     run_dir = Path(run_dir)
     cfg_path, folder = run_dir / "config.json", run_dir / "adapters"
     ad = folder / f"client_{client}.safetensors"
     if not cfg_path.is_file():
         raise ConfigError(f"export: {str(run_dir)!r} is not a finished run folder (no config.json)")
+    info = json.loads(cfg_path.read_text())
+    K = int(info["config"]["federation"]["clients"])
+    if not 0 <= client < K:
+        raise ConfigError(f"export: --client {client}: the run in {str(run_dir)!r} has {K} clients, "
+                          f"--client 0 to {K - 1}")
     if not ad.is_file():
         have = sorted(p.stem for p in folder.glob("client_*.safetensors")) if folder.is_dir() else []
-        raise ConfigError(f"export: no adapter of client {client} in {str(run_dir)!r}; found: {', '.join(have) or 'none'}")
-    info = json.loads(cfg_path.read_text())
+        raise ConfigError(f"export: no adapter of client {client} in {str(run_dir)!r} (the run did not finish?); "
+                          f"found: {', '.join(have) or 'none'}")
+    digest = config_digest(info["config"])
     meta, tensors = _read_safetensors(ad)
+    if meta.get("config_sha256") != digest or meta.get("client") != str(client):
+        raise ConfigError(f"export: {str(ad)!r} was not written by the run of {str(cfg_path)!r} (another run, or "
+                          f"an older fedlora, left it in the folder): re-run into an empty folder")
     if "merged_update" in meta:  # FLoRA: the rest of the client's model is in the shared base
         mu = folder / meta["merged_update"]
         if not mu.is_file():
             raise ConfigError(f"export: {str(mu)!r} is missing: client {client}'s model is its adapter plus the "
                               f"update merged into the base, which that file holds")
         mmeta, merged = _read_safetensors(mu)
-        if mmeta.get("form") not in ("lora", "dense"):
-            raise ConfigError(f"export: {str(mu)!r} has no form 'lora' or 'dense' in its metadata")
+        if mmeta.get("config_sha256") != digest or mmeta.get("form") not in ("lora", "dense"):
+            raise ConfigError(f"export: {str(mu)!r} was not written by the run of {str(cfg_path)!r}: re-run into "
+                              f"an empty folder")
         leaves = {"lora": {"lora_A": "merged_A", "lora_B": "merged_B"}, "dense": {"weight": "merged_weight"}}[mmeta["form"]]
         for name in info["resolved"]["layers"]:
             for leaf, as_ in leaves.items():
@@ -110,13 +132,42 @@ def load_run_adapter(run_dir: str | Path, client: int) -> tuple[dict[str, Any], 
     return info, tensors
 
 
-def export_peft(run_dir: str | Path, client: int, out: str | Path, dtype: torch.dtype | None = None) -> Path:
+def _output_folder(out: str | Path, overwrite: bool, run_dir: str | Path) -> Path:
+    """``out`` as the export's folder: a non-empty one is refused unless ``overwrite`` (cleared later,
+    by ``_clear``, once everything else is checked); never the run folder or a folder holding it."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out: {str(out)!r} is a file, not a folder")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise ConfigError(f"--out: {str(out)!r} is not empty; give --overwrite to replace what it holds")
+        o, r = out.resolve(), Path(run_dir).resolve()
+        if o == r or o in r.parents:
+            raise ConfigError(f"--out: {str(out)!r} holds the run folder {str(run_dir)!r}: --overwrite would delete it")
+    return out
+
+
+def _clear(out: Path, overwrite: bool) -> None:
+    """Empty ``out`` if ``overwrite`` (``_output_folder`` checked it may be), then make sure it exists."""
+    if overwrite and out.is_dir():
+        for p in out.iterdir():
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def export_peft(run_dir: str | Path, client: int, out: str | Path, dtype: torch.dtype | None = None, *,
+                overwrite: bool = False) -> Path:
     """Write client ``client``'s model of the run in ``run_dir`` as a PEFT LoRA adapter folder
     (``adapter_config.json`` + ``adapter_model.safetensors``) that ``PeftModel.from_pretrained`` loads
-    on top of the run's base model (FLoRA: rank r + M, its merged update appended). Returns ``out``."""
+    on top of the run's base model (FLoRA: rank r + M, its merged update appended). ``out`` must be
+    empty unless ``overwrite``. Returns ``out``."""
     import peft
     from safetensors.torch import save_file
 
+    out = _output_folder(out, overwrite, run_dir)
     info, tensors = load_run_adapter(run_dir, client)
     res = info["resolved"]
     layers = res["layers"]
@@ -145,8 +196,7 @@ def export_peft(run_dir: str | Path, client: int, out: str | Path, dtype: torch.
     cfg = peft.LoraConfig(r=R, lora_alpha=R, target_modules=sorted(layers), lora_dropout=0.0,
                           fan_in_fan_out=conv.pop(), modules_to_save=head_top or None, task_type="SEQ_CLS",
                           base_model_name_or_path=info["config"]["model"]["name"])
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    _clear(out, overwrite)
     cfg.save_pretrained(str(out))
     save_file(state, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     return out
@@ -221,15 +271,15 @@ def load_run_base_model(info: Mapping[str, Any]):
     return model.eval(), tok
 
 
-def export_merged(run_dir: str | Path, client: int, out: str | Path) -> Path:
+def export_merged(run_dir: str | Path, client: int, out: str | Path, *, overwrite: bool = False) -> Path:
     """Client ``client``'s model with its adapter merged into the base weights (and its head; FLoRA:
     with its merged update), saved with ``save_pretrained`` together with the tokenizer: a plain HF
-    model, no PEFT needed."""
+    model, no PEFT needed. ``out`` must be empty unless ``overwrite``."""
+    out = _output_folder(out, overwrite, run_dir)
     info, tensors = load_run_adapter(run_dir, client)
     model, tok = load_run_base_model(info)
     merge_adapters(model, tensors, info["resolved"]["layers"], info["resolved"]["head_linear"])
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    _clear(out, overwrite)
     model.save_pretrained(str(out))
     tok.save_pretrained(str(out))
     return out

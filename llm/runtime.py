@@ -671,13 +671,15 @@ class FederatedRun:
 
     def save_adapters(self, folder: Path) -> list[Path]:
         """Every client's final model (``client_adapter``) as ``client_<k>.safetensors``, and FLoRA's
-        merged update (``merged_update``) once as ``merged_update.safetensors``, which each client's
-        metadata names."""
+        merged update (``merged_update``) once as ``merged_update.safetensors``; each file's metadata
+        names the method, the client, the number of clients and the SHA-256 of the run's config
+        (``llm.export.config_digest``), so export refuses files another run left in the folder."""
         from safetensors.torch import save
 
-        from .export import MERGED_UPDATE
+        from .export import MERGED_UPDATE, config_digest
 
-        meta = {"method": self.method.name}
+        meta = {"method": self.method.name, "clients": str(self.cfg.federation.clients),
+                "config_sha256": config_digest(self.cfg.to_dict())}
         merged = self.merged_update()
         if merged is not None:
             tensors, form = merged
