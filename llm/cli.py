@@ -32,7 +32,9 @@ def register_export(subparsers: argparse._SubParsersAction) -> None:
     ex = subparsers.add_parser("export", help="export a client's model of a finished run (PEFT adapter or merged model)")
     ex.add_argument("run_dir", help="the run's output folder (holds config.json and adapters/)")
     ex.add_argument("--client", type=int, default=0, help="client index (default 0)")
-    ex.add_argument("--out", required=True, help="output folder")
+    ex.add_argument("--out", required=True, help="output folder (must be empty, unless --overwrite)")
+    ex.add_argument("--overwrite", action="store_true",
+                    help="clear a non-empty --out first (after every other check passed)")
     ex.add_argument("--format", default="peft", choices=("peft", "merged"),
                     help="peft (a LoRA adapter PEFT loads, default) or merged "
                          "(the base model with the adapter merged, save_pretrained)")
@@ -84,6 +86,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     if args.client < 0:
         raise ConfigError(f"--client: must be an integer ≥ 0, got {args.client}")
     out = check_output_dir(args.out)
-    path = (export_peft if args.format == "peft" else export_merged)(args.run_dir, args.client, out)
+    path = (export_peft if args.format == "peft" else export_merged)(args.run_dir, args.client, out,
+                                                                     overwrite=args.overwrite)
     print(f"wrote {path} ({args.format}, client {args.client})")
     return 0

@@ -8,11 +8,24 @@ checkpoint holds — travels as PEFT ``modules_to_save``.
 
 The run folder holds what this needs (``fedlora run`` writes it): ``config.json`` ("resolved": the
 adapted layers with their scales and orientation, the head's modules) and
-``adapters/client_<k>.safetensors`` (the client's final tensors, no slot dimension).
+``adapters/client_<k>.safetensors`` (the client's final tensors, no slot dimension: the model the run
+evaluated last — Per-FedAvg's after its one personalisation step). FLoRA merges every round into the
+base, which its adapters alone do not hold: ``adapters/merged_update.safetensors`` (once per run, the
+same for every client) holds what was merged, as ONE LoRA of rank M (every round's stack concatenated,
+B_cat A_cat = Σ_t B_stack,t A_stack,t, scale 1), which the export appends to the client's own LoRA
+(rank r + M, exact); with a half-precision base, whose per-round rounding no LoRA reproduces, it holds
+the merged weights themselves, which the merged export copies in and the PEFT export refuses.
+
+Export refuses what it cannot reproduce, in one line: a client the run did not have, an adapter file
+that another run (or an older fedlora) left in the folder — every file names the SHA-256 of its run's
+config (``config_digest``), checked against ``config.json`` — a FLoRA adapter without its merged
+update, and a non-empty output folder unless ``overwrite`` (which clears it, after every check).
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -22,20 +35,36 @@ from fedlora.errors import ConfigError
 from kernels import fold_adapters
 
 __all__ = ["lora_factors", "export_peft", "export_merged", "load_run_adapter", "load_run_base_model",
-           "merge_adapters", "unmerge_adapters"]
+           "merge_adapters", "unmerge_adapters", "config_digest", "MERGED_UPDATE"]
+
+#: FLoRA: the update merged into the run's shared base (in ``adapters/``, one for all clients)
+MERGED_UPDATE = "merged_update.safetensors"
+
+
+def config_digest(config: Mapping[str, Any]) -> str:
+    """SHA-256 of a run's config (``RunConfig.to_dict()``, config.json's "config"), as canonical JSON:
+    the saved adapters carry it, so export knows they belong to the config.json beside them."""
+    canon = json.dumps(json.loads(json.dumps(config)), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canon.encode()).hexdigest()
 
 
 def lora_factors(tensors: Mapping[str, torch.Tensor], layers: Mapping[str, Mapping[str, Any]]
                  ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Per adapted layer name → (A_cat (R, d_in), B_cat (d_out, R)) with ΔW = B_cat A_cat, every scale,
     the client adapter and the TriLoRA middle folded in. ``tensors``: a client's adapter state
-    (``<layer>.lora_A`` …, ``<layer>.middle_mask``); ``layers``: name → {scale, client_scale}."""
+    (``<layer>.lora_A`` …, ``<layer>.middle_mask``) as ``load_run_adapter`` gives it — with FLoRA's
+    merged update as ``<layer>.merged_A`` / ``<layer>.merged_B`` (scale 1), appended: A_cat =
+    [A; merged_A], B_cat = [s·B, merged_B]; a dense ``<layer>.merged_weight`` is no LoRA (refused:
+    ``merge_adapters`` takes it). ``layers``: name → {scale, client_scale}."""
     out = {}
     for name, info in layers.items():
         g = lambda leaf: tensors.get(f"{name}.{leaf}")  # noqa: E731
         a, b = g("lora_A"), g("lora_B")
         if a is None or b is None:
             raise ConfigError(f"export: the adapter has no lora_A/lora_B for layer {name!r}")
+        if g("merged_weight") is not None:
+            raise ConfigError(f"export: layer {name!r} holds FLoRA's merged base weight (a half-precision base "
+                              f"rounds every round's merge, which no LoRA reproduces): use --format merged")
         a_e, b_e, c, d_e = fold_adapters(a.double(), b.double(), float(info["scale"]),
                                          None if g("lora_C") is None else g("lora_C").double(),
                                          None if g("lora_D") is None else g("lora_D").double(),
@@ -45,31 +74,100 @@ def lora_factors(tensors: Mapping[str, torch.Tensor], layers: Mapping[str, Mappi
                                          middle_mask=None if g("middle_mask") is None else g("middle_mask").double())
         if c is not None:
             a_e, b_e = torch.cat([a_e, c], 0), torch.cat([b_e, d_e], 1)
+        ma, mb = g("merged_A"), g("merged_B")
+        if (ma is None) != (mb is None):
+            raise ConfigError(f"export: layer {name!r} has only one of merged_A / merged_B")
+        if ma is not None:  # FLoRA: the update merged into the base, itself a LoRA (scale 1)
+            a_e, b_e = torch.cat([a_e, ma.double()], 0), torch.cat([b_e, mb.double()], 1)
         out[name] = (a_e, b_e)
     return out
 
 
-def load_run_adapter(run_dir: str | Path, client: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(config.json's content, client ``client``'s adapter tensors) of a finished run."""
-    from safetensors.torch import load_file
+def _read_safetensors(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    from safetensors import safe_open
 
+    with safe_open(str(path), framework="pt") as f:
+        return dict(f.metadata() or {}), {k: f.get_tensor(k) for k in f.keys()}
+
+
+def load_run_adapter(run_dir: str | Path, client: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(config.json's content, client ``client``'s adapter tensors) of a finished run — with FLoRA's
+    merged update (``MERGED_UPDATE``) joined in as ``<layer>.merged_A`` / ``merged_B`` (a LoRA) or
+    ``<layer>.merged_weight`` (the merged base weight). ``ConfigError`` (one line) for a client the run
+    did not have and for files that do not belong to this run's config.json."""
     run_dir = Path(run_dir)
-    cfg_path, ad = run_dir / "config.json", run_dir / "adapters" / f"client_{client}.safetensors"
+    cfg_path, folder = run_dir / "config.json", run_dir / "adapters"
+    ad = folder / f"client_{client}.safetensors"
     if not cfg_path.is_file():
         raise ConfigError(f"export: {str(run_dir)!r} is not a finished run folder (no config.json)")
+    info = json.loads(cfg_path.read_text())
+    K = int(info["config"]["federation"]["clients"])
+    if not 0 <= client < K:
+        raise ConfigError(f"export: --client {client}: the run in {str(run_dir)!r} has {K} clients, "
+                          f"--client 0 to {K - 1}")
     if not ad.is_file():
-        have = sorted(p.stem for p in (run_dir / "adapters").glob("client_*.safetensors")) if (run_dir / "adapters").is_dir() else []
-        raise ConfigError(f"export: no adapter of client {client} in {str(run_dir)!r}; found: {', '.join(have) or 'none'}")
-    return json.loads(cfg_path.read_text()), load_file(str(ad))
+        have = sorted(p.stem for p in folder.glob("client_*.safetensors")) if folder.is_dir() else []
+        raise ConfigError(f"export: no adapter of client {client} in {str(run_dir)!r} (the run did not finish?); "
+                          f"found: {', '.join(have) or 'none'}")
+    digest = config_digest(info["config"])
+    meta, tensors = _read_safetensors(ad)
+    if meta.get("config_sha256") != digest or meta.get("client") != str(client):
+        raise ConfigError(f"export: {str(ad)!r} was not written by the run of {str(cfg_path)!r} (another run, or "
+                          f"an older fedlora, left it in the folder): re-run into an empty folder")
+    if "merged_update" in meta:  # FLoRA: the rest of the client's model is in the shared base
+        mu = folder / meta["merged_update"]
+        if not mu.is_file():
+            raise ConfigError(f"export: {str(mu)!r} is missing: client {client}'s model is its adapter plus the "
+                              f"update merged into the base, which that file holds")
+        mmeta, merged = _read_safetensors(mu)
+        if mmeta.get("config_sha256") != digest or mmeta.get("form") not in ("lora", "dense"):
+            raise ConfigError(f"export: {str(mu)!r} was not written by the run of {str(cfg_path)!r}: re-run into "
+                              f"an empty folder")
+        leaves = {"lora": {"lora_A": "merged_A", "lora_B": "merged_B"}, "dense": {"weight": "merged_weight"}}[mmeta["form"]]
+        for name in info["resolved"]["layers"]:
+            for leaf, as_ in leaves.items():
+                if f"{name}.{leaf}" not in merged:
+                    raise ConfigError(f"export: {str(mu)!r} has no {leaf} for layer {name!r}")
+                tensors[f"{name}.{as_}"] = merged[f"{name}.{leaf}"]
+    return info, tensors
 
 
-def export_peft(run_dir: str | Path, client: int, out: str | Path, dtype: torch.dtype | None = None) -> Path:
+def _output_folder(out: str | Path, overwrite: bool, run_dir: str | Path) -> Path:
+    """``out`` as the export's folder: a non-empty one is refused unless ``overwrite`` (cleared later,
+    by ``_clear``, once everything else is checked); never the run folder or a folder holding it."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out: {str(out)!r} is a file, not a folder")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise ConfigError(f"--out: {str(out)!r} is not empty; give --overwrite to replace what it holds")
+        o, r = out.resolve(), Path(run_dir).resolve()
+        if o == r or o in r.parents:
+            raise ConfigError(f"--out: {str(out)!r} holds the run folder {str(run_dir)!r}: --overwrite would delete it")
+    return out
+
+
+def _clear(out: Path, overwrite: bool) -> None:
+    """Empty ``out`` if ``overwrite`` (``_output_folder`` checked it may be), then make sure it exists."""
+    if overwrite and out.is_dir():
+        for p in out.iterdir():
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def export_peft(run_dir: str | Path, client: int, out: str | Path, dtype: torch.dtype | None = None, *,
+                overwrite: bool = False) -> Path:
     """Write client ``client``'s model of the run in ``run_dir`` as a PEFT LoRA adapter folder
     (``adapter_config.json`` + ``adapter_model.safetensors``) that ``PeftModel.from_pretrained`` loads
-    on top of the run's base model. Returns ``out``."""
+    on top of the run's base model (FLoRA: rank r + M, its merged update appended). ``out`` must be
+    empty unless ``overwrite``. Returns ``out``."""
     import peft
     from safetensors.torch import save_file
 
+    out = _output_folder(out, overwrite, run_dir)
     info, tensors = load_run_adapter(run_dir, client)
     res = info["resolved"]
     layers = res["layers"]
@@ -98,8 +196,7 @@ def export_peft(run_dir: str | Path, client: int, out: str | Path, dtype: torch.
     cfg = peft.LoraConfig(r=R, lora_alpha=R, target_modules=sorted(layers), lora_dropout=0.0,
                           fan_in_fan_out=conv.pop(), modules_to_save=head_top or None, task_type="SEQ_CLS",
                           base_model_name_or_path=info["config"]["model"]["name"])
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    _clear(out, overwrite)
     cfg.save_pretrained(str(out))
     save_file(state, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     return out
@@ -111,11 +208,14 @@ def merge_adapters(model: torch.nn.Module, adapter: Mapping[str, torch.Tensor],
     """W0 ← W0 + ΔW in every adapted layer of ``model`` (a model whose layers are plain
     ``nn.Linear``/``Conv1D``, e.g. the base model loaded afresh, or one with ``SlotLoRALinear`` whose W0
     buffer is changed in place) and copy the client's head (``head_linear`` layers) in. Returns what
-    ``unmerge_adapters`` needs: each changed tensor's previous value (restored exactly)."""
+    ``unmerge_adapters`` needs: each changed tensor's previous value (restored exactly). FLoRA's
+    dense ``<layer>.merged_weight`` (a half-precision base) replaces W0 before ΔW is added."""
     from .inject import SlotLoRALinear, _conv1d_type
 
     conv = _conv1d_type()
     backup: dict[str, torch.Tensor] = {}
+    dense = {n[: -len(".merged_weight")]: t for n, t in adapter.items() if n.endswith(".merged_weight")}
+    adapter = {n: t for n, t in adapter.items() if not n.endswith(".merged_weight")}
     for h in head_linear:
         lin = model.get_submodule(h)
         for leaf in ("weight", "bias"):
@@ -136,7 +236,8 @@ def merge_adapters(model: torch.nn.Module, adapter: Mapping[str, torch.Tensor],
         else:
             raise ConfigError(f"merge: {name!r} is a {type(mod).__name__}, not a linear layer")
         backup[name] = target.detach().clone()
-        target.copy_((target.double() + b @ a).to(target.dtype))
+        w0 = dense[name].to(target.device) if name in dense else target
+        target.copy_((w0.double() + b @ a).to(target.dtype))
     return backup
 
 
@@ -170,14 +271,15 @@ def load_run_base_model(info: Mapping[str, Any]):
     return model.eval(), tok
 
 
-def export_merged(run_dir: str | Path, client: int, out: str | Path) -> Path:
-    """Client ``client``'s model with its adapter merged into the base weights (and its head), saved
-    with ``save_pretrained`` together with the tokenizer: a plain HF model, no PEFT needed."""
+def export_merged(run_dir: str | Path, client: int, out: str | Path, *, overwrite: bool = False) -> Path:
+    """Client ``client``'s model with its adapter merged into the base weights (and its head; FLoRA:
+    with its merged update), saved with ``save_pretrained`` together with the tokenizer: a plain HF
+    model, no PEFT needed. ``out`` must be empty unless ``overwrite``."""
+    out = _output_folder(out, overwrite, run_dir)
     info, tensors = load_run_adapter(run_dir, client)
     model, tok = load_run_base_model(info)
     merge_adapters(model, tensors, info["resolved"]["layers"], info["resolved"]["head_linear"])
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    _clear(out, overwrite)
     model.save_pretrained(str(out))
     tok.save_pretrained(str(out))
     return out

@@ -670,13 +670,20 @@ class FederatedRun:
         return {**environment(), "data_files": file_hashes(data_files(dc.path, local_dir))}
 
     def client_adapter(self, client: int) -> dict[str, torch.Tensor]:
-        """Client ``client``'s final model as one adapter per layer (no slot dimension): its record
-        with the current global state downloaded (read-only). Keys are the model's parameter names."""
+        """Client ``client``'s final model as one adapter per layer (no slot dimension) — the model
+        ``evaluate`` scores: its record with the current global state downloaded (read-only), and
+        where the method evaluates a personalised model (Per-FedAvg's one SGD step on a batch of the
+        client's own data, ``Method.personalised_params``) that model, from the same record, so the
+        same batch. Keys are the model's parameter names. A method that merges into the shared base
+        (FLoRA) keeps the rest of the model there: ``merged_update``."""
         owner = 0 if self.centralized else client
         self._bind([owner])
-        self._load_record(0, self.store.get(owner))
+        self.model.eval()  # as evaluate: no dropout in the personalisation step
+        samplers = self._load([owner])
         self._sync(0, owner, -1, count=False)
-        out = {n: p.detach()[0].cpu().clone() for n, p in self.method.params.items()}
+        params = self.method.personalised_params(self._objective, self._sampler_fn(samplers, [owner]))
+        src = self.method.params if params is None else {n: params[n] for n in self.method.params}
+        out = {n: p.detach()[0].cpu().clone() for n, p in src.items()}
         out.update({n: b[0].cpu().clone() for n, b in self.method._stacked_buffers().items()})
         if self.head_mode == "frozen":  # the run's own (seeded) head: no checkpoint holds it
             for h in self.head_linear:
@@ -686,15 +693,43 @@ class FederatedRun:
                     out[f"{h}.bias"] = lin.bias.detach().cpu().clone()
         return out
 
+    def merged_update(self) -> tuple[dict[str, torch.Tensor], str] | None:
+        """What a method that merges into the shared base (FLoRA, ``incremental_download``) merged
+        over the run — part of every client's model, the same for all — as ``(tensors, form)``;
+        ``None`` for other methods. Form ``"lora"``: per adapted layer ``<layer>.lora_A`` (M, d_in)
+        and ``<layer>.lora_B`` (d_out, M), ΔW = B A at scale 1, every round's stack concatenated
+        (``FLoRA.merged_update``). Form ``"dense"`` (a half-precision base, whose per-round rounding
+        no LoRA reproduces): ``<layer>.weight``, the merged base weight itself (d_out, d_in)."""
+        if not self.method.incremental_download:
+            return None
+        factors = self.method.merged_update()
+        if factors is not None:
+            return {n: v.contiguous() for n, v in factors.items()}, "lora"
+        return {f"{n}.weight": self.model.get_submodule(n).weight.detach().cpu().contiguous()
+                for n in self.targets}, "dense"
+
     def save_adapters(self, folder: Path) -> list[Path]:
-        """Every client's final adapter (and the head, if trained) as ``client_<k>.safetensors``."""
+        """Every client's final model (``client_adapter``) as ``client_<k>.safetensors``, and FLoRA's
+        merged update (``merged_update``) once as ``merged_update.safetensors``; each file's metadata
+        names the method, the client, the number of clients and the SHA-256 of the run's config
+        (``llm.export.config_digest``), so export refuses files another run left in the folder."""
         from safetensors.torch import save
 
+        from .export import MERGED_UPDATE, config_digest
+
+        meta = {"method": self.method.name, "clients": str(self.cfg.federation.clients),
+                "config_sha256": config_digest(self.cfg.to_dict())}
+        merged = self.merged_update()
+        if merged is not None:
+            tensors, form = merged
+            write_bytes_atomic(folder / MERGED_UPDATE, save(tensors, metadata={
+                **meta, "form": form, "merges": str(len(self.increments))}))
+            meta["merged_update"] = MERGED_UPDATE
         paths = []
         for k in range(self.cfg.federation.clients):
             path = folder / f"client_{k}.safetensors"
             write_bytes_atomic(path, save({n: v.contiguous() for n, v in self.client_adapter(k).items()},
-                                          metadata={"method": self.method.name, "client": str(k)}))
+                                          metadata={**meta, "client": str(k)}))
             paths.append(path)
         return paths
 

