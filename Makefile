@@ -15,7 +15,7 @@ $(VENV)/.installed: requirements/ci.txt pyproject.toml
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e . || $(PY) -m pip install --quiet --no-deps -e .
 	touch $@
 
-# The synthetic rank-recovery experiment (000_c6c65d73352e5f2c.txt §5): PF2LoRA vs HetLoRA, 5 seeds,
+# The synthetic rank-recovery experiment ([PF2LoRA] §5): PF2LoRA vs HetLoRA, 5 seeds,
 # once with our tuned step sizes on the shared+private ground truth, once as the paper wrote it.
 demo: env
 	$(VENV)/bin/fedlora synthetic rank-recovery --preset tuned --ground-truth shared-private --seeds 5 --out $(OUT)/tuned-shared-private

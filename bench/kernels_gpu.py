@@ -1,4 +1,4 @@
-"""GPU benchmark of the fused LoRA linear (SPEC §7) — needs a CUDA device.
+"""GPU benchmark of the fused LoRA linear (docs/design.md §7) — needs a CUDA device.
 
     python bench/kernels_gpu.py                 # full grid (bf16)
     python bench/kernels_gpu.py --quick         # M ∈ {16, 2048}, d = 4096

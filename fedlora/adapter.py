@@ -1,16 +1,16 @@
-"""The adapter layer: frozen W0 (+ bias) and the method's trainable factors (SPEC §2).
+"""The adapter layer: frozen W0 (+ bias) and the method's trainable factors (docs/design.md §2).
 
 One code path: the synthetic testbed is a single ``LoRALinear`` with W0 = 0, and the LLM layer
 injects the same class into HF models. Its forward is one ``kernels.lora_linear`` call.
 
-Factors (PEFT orientation, SPEC §3), with an optional leading stack dimension ``G`` holding
+Factors (PEFT orientation, docs/design.md §3), with an optional leading stack dimension ``G`` holding
 independent replicas (clients × seeds) that share W0::
 
     lora_A  ([G,] r, d_in)    lora_B  ([G,] d_out, r)     common adapter x = (A, B)
     lora_C  ([G,] r̃, d_in)    lora_D  ([G,] d_out, r̃)     client adapter y = (C, D), r̃ may be 0
     lora_R, lora_Phi ([G,] r, r)  and buffer middle_mask    H²Tune TriLoRA middle (``middle=True``)
 
-With ``middle=True`` the common adapter is TriLoRA's ΔW = s₁·B (I + (Φ⊙Ω)⊙R) A (004_… eq. 3 in PEFT
+With ``middle=True`` the common adapter is TriLoRA's ΔW = s₁·B (I + (Φ⊙Ω)⊙R) A ([H²Tune] eq. 3 in PEFT
 orientation, see ``fedlora.aggmath.h2tune``): R starts at 0 (so ΔW starts at PEFT's 0), Φ at 1 and
 the support Ω (``middle_mask``, a buffer the method re-chooses) dense.
 """
@@ -124,7 +124,7 @@ class LoRALinear(nn.Module):
     def merge_(self, delta: torch.Tensor | None = None) -> None:
         """W0 ← W0 + ΔW and restart the adapters (PEFT init). ``delta``: ([G,] d_out, d_in), default
         this layer's own ``delta_weight()``. A stacked layer's W0 becomes per replica (G, d_out, d_in),
-        which the reference op handles (FLoRA merges every round, SPEC §4)."""
+        which the reference op handles (FLoRA merges every round, docs/design.md §4.11)."""
         delta = self.delta_weight() if delta is None else delta
         lead = () if self.stack is None else (self.stack,)
         want = (*lead, self.out_features, self.in_features)

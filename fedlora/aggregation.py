@@ -1,4 +1,4 @@
-"""Pure server-side aggregation functions (SPEC §2, §4).
+"""Pure server-side aggregation functions (docs/design.md §2, §4).
 
 Every function here takes tensors and weights and returns new tensors: no I/O, no model, no
 mutation of its inputs. Both runtimes and the property tests call these directly.
@@ -57,7 +57,7 @@ def weighted_average(tensors: Sequence[torch.Tensor], weights: Sequence[float] |
 def fedavg_factors(states: Sequence[dict[str, torch.Tensor]], weights) -> dict[str, torch.Tensor]:
     """FedAvg of each named tensor separately (HOMLoRA; PF2LoRA Alg. 1 line 8 on x = (A, B)).
 
-    Note: avg(B)·avg(A) ≠ avg(B·A) in general — the "discordance" of SPEC §4.
+    Note: avg(B)·avg(A) ≠ avg(B·A) in general — the "discordance" (docs/design.md §4.1).
     """
     if not states:
         raise ConfigError("fedavg_factors: no client states")

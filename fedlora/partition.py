@@ -1,4 +1,4 @@
-"""Client data partitioning (SPEC §5).
+"""Client data partitioning (docs/design.md §5).
 
 Every function here is a pure function of numpy arrays (labels, key columns) or a sample count,
 deterministic given an integer ``seed`` (``numpy.random.default_rng(seed)``), and returns a

@@ -1,4 +1,4 @@
-"""Payloads: exactly what crosses the network (SPEC §2). Bytes are measured, never estimated."""
+"""Payloads: exactly what crosses the network (docs/design.md §2). Bytes are measured, never estimated."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

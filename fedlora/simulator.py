@@ -1,4 +1,4 @@
-"""The embedded simulator: clients in one process, rounds of I local steps, aggregation (SPEC §9).
+"""The embedded simulator: clients in one process, rounds of I local steps, aggregation (docs/design.md §9).
 
 Replicas (see ``fedlora.methods.base``) are laid out group-major: replica ``g * K + k`` is client
 ``k`` of federation ``g`` (e.g. one federation per seed). Each federation aggregates on its own,
@@ -25,7 +25,7 @@ __all__ = ["Federation", "DownloadLedger", "run_rounds"]
 class Federation:
     """``n_groups`` independent federations of ``n_clients`` clients each, with client weights.
 
-    ``client_weights``: w_k ∝ n_k, the clients' data sizes (SPEC §3); default uniform.
+    ``client_weights``: w_k ∝ n_k, the clients' data sizes (docs/design.md §3); default uniform.
     ``sample_fraction``: each round every federation draws ⌈fraction·K⌉ distinct clients (at least
     one) with a generator seeded by ``sample_seed``; the others neither train nor communicate that
     round and the participants' weights are renormalised (McMahan et al.'s FedAvg).

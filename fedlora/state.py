@@ -1,4 +1,4 @@
-"""Client state records and where they live between rounds (SPEC §8).
+"""Client state records and where they live between rounds (docs/design.md §8).
 
 A client state record is everything one client keeps between rounds — its personal factors and the
 global factors it last received, optimizer moments and step counts, ranks and masks, the state of its

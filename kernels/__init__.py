@@ -1,4 +1,4 @@
-"""Fused LoRA ops (SPEC §7). No federated-learning knowledge lives here.
+"""Fused LoRA ops (docs/design.md §7). No federated-learning knowledge lives here.
 
 ``lora_linear`` is the entry point the adapter layer calls. It dispatches to the fused Triton
 kernels on CUDA tensors (when they are available) and to the pure-PyTorch reference elsewhere.

@@ -1,4 +1,4 @@
-"""Triton kernels of the fused LoRA linear op (SPEC §7). Imported only when ``triton`` imports.
+"""Triton kernels of the fused LoRA linear op (docs/design.md §7). Imported only when ``triton`` imports.
 
 Two kernels cover forward and backward of the segmented (multi-client) low-rank linear
 

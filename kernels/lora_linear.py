@@ -1,4 +1,4 @@
-"""Fused two-level LoRA linear on Triton (SPEC §7, ops 1–5), with the adapter folding shared by
+"""Fused two-level LoRA linear on Triton (docs/design.md §7, ops 1–5), with the adapter folding shared by
 the reference path.
 
 Public pieces (re-exported by ``kernels``):

@@ -1,8 +1,8 @@
-"""Pure-PyTorch reference of the two-level LoRA linear op (SPEC §7, op 1).
+"""Pure-PyTorch reference of the two-level LoRA linear op (docs/design.md §7, op 1).
 
 This is the oracle every fused kernel is tested against, and the path taken on CPU.
 
-Orientation (PEFT, SPEC §3)::
+Orientation (PEFT, docs/design.md §3)::
 
     Y = X W0ᵀ + b + s₁ (X Aᵀ) Bᵀ + s₂ (X Cᵀ) Dᵀ
 

@@ -1,4 +1,4 @@
-"""The LLM layer (SPEC §8): federated LoRA fine-tuning of HuggingFace models with every method.
+"""The LLM layer (docs/design.md §8): federated LoRA fine-tuning of HuggingFace models with every method.
 
 * ``llm.inject`` — PEFT-style targets, slot adapters (``fedlora.adapter.LoRALinear``) and slot heads;
 * ``llm.runtime`` — many simulated clients on one frozen base model: client state records, slots and

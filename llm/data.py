@@ -1,4 +1,4 @@
-"""Text-classification data for the LLM layer (SPEC §5, §8): loading, client splits, tokenising.
+"""Text-classification data for the LLM layer (docs/design.md §5, §8): loading, client splits, tokenising.
 
 * :func:`load_text_data` reads a registered task (``llm.tasks``), any HuggingFace dataset by name,
   or local files (csv / tsv / jsonl / json, optionally ``.gz``; a folder of ``train.*`` /
@@ -761,7 +761,7 @@ def split_clients(
     """Per-client train / validation / test index arrays.
 
     1. The TRAIN set is partitioned with ``fedlora.partition.partition(partition, labels=train.labels,
-       n_clients=n_clients, seed=seed, keys=train.keys)`` (SPEC §5; ``by_key`` uses ``train.keys``,
+       n_clients=n_clients, seed=seed, keys=train.keys)`` (docs/design.md §5; ``by_key`` uses ``train.keys``,
        the ``client_key`` column; ``n_clients=None`` there means one client per key).
     2. Each client's share is split at random into ``train`` and a held-out ``val`` of
        ``max(min_val, round(val_fraction·n_k))`` samples (``val_fraction=0``: no validation split).

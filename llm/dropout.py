@@ -1,4 +1,4 @@
-"""Dropout with each client's own masks (``model.dropout: true``; SPEC §8 "slots and passes").
+"""Dropout with each client's own masks (``model.dropout: true``; docs/design.md §8 "slots and passes").
 
 A pass trains S clients in ONE forward on their batches concatenated slot-major: rows
 [p·b, (p+1)·b) belong to slot p. ``torch.nn.Dropout`` would draw the whole pass's masks from one RNG,

@@ -1,6 +1,6 @@
 """Export a client's model: a standard PEFT LoRA adapter, or its adapters merged into the base weights.
 
-A client's adapter in any method is one LoRA per layer (SPEC §8): the two-level adapter of PF2LoRA is
+A client's adapter in any method is one LoRA per layer (docs/design.md §8): the two-level adapter of PF2LoRA is
 one LoRA of rank r + r̃ by concatenation, A_cat = [A; C], B_cat = [s₁B, s₂D]; H²Tune's TriLoRA folds its
 middle I + (Φ⊙Ω)⊙R into B (or A); the scales are folded into B, so the PEFT config's lora_alpha equals
 its rank (PEFT scaling 1). The classifier head — trained, or the run's frozen random head, which no hub

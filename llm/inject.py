@@ -1,4 +1,4 @@
-"""Adapter injection into HuggingFace models (SPEC §8): the same ``fedlora.adapter.LoRALinear`` the
+"""Adapter injection into HuggingFace models (docs/design.md §8): the same ``fedlora.adapter.LoRALinear`` the
 synthetic testbed trains, wrapped around the model's own linear layers, with a slot dimension.
 
 Targets are chosen PEFT-style (``peft.tuners.tuners_utils.check_target_module_exists``): a list of
@@ -10,7 +10,7 @@ first all-digit component of the name: ``encoder.layer.3.attention.self.query`` 
 transposed, (d_in, d_out)) are supported; the frozen base weight is the model's own tensor, shared,
 never copied (a ``Conv1D`` weight enters as the transposed view).
 
-Slots (SPEC §8 "slots and passes"): every injected layer holds its factors with a leading dimension of
+Slots (docs/design.md §8 "slots and passes"): every injected layer holds its factors with a leading dimension of
 S slots, one per client of the current pass. Its input is the pass's batch, slot-major: rows
 [p·b, (p+1)·b) belong to slot p. The layer reshapes (S·b, L, d) → (S, b·L, d), runs the stacked
 kernel op (slot p's rows through slot p's adapter) and reshapes back; the frozen base GEMM is one

@@ -1,4 +1,4 @@
-"""Classification metrics (scikit-learn) and their aggregation over clients (SPEC §3, §8).
+"""Classification metrics (scikit-learn) and their aggregation over clients (docs/design.md §3, §8).
 
 The papers report per-client metrics on each client's own test split averaged without weights
 (PF2LoRA: "evaluate model on each client's test data and report averaged results"); we report that

@@ -1,4 +1,4 @@
-"""The LLM runtime (SPEC §8): many simulated clients, one frozen base model, slots and passes.
+"""The LLM runtime (docs/design.md §8): many simulated clients, one frozen base model, slots and passes.
 
 One frozen base model is in memory. Its target layers carry adapters with a leading dimension of S
 slots (``llm.inject``). A round draws its participants (``fedlora.simulator.Federation``); they are

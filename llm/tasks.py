@@ -1,4 +1,4 @@
-"""Named text-classification tasks (SPEC §8): where the data lives, its columns, its metrics.
+"""Named text-classification tasks (docs/design.md §8): where the data lives, its columns, its metrics.
 
 A :class:`TaskSpec` says nothing about models or training; :func:`llm.data.load_text_data` reads
 it. Column names are those of the HuggingFace datasets as published:

@@ -1,1 +1,1 @@
-"""Synthetic reduced-rank-regression testbed (SPEC §6; 000_c6c65d73352e5f2c.txt §5, App. B–C)."""
+"""Synthetic reduced-rank-regression testbed (docs/design.md §6; [PF2LoRA] §5, App. B–C)."""

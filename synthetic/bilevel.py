@@ -1,8 +1,8 @@
 """`bilevel-convergence`: the single-loop bilevel rule of PF2LoRA on a problem with known constants.
 
-Paper: 000_c6c65d73352e5f2c.txt §7 and Appendix A (SPEC §6). With one client (M = 1) and deterministic
+Paper: [PF2LoRA] §7 and Appendix A (docs/design.md §6). With one client (M = 1) and deterministic
 gradients, Algorithm 1 reduces to eq. (6), with eq. (4)'s minus sign (eq. (6) prints "+", a typo;
-SPEC §4):
+docs/design.md §4.9):
 
     y^{t+1} = y^t − α ∇_y f(x^t, y^t)
     x^{t+1} = x^t − η h^t,   h^t = ∇_x f(x^t, y^{t+1}) − α ∇²_{xy} f(x^t, y^t) ∇_y f(x^t, y^{t+1})
@@ -336,7 +336,7 @@ def run_bilevel_convergence(cfg: BilevelConfig) -> dict[str, Any]:
     }
     return {
         "experiment": "bilevel-convergence",
-        "paper": "000_c6c65d73352e5f2c.txt §7 (eq. 6 with eq. 4's sign, Theorem 7.2), App. A",
+        "paper": "[PF2LoRA] §7 (eq. 6 with eq. 4's sign, Theorem 7.2), App. A",
         "config": asdict(cfg),
         "problem": {
             "f": "½ zᵀHz + gᵀz + c Σ cos(x_i), z = (x, y)",

@@ -1,4 +1,4 @@
-"""Closed-form references of the regression testbed (000_c6c65d73352e5f2c.txt App. B; SPEC §6).
+"""Closed-form references of the regression testbed ([PF2LoRA] App. B; docs/design.md §6).
 
 Paper orientation throughout: Y ≈ X W, X (n, d_in), Y (n, d_out), W (d_in, d_out).
 """

@@ -1,4 +1,4 @@
-"""``fedlora synthetic compare``: every registered method on M heterogeneous clients (SPEC §6).
+"""``fedlora synthetic compare``: every registered method on M heterogeneous clients (docs/design.md §6).
 
 Clients k = 1..M hold W_k* = S + h·P_k (``synthetic.data.make_heterogeneous_clients``): a shared
 part S and a private part P_k scaled by the heterogeneity knob h (h = 0: identical clients). Two

@@ -1,10 +1,10 @@
-"""Ground truths and data of the rank-recovery experiment (000_c6c65d73352e5f2c.txt §5; SPEC §6).
+"""Ground truths and data of the rank-recovery experiment ([PF2LoRA] §5; docs/design.md §6).
 
 Orientation: the paper writes Y = X W* + ε with W* ∈ R^{d_in × d_out}; the adapter layer computes
 Y = X ΔWᵀ, so the model's estimate in the paper's orientation is Ŵ = ΔWᵀ.
 
 Noise: the paper writes ε ~ N(0, 0.1) / N(0, 0.2); we read the second argument as the standard
-deviation (SPEC §6), so the irreducible test MSE is 0.01 / 0.04.
+deviation (docs/design.md §6), so the irreducible test MSE is 0.01 / 0.04.
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def make_clients(
     ``independent`` (the paper's setup): W_k* = A_k* B_k*, A_k* ∈ R^{d_in×r_k}, B_k* ∈ R^{r_k×d_out},
     entries N(0, 1), independent across clients.
 
-    ``shared-private`` (ours, SPEC §6): W_k* = S + P_k with S of rank ``shared_rank`` common to all
+    ``shared-private`` (ours, docs/design.md §6): W_k* = S + P_k with S of rank ``shared_rank`` common to all
     clients and P_k of rank r_k − shared_rank private to client k. All non-zero singular values
     equal ``singular_value`` and the private directions are orthogonal to the shared ones, so the
     true rank is r_k and the 90 %-energy rank of W_k* is r_k too.
@@ -97,7 +97,7 @@ def make_clients(
     return clients
 
 
-# --- heterogeneous federations for `fedlora synthetic compare` (SPEC §6 "compare") ---------------
+# --- heterogeneous federations for `fedlora synthetic compare` (docs/design.md §6 "compare") ---------------
 
 TASKS = ("regression", "classification")
 

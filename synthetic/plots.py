@@ -15,7 +15,7 @@ _LABELS = {"pf2lora": "PF2LoRA", "hetlora": "HetLoRA"}
 
 
 def plot_rank_recovery(result: dict[str, Any], path: str | Path) -> Path:
-    """Fig. 2 of 000_c6c65d73352e5f2c.txt: train loss, test loss, ‖Ŵ_k − W_k*‖_F, rank per round.
+    """Fig. 2 of [PF2LoRA]: train loss, test loss, ‖Ŵ_k − W_k*‖_F, rank per round.
 
     Lines are the mean over seeds (band: min–max), one per method × client; dashed horizontal
     lines are each client's RRR oracle test MSE (test panel) and its true rank (rank panel).

@@ -1,4 +1,4 @@
-"""Rank estimates of a learned matrix (SPEC §6)."""
+"""Rank estimates of a learned matrix (docs/design.md §6)."""
 from __future__ import annotations
 
 import torch
@@ -7,7 +7,7 @@ __all__ = ["rank90", "numerical_rank"]
 
 
 def rank90(W: torch.Tensor, energy: float = 0.9) -> torch.Tensor:
-    """Smallest j with Σ_{i≤j} σ_i ≥ energy·Σ_i σ_i (000_c6c65d73352e5f2c.txt §5, "Evaluation").
+    """Smallest j with Σ_{i≤j} σ_i ≥ energy·Σ_i σ_i ([PF2LoRA] §5, "Evaluation").
 
     W: (..., m, n) → integer tensor (...,); 0 for an all-zero matrix.
     """

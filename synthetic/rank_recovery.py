@@ -1,4 +1,4 @@
-"""The rank-recovery experiment: PF2LoRA vs HetLoRA (000_c6c65d73352e5f2c.txt §5, Fig. 2, App. C).
+"""The rank-recovery experiment: PF2LoRA vs HetLoRA ([PF2LoRA] §5, Fig. 2, App. C).
 
 Every seed is an independent two-client federation; all seeds × clients train at once as the
 replicas of one stacked ``LoRALinear`` (W0 = 0), driven by the same simulator and Method classes

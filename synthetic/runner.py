@@ -199,7 +199,7 @@ def run_method(name: str, data: StackedData, *, lr: float, rounds: int, local_st
     """Train ``name`` on every federation of ``data`` at once; evaluate each client's final model.
 
     ``adapter``: ``LoRALinear`` keyword arguments; default ``method.adapter_kwargs()``.
-    ``client_weights``: w_k (default n_k, SPEC §3). Each client is evaluated on the parameters it
+    ``client_weights``: w_k (default n_k, docs/design.md §3). Each client is evaluated on the parameters it
     holds after the last download, or on ``method.personalised_params`` where the method defines it
     (Per-FedAvg's one local step). Numerical failures (NaN, a failed factorisation) do not raise:
     they come back as ``error`` and non-finite metrics, so a step-size grid can go on.

@@ -1,4 +1,4 @@
-"""Step-size/step-count grid for the ``tuned`` preset (like 000_c6c65d73352e5f2c.txt App. C).
+"""Step-size/step-count grid for the ``tuned`` preset (like [PF2LoRA] App. C).
 
 Selection uses the final *training* MSE on held-out seeds (by default 100–104, disjoint from the
 evaluation seeds 0…N−1), never test data. Criterion (``select``): the worst held-out seed's gap

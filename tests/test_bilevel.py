@@ -1,6 +1,6 @@
 """Tests of the `bilevel-convergence` experiment (synthetic/bilevel.py) and, through it, of
 PF2LoRA's hypergradient routine fedlora.methods.hypergradient.bilevel_direction
-(000_c6c65d73352e5f2c.txt eq. 4, §7 Theorem 7.2, App. A Lemmas A.2 and A.5)."""
+([PF2LoRA] eq. 4, §7 Theorem 7.2, App. A Lemmas A.2 and A.5)."""
 from __future__ import annotations
 
 import json
@@ -212,7 +212,7 @@ def test_finite_difference_mode_follows_exact_trajectory():
 
 
 def test_full_experiment_acceptance(tmp_path):
-    """SPEC §6 / Theorem 7.2: (1/T)Σ‖∇Φ‖² = O(1/T) (slope ≤ −0.9 on T ∈ [1e2, 1e4]) and the
+    """docs/design.md §6 / Theorem 7.2: (1/T)Σ‖∇Φ‖² = O(1/T) (slope ≤ −0.9 on T ∈ [1e2, 1e4]) and the
     measured bias never exceeds Lemma A.5's bound; Φ nonconvex; default (10⁴-step) config."""
     r = run_bilevel_convergence(BilevelConfig())
     json.dumps(r, allow_nan=False)

@@ -1,4 +1,4 @@
-"""Non-contiguous operands (SPEC §7; review issue 8, item 5) on both backends.
+"""Non-contiguous operands (docs/design.md §7; review issue 8, item 5) on both backends.
 
 Every operand — X (2-D column-strided, 3-D with rows that cannot be viewed as one dim, transposed),
 W0 (GPT-2 Conv1D's ``weight.T``), bias, A, B, C, D, the rank masks, the H²Tune middle matrices and the

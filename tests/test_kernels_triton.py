@@ -1,4 +1,4 @@
-"""Triton kernel tests (SPEC §7) — run on CPU under the Triton interpreter.
+"""Triton kernel tests (docs/design.md §7) — run on CPU under the Triton interpreter.
 
 TRITON_INTERPRET must be set before the kernels module is first loaded; ``kernels`` imports triton
 lazily (first Triton-path call), so setting it here at import time is enough even when other test

@@ -75,7 +75,7 @@ def _spy(run):
 
 def _wire_size(tensors, meta=None):
     """Bytes of one message: the safetensors blob of ``tensors`` (+ string metadata); 0 when there is
-    nothing to send (no message at all — SPEC §2's convention for the no-communication references)."""
+    nothing to send (no message at all — docs/design.md §2's convention for the no-communication references)."""
     if not tensors and not meta:
         return 0
     return len(safetensors_save({n: v.detach().contiguous() for n, v in tensors.items()},

@@ -1,4 +1,4 @@
-"""LoRA-A² as a Method (001_996ae5d160ba97d9.txt Alg. 1–2, eq. 4–6; SPEC §4): stacked replicas equal
+"""LoRA-A² as a Method ([LoRA-A²] Alg. 1–2, eq. 4–6; docs/design.md §4.5): stacked replicas equal
 per-client training by hand, uploads carry exactly the selected ranks, the server update is exact and
 dilutes (never renormalises), round parity, byte counts, client sampling, bad inputs."""
 from __future__ import annotations

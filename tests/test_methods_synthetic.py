@@ -249,7 +249,7 @@ def test_hetlora_round_through_download_gives_each_client_the_truncated_sparsity
 
 
 def test_hetlora_prunes_exactly_where_the_tail_norm_shrank():
-    """Self-pruning (SPEC §4): r_k ← max(r_min, ⌊γ r_k⌋) if ‖B_tail‖‖A_tail‖ shrank over the round,
+    """Self-pruning (docs/design.md §4.7): r_k ← max(r_min, ⌊γ r_k⌋) if ‖B_tail‖‖A_tail‖ shrank over the round,
     unchanged if it grew or stayed; pruned slots become exactly zero."""
     layer, m = _het(G=4, ranks=(6, 6, 6, 2), gamma=0.7)  # tail of r = 6: slots ⌊4.2⌋ = 4, 5; of r = 2: slot 1
     m.begin_round(0)

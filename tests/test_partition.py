@@ -1,4 +1,4 @@
-"""Tests for fedlora.partition (SPEC §5): exact coverage, determinism, heterogeneity limits, errors."""
+"""Tests for fedlora.partition (docs/design.md §5): exact coverage, determinism, heterogeneity limits, errors."""
 from __future__ import annotations
 
 import os

@@ -1,4 +1,4 @@
-"""Pure server-side math of the federated LoRA methods, as plain functions on tensors (SPEC §2, §4).
+"""Pure server-side math of the federated LoRA methods, as plain functions on tensors (docs/design.md §2, §4).
 
 One module per method: :mod:`.exact` (exact aggregate, discordance, frozen-factor exactness for
 FFA-LoRA / RoLoRA), :mod:`.flexlora`, :mod:`.flora`, :mod:`.lora_a2`, :mod:`.h2tune`. HetLoRA and

@@ -1,15 +1,15 @@
-"""Exact aggregate ΔW and the exactness of frozen-factor methods (SPEC §3–4).
+"""Exact aggregate ΔW and the exactness of frozen-factor methods (docs/design.md §3–4).
 
 Shapes (PEFT orientation): B_k (d_out, r_k), A_k (r_k, d_in), ΔW_k = s_k B_k A_k (d_out, d_in).
 
 * ``exact_delta`` — Σ_k w_k s_k B_k A_k, the aggregate every method is compared with. It forms the
   dense d_out × d_in matrix: meant for tests and reporting, not for the server path.
 * ``fedavg_delta`` / ``discordance`` — FedAvg of the factors (HOMLoRA): s·avg(B)·avg(A), which differs
-  from the exact aggregate for generic inputs (LoRA-A², 001_… §3 "discordance"; SPEC §4 HOMLoRA).
+  from the exact aggregate for generic inputs (LoRA-A², [LoRA-A²] §3 "discordance"; docs/design.md §4.1).
 * ``aggregate_trained_factor`` — FFA-LoRA (A frozen and shared) and RoLoRA / LoRA-A² alternating
   rounds (only one factor trained per round): averaging the trained factor and keeping the shared
-  frozen one is exact, Σ_k w_k B_k A = (Σ_k w_k B_k) A (001_… eq. 3; 002_… eq. 3–4).
-* ``trained_factor`` — which factor a round trains (SPEC §4 RoLoRA: round 0, 2, … train B).
+  frozen one is exact, Σ_k w_k B_k A = (Σ_k w_k B_k) A ([LoRA-A²] eq. 3; [RoLoRA] eq. 3–4).
+* ``trained_factor`` — which factor a round trains (docs/design.md §4.4: round 0, 2, … train B).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def exact_delta(Bs: Sequence[torch.Tensor], As: Sequence[torch.Tensor], weights,
     """ΔW = Σ_k w_k s_k B_k A_k, shape (d_out, d_in), computed in float64, returned in B_0's dtype.
 
     ``weights`` are normalised (w / Σw); ranks r_k may differ between clients.
-    Forms the dense matrix — for tests/reporting only (SPEC §4 FlexLoRA: the server never does).
+    Forms the dense matrix — for tests/reporting only (docs/design.md §4.6: the server never does).
     """
     _, _, ranks = check_factor_pairs("exact_delta", Bs, As)
     w = check_weights("exact_delta", weights, len(Bs))
@@ -46,7 +46,7 @@ def fedavg_delta(Bs: Sequence[torch.Tensor], As: Sequence[torch.Tensor], weights
     """HOMLoRA's aggregate s·(Σ_k w_k B_k)(Σ_k w_k A_k), shape (d_out, d_in); needs equal ranks.
 
     Uses :func:`fedlora.aggregation.fedavg_factors`. Not exact: differs from :func:`exact_delta`
-    generically (the "discordance", 001_… §3 eq. before (3)).
+    generically (the "discordance", [LoRA-A²] §3 eq. before (3)).
     """
     check_factor_pairs("fedavg_delta", Bs, As, same_rank=True)
     (s,) = check_scales("fedavg_delta", scale, 1, name="scale")
@@ -65,7 +65,7 @@ def discordance(Bs: Sequence[torch.Tensor], As: Sequence[torch.Tensor], weights,
 def trained_factor(round_idx: int) -> str:
     """'B' on rounds 0, 2, 4, …, 'A' on rounds 1, 3, … (0-based round index).
 
-    RoLoRA (SPEC §4: B first because B = 0 at init) and LoRA-A² (001_… Algorithm 1: ``t % 2 = 1``
+    RoLoRA (docs/design.md §4.4: B first because B = 0 at init) and LoRA-A² ([LoRA-A²] Algorithm 1: ``t % 2 = 1``
     trains B with 1-based t, i.e. t = round_idx + 1) agree.
     """
     if not is_int(round_idx) or round_idx < 0:
@@ -79,7 +79,7 @@ def aggregate_trained_factor(Bs: Sequence[torch.Tensor], As: Sequence[torch.Tens
 
     ``trained='B'``: FFA-LoRA (every round) and RoLoRA/LoRA-A² B-rounds — all A_k must be identical
     (the server broadcast them), and the result (Σ w_k B_k, A) gives s·B A = Σ_k w_k s B_k A_k exactly
-    (001_… eq. 3; 002_… eq. 3). ``trained='A'``: the mirror image with B frozen and shared.
+    ([LoRA-A²] eq. 3; [RoLoRA] eq. 3). ``trained='A'``: the mirror image with B frozen and shared.
     Raises ``ConfigError`` if the frozen factor differs between clients (aggregation would not be exact).
     """
     fn = "aggregate_trained_factor"

@@ -1,4 +1,4 @@
-"""FlexLoRA server aggregation (Bai et al. 2024; SPEC §4 FlexLoRA).
+"""FlexLoRA server aggregation (Bai et al. 2024; docs/design.md §4.6).
 
 Clients k hold B_k (d_out, r_k), A_k (r_k, d_in) with possibly different ranks r_k and scales
 s_k = α/r_k. The server
@@ -12,7 +12,7 @@ s_k = α/r_k. The server
 3. gives client k the best rank-r'_k approximation (Eckart–Young) with all of Σ on B, as the
    official code does: B'_k = U_{r'} Σ_{r'} / s'_k, A'_k = V_{r'}ᵀ, so s'_k B'_k A'_k = U_{r'} Σ_{r'} V_{r'}ᵀ.
 
-Robustness (SPEC §4: LoRA-A² could not report FlexLoRA because its SVD failed): the core is scaled
+Robustness (docs/design.md §4.6: LoRA-A² could not report FlexLoRA because its SVD failed): the core is scaled
 to max-abs 1 before the SVD; if LAPACK's divide-and-conquer SVD still raises, a symmetric
 eigendecomposition of the Jordan–Wielandt matrix [[0, C], [Cᵀ, 0]] (eigenvalues ±σ_i, no squaring
 of the condition number) is used instead. When a client asks for more components than ΔW has

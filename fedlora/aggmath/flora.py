@@ -1,4 +1,4 @@
-"""FLoRA stacking aggregation (Wang et al. 2024; SPEC §4 FedSA-LoRA/FLoRA).
+"""FLoRA stacking aggregation (Wang et al. 2024; docs/design.md §4.11).
 
 Clients k upload B_k (d_out, r_k), A_k (r_k, d_in) with scale s_k; ranks may differ. The server stacks
 

@@ -1,7 +1,7 @@
-"""H²Tune server-side and structural math (004_789ff67d7c59950b.txt §4.2–4.4, App. A; SPEC §4 H²Tune).
+"""H²Tune server-side and structural math ([H²Tune] §4.2–4.4, App. A; docs/design.md §4.10).
 
 Orientation. The paper writes ΔW^l_k = (A + A(Φ·R))B with A (a × r_g) input side and B (r_g × b)
-output side (eq. 3). In PEFT orientation (SPEC §3) that is ΔW = s·B (I + Φ ⊙ R) A with
+output side (eq. 3). In PEFT orientation (docs/design.md §3) that is ΔW = s·B (I + Φ ⊙ R) A with
 B (d_out, r_g), A (r_g, d_in) and our R, Φ (r_g, r_g) the transposes of the paper's. Every operation
 below on R (elementwise support, layer mixing, unweighted mean, softmax-KL of the flattened
 matrices) commutes with transposing all R's, so nothing observable depends on that choice.
@@ -49,7 +49,7 @@ def trilora_fold(B: torch.Tensor, R: torch.Tensor, Phi: torch.Tensor) -> torch.T
 
 
 def trilora_delta(B: torch.Tensor, R: torch.Tensor, Phi: torch.Tensor, A: torch.Tensor, s: float) -> torch.Tensor:
-    """ΔW = s·B (I + Φ ⊙ R) A (004_… eq. 3 in PEFT orientation), shape (…, d_out, d_in).
+    """ΔW = s·B (I + Φ ⊙ R) A ([H²Tune] eq. 3 in PEFT orientation), shape (…, d_out, d_in).
 
     B (…, d_out, r_g), R and Φ (…, r_g, r_g), A (…, r_g, d_in); leading dims (e.g. layers) broadcast.
     """
@@ -99,7 +99,7 @@ def _check_omega(fn: str, R: torch.Tensor, Omega: torch.Tensor, layer_name: str)
 
 
 def to_global(R_k: torch.Tensor, Omega_k: torch.Tensor) -> torch.Tensor:
-    """R_{k→g} = R_k ×_layer Ω_k (004_… eq. 4): (L_k, r_g, r_g), (L_k, L_g) → (L_g, r_g, r_g)."""
+    """R_{k→g} = R_k ×_layer Ω_k ([H²Tune] eq. 4): (L_k, r_g, r_g), (L_k, L_g) → (L_g, r_g, r_g)."""
     fn = "to_global"
     _check_omega(fn, R_k, Omega_k, "L_k")
     if Omega_k.shape[0] != R_k.shape[0]:
@@ -109,7 +109,7 @@ def to_global(R_k: torch.Tensor, Omega_k: torch.Tensor) -> torch.Tensor:
 
 
 def to_client(R_g: torch.Tensor, Omega_k: torch.Tensor) -> torch.Tensor:
-    """R_{g→k} = R_g ×_layer Ω_kᵀ (004_… eq. 5): (L_g, r_g, r_g), (L_k, L_g) → (L_k, r_g, r_g)."""
+    """R_{g→k} = R_g ×_layer Ω_kᵀ ([H²Tune] eq. 5): (L_g, r_g, r_g), (L_k, L_g) → (L_k, r_g, r_g)."""
     fn = "to_client"
     _check_omega(fn, R_g, Omega_k, "L_g")
     if Omega_k.shape[1] != R_g.shape[0]:
@@ -119,7 +119,7 @@ def to_client(R_g: torch.Tensor, Omega_k: torch.Tensor) -> torch.Tensor:
 
 
 def server_mean(R_kg: Sequence[torch.Tensor]) -> torch.Tensor:
-    """R_g = (1/K) Σ_k R_{k→g} (004_… App. A, unweighted); all (L_g, r_g, r_g); float64 accumulation."""
+    """R_g = (1/K) Σ_k R_{k→g} ([H²Tune] App. A, unweighted); all (L_g, r_g, r_g); float64 accumulation."""
     fn = "server_mean"
     if len(R_kg) == 0:
         raise ConfigError(f"{fn}: need at least one client matrix")
@@ -136,7 +136,7 @@ def server_mean(R_kg: Sequence[torch.Tensor]) -> torch.Tensor:
 def h2tune_aggregate(Rs: Sequence[torch.Tensor], Omegas: Sequence[torch.Tensor]) -> torch.Tensor:
     """Server step from clients' (R_k (L_k, r_g, r_g), Ω_k (L_k, L_g)): mean of R_{k→g} → R_g (L_g, r_g, r_g).
 
-    In the protocol the client uploads R_{k→g} (SPEC §4: "upload R_{k→g}") and the server calls
+    In the protocol the client uploads R_{k→g} (docs/design.md §4.10) and the server calls
     :func:`server_mean`; this helper is the same composed for tests and the embedded simulator.
     """
     if len(Rs) != len(Omegas):
@@ -146,7 +146,7 @@ def h2tune_aggregate(Rs: Sequence[torch.Tensor], Omegas: Sequence[torch.Tensor])
 
 def kl_softmax(R_k: torch.Tensor, R_gk: torch.Tensor, per_layer: bool = True,
                reduction: str = "sum") -> torch.Tensor:
-    """KL(softmax(flatten R_k) ‖ softmax(flatten R_{g→k})) — the regulariser of 004_… eq. 6.
+    """KL(softmax(flatten R_k) ‖ softmax(flatten R_{g→k})) — the regulariser of [H²Tune] eq. 6.
 
     ``per_layer=True``: each (r_g × r_g) matrix is flattened to r_g² logits and one KL per layer is
     formed, then reduced over layers with ``reduction`` ('sum', 'mean' or 'none'); ``per_layer=False``

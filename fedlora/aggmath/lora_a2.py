@@ -1,5 +1,5 @@
 """LoRA-A² server-side math: importance scores, global rank selection, masks, sparse uploads and
-the server update (001_996ae5d160ba97d9.txt Algorithms 1–2, eq. 4–6; SPEC §4 LoRA-A²).
+the server update ([LoRA-A²] Algorithms 1–2, eq. 4–6; docs/design.md §4.5).
 
 Shapes (PEFT orientation; the paper's B ∈ R^{d1×r_G}, A ∈ R^{r_G×d2} already match): per module m,
 B (d_out, r_m), A (r_m, d_in). Modules are given as ``Mapping[str, Tensor]``; the mapping's order is
@@ -15,7 +15,7 @@ index that is :func:`fedlora.aggmath.exact.trained_factor` ('B' on round 0, 2, �
 * Upload (§4.2 "uploads B_k ⊙ M_k"): only the selected columns/rows and their int indices.
 * Server (Algorithm 1 lines "B^{(t+1)} = B^{(t)} + Σ_k w_k B_k^{(t+1)}"): B_new = B_saved + Σ_k w_k ΔB_k
   with w_k normalised over all participating clients; a coordinate that only some clients selected
-  gets Σ_{k selecting} w_k ΔB_k — diluted by the others' zeros, not renormalised (SPEC §4).
+  gets Σ_{k selecting} w_k ΔB_k — diluted by the others' zeros, not renormalised (docs/design.md §4.5).
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ __all__ = [
 
 def importance_scores(deltas: Mapping[str, torch.Tensor], frozen: Mapping[str, torch.Tensor],
                       factor: str) -> dict[str, torch.Tensor]:
-    """Per-rank importance (001_… eq. 4) of every module; returns name → float64 scores (r_m,).
+    """Per-rank importance ([LoRA-A²] eq. 4) of every module; returns name → float64 scores (r_m,).
 
     ``factor='B'`` (B-round): deltas[m] = ΔB (d_out, r), frozen[m] = A (r, d_in), S_i = ‖ΔB[:,i]‖‖A[i,:]‖.
     ``factor='A'`` (A-round): deltas[m] = ΔA (r, d_in), frozen[m] = B (d_out, r), S_i = ‖B[:,i]‖‖ΔA[i,:]‖.
@@ -81,7 +81,7 @@ def importance_scores(deltas: Mapping[str, torch.Tensor], frozen: Mapping[str, t
 
 
 def select_ranks(scores: Mapping[str, torch.Tensor], budget: int) -> dict[str, torch.Tensor]:
-    """Global top-(budget·N) selection over all N modules (001_… §4.2); name → sorted int64 indices.
+    """Global top-(budget·N) selection over all N modules ([LoRA-A²] §4.2); name → sorted int64 indices.
 
     ``budget`` is the client's rank budget r_i, an integer with 1 ≤ r_i and r_i·N ≤ Σ_m r_m.
     Modules may receive 0 ranks (empty index tensor). Ties are broken by module order (mapping
@@ -249,7 +249,7 @@ def upload_from_tensors(tensors: Mapping[str, torch.Tensor], shapes: Mapping[str
 
 def server_update(saved: Mapping[str, torch.Tensor], uploads: Sequence[Mapping[str, SparseDelta]],
                   weights, factor: str) -> dict[str, torch.Tensor]:
-    """B_new = B_saved + Σ_k w_k ΔB_k (or A_new = A_saved + Σ_k w_k ΔA_k), 001_… Algorithm 1.
+    """B_new = B_saved + Σ_k w_k ΔB_k (or A_new = A_saved + Σ_k w_k ΔA_k), [LoRA-A²] Algorithm 1.
 
     ``saved``: the global factor of every module at the start of the round, B (d_out, r) or A (r, d_in).
     ``uploads[k]``: client k's sparse deltas; a module may be missing (0 ranks selected there).

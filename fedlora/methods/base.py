@@ -1,4 +1,4 @@
-"""The Method abstraction (SPEC §2) and the registry that maps names to classes.
+"""The Method abstraction (docs/design.md §2) and the registry that maps names to classes.
 
 A Method declares the adapter structure it needs, runs a client's local steps, says what a client
 uploads (a :class:`~fedlora.payload.Payload`) and aggregates on the server with a **pure** static
@@ -161,13 +161,13 @@ class Method(abc.ABC):
         return {"rank": rank}
 
     #: names (last component) of the factors the server holds and broadcasts to every client once,
-    #: before the first round (SPEC §4: every protocol starts from ONE server adapter — FFA-LoRA and
+    #: before the first round (docs/design.md §3: every protocol starts from ONE server adapter — FFA-LoRA and
     #: RoLoRA need the frozen factor identical everywhere, FedAvg-style methods average from a common
     #: start). Factors not listed are personal and drawn per client (PF2LoRA's C, D; H²Tune's A, B).
     global_factors: ClassVar[tuple[str, ...]] = ("lora_A", "lora_B")
     #: a trainable classifier head (LLM runtime; parameters ``*.head_weight`` / ``*.head_bias`` with the
     #: replica dimension) is "shared" — trained, uploaded and averaged like the common adapter —,
-    #: "personal" — trained, never sent — or "frozen" (SPEC §8; no head parameters at all then).
+    #: "personal" — trained, never sent — or "frozen" (docs/design.md §8; no head parameters at all then).
     #: ``default_head`` is the paper's setting, ``head_modes`` what the method supports.
     default_head: ClassVar[str] = "shared"
     head_modes: ClassVar[tuple[str, ...]] = ("frozen", "shared", "personal")
@@ -316,7 +316,7 @@ class Method(abc.ABC):
         ``state`` into the shared base model once, on the server side (LLM runtime)."""
         raise NotImplementedError(f"{self.name} does not merge into the base model")
 
-    # client state records (SPEC §8): everything replica i keeps between rounds -----------------
+    # client state records (docs/design.md §8): everything replica i keeps between rounds -----------------
     def _stacked_buffers(self) -> dict[str, torch.Tensor]:
         """Buffers with a replica dimension (TriLoRA supports, a per-replica merged W0), by name."""
         out = {}
@@ -429,7 +429,7 @@ class Method(abc.ABC):
     def personalised_params(self, objective: "Objective", sample: "Sampler") -> Mapping[str, torch.Tensor] | None:
         """Parameters to evaluate each client with, or ``None`` for the current ones.
 
-        Per-FedAvg evaluates after one local SGD step (000_… App. D); everyone else as is."""
+        Per-FedAvg evaluates after one local SGD step ([PF2LoRA] App. D); everyone else as is."""
         return None
 
     # client sampling: replicas sampled out of a round must end it as they began ----------------
@@ -528,9 +528,9 @@ class AveragedFactors(Method):
     """A Method whose server takes the weighted mean of every uploaded tensor, Σ_k w_k T_k
     (``fedavg_factors``), and whose download writes that mean into the replica.
 
-    FedAvg-LoRA (002_… eq. 2), FFA-LoRA, RoLoRA (eq. 3–4), FedSA-LoRA and Per-FedAvg differ only in
+    FedAvg-LoRA ([RoLoRA] eq. 2), FFA-LoRA, RoLoRA (eq. 3–4), FedSA-LoRA and Per-FedAvg differ only in
     what they train and upload, so they share this server (PF2LoRA's download too; its server is the
-    uniform 1/M mean of 000_… Alg. 1 line 8).
+    uniform 1/M mean of [PF2LoRA] Alg. 1 line 8).
     """
 
     @staticmethod

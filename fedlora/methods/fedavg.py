@@ -1,9 +1,9 @@
 """FedAvg-LoRA (HOMLoRA / FL+LoRA): every client trains A and B, the server averages them separately.
 
-SPEC §4 "HOMLoRA / FL+LoRA / FedAvg-LoRA": all clients rank r, local AdamW (or SGD) for I steps,
-upload (A_k, B_k), server A = Σ_k w_k A_k, B = Σ_k w_k B_k with w_k = n_k / Σ_j n_j (002_… §2.2
-eq. 2; 001_… "FL + LoRA"). Not exact: avg(B)·avg(A) ≠ Σ_k w_k B_k A_k (the "discordance",
-002_… eq. 2; ``fedlora.aggmath.discordance``).
+docs/design.md §4.1: all clients rank r, local AdamW (or SGD) for I steps,
+upload (A_k, B_k), server A = Σ_k w_k A_k, B = Σ_k w_k B_k with w_k = n_k / Σ_j n_j ([RoLoRA] §2.2
+eq. 2; [LoRA-A²] "FL + LoRA"). Not exact: avg(B)·avg(A) ≠ Σ_k w_k B_k A_k (the "discordance",
+[RoLoRA] eq. 2; ``fedlora.aggmath.discordance``).
 
 This module also holds what the factor-averaging family (FFA-LoRA, RoLoRA, FedSA-LoRA, FLoRA and
 the Centralized/Local references) shares: option checks, the per-client optimizer and the local

@@ -1,6 +1,6 @@
 """FedSA-LoRA (Guo et al. 2024, "selective aggregation"): share A, keep B per client.
 
-SPEC §4 "FedSA-LoRA": every client trains both factors; A (general knowledge) is uploaded and
+docs/design.md §4.11: every client trains both factors; A (general knowledge) is uploaded and
 averaged, A = Σ_k w_k A_k; B (client-specific knowledge) never leaves the client — each client
 keeps its own B, not one shared object. The model a client evaluates is s·B_k A.
 

@@ -1,13 +1,13 @@
 """FFA-LoRA (Sun et al. 2024): A frozen at its initialisation, only B trained, uploaded and averaged.
 
-SPEC §4 "FFA-LoRA": A is identical on all clients (the server broadcasts it once) and never
-changes, so averaging B alone is exact: Σ_k w_k s B_k A = s (Σ_k w_k B_k) A (002_… §4 baseline
-"LoRA-FFA"; 001_… eq. 3; ``fedlora.aggmath.aggregate_trained_factor``). Uploads half of FedAvg-LoRA
+docs/design.md §4.3: A is identical on all clients (the server broadcasts it once) and never
+changes, so averaging B alone is exact: Σ_k w_k s B_k A = s (Σ_k w_k B_k) A ([RoLoRA] §4 baseline
+"LoRA-FFA"; [LoRA-A²] eq. 3; ``fedlora.aggmath.aggregate_trained_factor``). Uploads half of FedAvg-LoRA
 for a square layer.
 
 Decisions: the shared A is checked, not imposed — ``setup`` raises ``ConfigError`` if the clients of
 a federation start with different A (use ``broadcast_initial_factors`` to do the server's one-time
-broadcast). "Classifier head frozen" (SPEC) concerns the LLM layer's head, not this adapter method.
+broadcast). The frozen head of Sun et al.'s setup is the LLM layer's (docs/design.md §8), not this method's.
 Optimizer state per client is kept across rounds (see ``fedavg``).
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ class FFALoRA(FactorLoRA):
     """FFA-LoRA. Args: rank r, lr, optimizer ("adamw" | "sgd"), weight_decay."""
 
     name = "ffa"
-    default_head = "frozen"  # Sun et al.'s setup (SPEC §8)
+    default_head = "frozen"  # Sun et al.'s setup (docs/design.md §8)
 
     def init_state(self) -> None:
         super().init_state()  # the server's broadcast of the initial adapter

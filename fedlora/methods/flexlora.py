@@ -1,14 +1,14 @@
-"""FlexLoRA (Bai et al. 2024; SPEC §4 "FlexLoRA"): heterogeneous client ranks, exact ΔW, SVD redistribution.
+"""FlexLoRA (Bai et al. 2024; docs/design.md §4.6): heterogeneous client ranks, exact ΔW, SVD redistribution.
 
 Per round:
 1. client k trains its rank-r_k factors A_k (r_k, d_in), B_k (d_out, r_k) locally (AdamW by default,
-   as LoRA-A² runs FlexLoRA as a baseline: 001_… App. C, η = 5e-4);
+   as LoRA-A² runs FlexLoRA as a baseline: [LoRA-A²] App. C, η = 5e-4);
 2. it uploads exactly those r_k rows of A and columns of B (and its LoRA scale, see below);
 3. the server forms ΔW = Σ_k w_k s_k B_k A_k exactly and takes its SVD without forming the dense
    d_out × d_in matrix (``fedlora.aggmath.flexlora``: QR of the stacked factors + SVD of the
    (Σr_k)² core, float64, robust to rank-deficient/ill-conditioned input);
 4. client k receives the best rank-r_k approximation (Eckart–Young) with all of Σ on B, as the
-   official code does (SPEC §4): B_k = U_{r_k} Σ_{r_k} / s, A_k = V_{r_k}ᵀ, so s B_k A_k = U_r Σ_r V_rᵀ.
+   official code does (docs/design.md §4.6): B_k = U_{r_k} Σ_{r_k} / s, A_k = V_{r_k}ᵀ, so s B_k A_k = U_r Σ_r V_rᵀ.
 
 Server state. Each client needs a different truncation, but the best rank-r approximations are nested
 (the leading r components of the SVD), so ``aggregate`` returns, per layer, the leading
@@ -20,7 +20,7 @@ travels in the upload's metadata, because clients sampled out of a round still r
 and may have a larger r_k than any participant; when a client asks for more components than ΔW has,
 ``flexlora_aggregate`` completes A's rows orthonormally with zero B columns (exact, like a fresh init).
 
-Scale (decision, stated as asked by SPEC §4 "B = U_r Σ_r / s_r"): in the paper each client uses
+Scale (a decision, docs/design.md §4.6): in the paper each client uses
 s_k = α/r_k. On our stacked model every replica has ``rank`` = r_max slots and the layer has one scale
 s = α/rank, so **every client trains with s_k = s** (equivalently, client k's lora_alpha is
 α·r_k/r_max). Aggregation and redistribution stay exact for any scales: each upload carries its layer

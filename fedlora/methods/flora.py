@@ -1,6 +1,6 @@
 """FLoRA (Wang et al. 2024): stack the client adapters, merge into the frozen base, restart fresh.
 
-SPEC §4 "FLoRA": clients train (A_k, B_k) of rank r_k and upload them; the server stacks
+docs/design.md §4.11: clients train (A_k, B_k) of rank r_k and upload them; the server stacks
 
     B_stack = [p_1 s_1 B_1, …, p_K s_K B_K] (d_out, Σ r_k),   A_stack = [A_1; …; A_K] (Σ r_k, d_in)
 

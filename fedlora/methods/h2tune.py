@@ -1,5 +1,5 @@
 """H²Tune — TriLoRA with a shared sparsified middle, layer alignment, alternating disentanglement
-(004_789ff67d7c59950b.txt §4.2–4.4, App. A Algorithm 1; SPEC §4 "H²Tune").
+([H²Tune] §4.2–4.4, App. A Algorithm 1; docs/design.md §4.10).
 
 Per adapted module of client k (PEFT orientation, see ``fedlora.aggmath.h2tune``):
 
@@ -18,7 +18,7 @@ layers 0..L−1 and every type must have the same L. Client k uses its first L_k
 and R, Φ never change (what the objective does with such a client's deeper layers is the caller's
 business). One layer-relation matrix Ω_k ∈ R^{L_k×L_g} per client, shared by all module types
 (§4.3 gives one Ω_k per client), trainable in step (1); L_g = ``global_layers``, default max_k L_k
-(SPEC; the paper's Table 6 also tries L_g > max L_k). Initial Ω_k: ``omega_init="identity"``
+(docs/design.md §4.10; the paper's Table 6 also tries L_g > max L_k). Initial Ω_k: ``omega_init="identity"``
 Ω_k[l, j] = δ_lj, i.e. [I_{L_k} | 0] — layer l of the client ↔ global layer l (the identity when
 L_k = L_g); ``"depth"`` maps layer l to global layer round(l·(L_g−1)/(L_k−1)) (relative depth).
 
@@ -35,7 +35,7 @@ Round (App. A, Algorithm 1; our reading where it is silent):
       are restored after the step, so AdamW momentum cannot move them either.
   (2) ``specific_step``: A_k, B_k ← one optimizer step on
       L_specific = task(y'') ∓ KL(softmax y'' ‖ softmax y') + ν/2 (‖A_k‖² + ‖B_k‖²)   (eq. 7)
-      with R, Φ, Ω frozen (squared Frobenius norms over all modules, as SPEC writes it).
+      with R, Φ, Ω frozen (squared Frobenius norms over all modules, docs/design.md §4.10).
       **y'** = the model's output (logits, ``output_fn``) on this step's batch computed in step (1)
       *before* its update, i.e. with the current A_k, B_k and the pre-update R_k, Φ_k — eq. 6's
       prediction — detached (a constant of step 2). **y''** = the output on the same batch after
@@ -55,7 +55,7 @@ Round (App. A, Algorithm 1; our reading where it is silent):
 
 Initialisation. LoRALinear starts at R = 0, Φ = 1 (ΔW = s·BA). ``setup`` draws R_init ~
 N(0, r_init_std²) per (module type, layer) from a generator seeded with ``federation_seed(f)``
-(``seed[f]``, or ``seed + f`` for an integer seed) for federation f, identical on every replica of the federation (SPEC: "seed the initial R identically"); layers
+(``seed[f]``, or ``seed + f`` for an integer seed) for federation f, identical on every replica of the federation (docs/design.md §4.10); layers
 ≥ L_k are zeroed. A small non-zero R breaks the ties of the first support choice and of softmax(R).
 B keeps its PEFT init (B = 0, so ΔW = 0 for W0 = 0): the task gradient of R is ∝ B, so on a fresh
 model the very first step (1) moves nothing (the KL is also 0 there, see below); step (2) then makes

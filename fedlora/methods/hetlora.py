@@ -1,4 +1,4 @@
-"""HetLoRA (Cho et al. 2024; as described in 000_c6c65d73352e5f2c.txt §3 and SPEC §4).
+"""HetLoRA (Cho et al. 2024; as described in [PF2LoRA] §3 and docs/design.md §4.7).
 
 Clients hold ranks r_k ∈ [r_min, r_max]; the server keeps rank r_max (sent in each upload's metadata,
 so the server knows it whichever clients took part in a round).

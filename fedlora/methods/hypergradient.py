@@ -1,4 +1,4 @@
-"""PF2LoRA's hypergradient (000_c6c65d73352e5f2c.txt, eq. 4 and Algorithm 1 lines 5–6).
+"""PF2LoRA's hypergradient ([PF2LoRA], eq. 4 and Algorithm 1 lines 5–6).
 
 Shared by the PF2LoRA method and the bilevel-convergence experiment, so the experiment checks the
 same code that trains.
@@ -7,7 +7,7 @@ same code that trains.
     h  = ∇_x F(x, y⁺; ξ) − α ∇²_{xy} F(x, y; ζ) · ∇_y F(x, y⁺; ξ̃)      (eq. 4)
 
 The sign of the mixed term is eq. (4)'s: it is the chain rule through y⁺ = y − α∇_yF; §7 eq. (6)
-prints "+", a typo (SPEC §4). ∇²_{xy}F·v is a Hessian-vector product: ``exact`` differentiates
+prints "+", a typo (docs/design.md §4.9). ∇²_{xy}F·v is a Hessian-vector product: ``exact`` differentiates
 ⟨∇_y F(x, y; ζ), v⟩ with respect to x (double backward); ``finite-difference`` uses
 [∇_x F(x, y + δv) − ∇_x F(x, y − δv)] / 2δ with δ = fd_eps / ‖v‖; ``none`` is the
 "without bilevel" ablation, h = ∇_x F(x, y; ξ).
@@ -49,7 +49,7 @@ def bilevel_direction(
         x, y: upper-level (common adapter) and lower-level (client adapter) tensors.
         alpha: lower-level SGD step size α.
         batches: (π, ξ, ξ̃, ζ) — four draws as in Algorithm 1 line 4 — or two (inner, outer):
-            π = ζ = inner, ξ = ξ̃ = outer — our mapping (SPEC §4), not the pseudocode's: App. E only
+            π = ζ = inner, ξ = ξ̃ = outer — our mapping (docs/design.md §4.9), not the pseudocode's: App. E only
             says the client adapter steps on the inner batch and the common adapter on the outer one;
             with it h is the exact gradient through the unrolled inner step.
         mode: one of ``HYPERGRADIENT_MODES``.

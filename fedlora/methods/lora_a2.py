@@ -1,11 +1,11 @@
-"""LoRA-A² — alternating freeze and adaptive rank selection (001_996ae5d160ba97d9.txt; SPEC §4 "LoRA-A²").
+"""LoRA-A² — alternating freeze and adaptive rank selection ([LoRA-A²]; docs/design.md §4.5).
 
 Every adapted module m holds B_m (d_out, r_G) and A_m (r_G, d_in) (stacked: leading replica dim G);
 the model may hold any number N ≥ 1 of them (parameters ``<module>.lora_A`` / ``<module>.lora_B``).
 
 Alternating freeze (Algorithm 1, 1-based t: ``t % 2 = 1`` trains B, else A). With our 0-based round
 index that is :func:`fedlora.aggmath.exact.trained_factor`: **round 0, 2, … train B; round 1, 3, …
-train A** (SPEC: follow the algorithm, not §4.1's sentence). Round 0 must train B: B = 0 at init, so
+train A** (docs/design.md §4.5: we follow the algorithm, not the paper's §4.1 sentence). Round 0 must train B: B = 0 at init, so
 ∂L/∂A = s·Bᵀ(…) = 0 and an A-round first would not move anything. η_A = ``lr`` (App. B: AdamW,
 η = 5e-4), η_B = ``lr_ratio``·η_A with ``lr_ratio`` = 5 (App. B, after LoRA+). Merge scale 16/r_G
 (App. B "W_ft = W0 + 16/r ΔW"): :meth:`LoRAA2.adapter_kwargs` builds the layers with alpha = 16, and
@@ -21,10 +21,10 @@ One round of one client (Algorithm 2, eq. 4–6), the trained factor being B (A-
    B ← where(M, B, B⁰), which also keeps weight decay off the unselected coordinates;
 4. upload only the selected columns of ΔB and their int indices (§4.2 "uploads B_k ⊙ M_k").
 Server (Algorithm 1): B_new = B_saved + Σ_k w_k ΔB_k, w_k normalised over the round's participants
-(Algorithm 1 normalises over all K clients' data, Σ_{k=1}^K |D_k|; SPEC §4 normalises over the
-participants, as FedAvg does, so a sampled round does not shrink the update); a
+(Algorithm 1 normalises over all K clients' data, Σ_{k=1}^K |D_k|; we normalise over the
+participants, as FedAvg does (docs/design.md §4.5), so a sampled round does not shrink the update); a
 coordinate that only some clients selected gets Σ_{k selecting} w_k ΔB_k — diluted by the others'
-zeros, not renormalised (SPEC §4); coordinates nobody selected stay bit-for-bit. The frozen factor is
+zeros, not renormalised (docs/design.md §4.5); coordinates nobody selected stay bit-for-bit. The frozen factor is
 the same broadcast tensor on every client, so the aggregate is exact: s·B_new·A = Σ_k w_k s·B_k·A.
 
 Where the server's state lives. ``aggregate`` must be pure and gets only payloads and weights, so it
@@ -33,7 +33,7 @@ holds the global factors (B_saved of Algorithm 1, ``initial_server_state``) and 
 (``server_update``); a client downloads the global factors that changed since it last synchronised
 (the modules somebody selected), dense — no dense factor travels upwards.
 
-Probe length (the paper's "probe epoch" is not sized; SPEC: "a probe epoch gives ΔB"):
+Probe length (the paper's "probe epoch" is not sized; docs/design.md §4.5):
 ``probe_steps=None`` (default) makes the probe as long as the round's local training: the round's
 ``local_step`` calls run the probe, and ``end_round`` selects, restarts and runs the same number of
 masked steps with the same objective and sampler (so a round costs 2× the local steps). An integer

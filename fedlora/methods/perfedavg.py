@@ -1,6 +1,6 @@
-"""Per-FedAvg-LoRA (Fallah et al. 2020 on LoRA factors; 000_c6c65d73352e5f2c.txt App. D; SPEC §4).
+"""Per-FedAvg-LoRA (Fallah et al. 2020 on LoRA factors; [PF2LoRA] App. D; docs/design.md §4.8).
 
-Objective (000_… eq. 21): min_x (1/M) Σ_k f_k(x − α∇f_k(x)) over the LoRA factors x = (A, B) of rank
+Objective ([PF2LoRA] eq. 21): min_x (1/M) Σ_k f_k(x − α∇f_k(x)) over the LoRA factors x = (A, B) of rank
 r, equal on every client. Each local step on client k, with independent batches D, D′, D″ (Fallah et al.
 §5, Per-FedAvg (FO) and (HF)):
 
@@ -16,11 +16,11 @@ up to O(δ²) (exactly, up to rounding, when f_k is quadratic). δ multiplies g 
 al.'s HF update (it is not normalised by ‖g‖, unlike PF2LoRA's finite-difference option).
 
 Optimizers: the inner step is plain SGD with α = ``inner_lr``; the outer step uses β = ``lr`` with
-AdamW by default — 000_… App. F.1: "Per-FedAvg-LoRA applies SGD for the one-step local update and
+AdamW by default — [PF2LoRA] App. F.1: "Per-FedAvg-LoRA applies SGD for the one-step local update and
 AdamW for the global adapter" — or ``optimizer="sgd"`` for Fallah et al.'s plain step. The server
 averages A and B (FedAvg, w_k = n_k/Σn). Evaluation (``personalised_params``) uses the parameters
 after one inner SGD step with α on a batch of the client's own data, as Per-FedAvg prescribes.
-Defaults follow 000_… Table 5 (β = α = 1e-3 on most GLUE tasks, r = 8); the paper does not say which
+Defaults follow [PF2LoRA] Table 5 (β = α = 1e-3 on most GLUE tasks, r = 8); the paper does not say which
 variant it ran, so the cheaper first-order one is the default.
 """
 from __future__ import annotations
@@ -50,12 +50,12 @@ class PerFedAvgLoRA(AveragedFactors):
     """Per-FedAvg over the LoRA factors (A, B), stacked replicas.
 
     Args:
-        rank: LoRA rank r, equal on all clients (000_… App. D: "homogeneous rank").
+        rank: LoRA rank r, equal on all clients ([PF2LoRA] App. D: "homogeneous rank").
         lr: outer (meta) step size β (> 0).
         inner_lr: inner SGD step size α (> 0), also used for the personalisation step at evaluation.
         variant: "first-order" (FO) or "hessian-free" (HF).
         delta: finite-difference step δ of HF (> 0; Fallah et al. use a small δ, here 1e-3).
-        optimizer: outer optimizer, "adamw" (default, 000_… App. F.1) or "sgd" (Fallah et al.).
+        optimizer: outer optimizer, "adamw" (default, [PF2LoRA] App. F.1) or "sgd" (Fallah et al.).
         weight_decay: outer optimizer's weight decay (≥ 0).
     """
 

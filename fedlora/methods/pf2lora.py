@@ -1,4 +1,4 @@
-"""PF2LoRA — two-level LoRA, bilevel with hypergradients (000_c6c65d73352e5f2c.txt, Algorithm 1).
+"""PF2LoRA — two-level LoRA, bilevel with hypergradients ([PF2LoRA], Algorithm 1).
 
 W_k = W0 + s(BA + D_k C_k): common adapter x = (A, B) of rank r, averaged every I steps with uniform
 weights 1/M over the participating clients (line 8), whatever client weights the runtime passes;
@@ -73,7 +73,7 @@ class PF2LoRA(AveragedFactors):
         return self.hypergradient == "exact"  # eq. (4)'s mixed term by double backward
 
     def adapter_kwargs(self) -> dict:
-        """Common adapter of rank r, client adapter of rank r̃ (SPEC §4 defaults r = 8, r̃ = 2)."""
+        """Common adapter of rank r, client adapter of rank r̃ (defaults r = 8, r̃ = 2: docs/design.md §4.9)."""
         return {"rank": self.rank, "client_rank": self.client_rank}
 
     def bind(self, model, replica_clients, n_clients=None) -> None:

@@ -1,4 +1,4 @@
-"""The two reference points of SPEC §4: Centralized LoRA (upper) and Local training (lower).
+"""The two reference points of docs/design.md §4.2: Centralized LoRA (upper) and Local training (lower).
 
 **Centralized** — pooled data, one model per federation. Every step takes the gradient of the
 data-size-weighted mean loss Σ_k w_k L_k(θ) (the mean over the pooled samples when L_k is client k's

@@ -1,6 +1,6 @@
-"""RoLoRA — alternating minimisation of LoRA (002_094ee39bfd38c9bd.txt §3, eq. 3–4).
+"""RoLoRA — alternating minimisation of LoRA ([RoLoRA] §3, eq. 3–4).
 
-Rounds alternate which factor every client trains and the server averages (SPEC §4 RoLoRA):
+Rounds alternate which factor every client trains and the server averages (docs/design.md §4.4):
 
 * round 0, 2, 4, … : A frozen (identical on all clients), train B; server B = Σ_k w_k B_k (eq. 3)
 * round 1, 3, 5, … : B frozen (the global B just broadcast), train A; server A = Σ_k w_k A_k (eq. 4)
@@ -11,7 +11,7 @@ trained factor is uploaded and downloaded: half of FedAvg-LoRA's traffic for a s
 
 Decisions: parity comes from ``round_idx`` of ``begin_round`` (never a call counter), so resumed
 runs and sampled-out rounds keep the schedule (``fedlora.aggmath.trained_factor``). The paper writes
-1/N; we use the data-size weights w_k (SPEC §3), 1/N for equal sizes. The initial A must be
+1/N; we use the data-size weights w_k (docs/design.md §3), 1/N for equal sizes. The initial A must be
 identical on all clients of a federation (the server synchronises it, §3 "synchronized with A^t");
 ``setup`` checks it. Optimizer state per client is kept across rounds (see ``fedavg``); a factor's
 AdamW moments only advance in its own rounds.
@@ -37,7 +37,7 @@ class RoLoRA(FactorLoRA):
     """RoLoRA. Args: rank r, lr, optimizer ("adamw" | "sgd"), weight_decay."""
 
     name = "rolora"
-    default_head = "frozen"  # the paper's setup, as FFA-LoRA's (SPEC §8); a trained head trains every round
+    default_head = "frozen"  # the paper's setup, as FFA-LoRA's (docs/design.md §8); a trained head trains every round
     # one factor per round; a client that sat out gets every factor averaged since (DownloadLedger)
 
     def bind(self, model, replica_clients, n_clients=None) -> None:
