@@ -76,6 +76,16 @@ _EPS = float(np.finfo(np.float64).eps)
 _DT = torch.float64
 
 
+#: fields whose ``fedlora synthetic bilevel-convergence`` flag is not ``--`` + the field's name with
+#: dashes (every other field's is); errors name the flag a user types (synthetic/cli.py defines them)
+_CLI_FLAGS = {"max_steps": "--steps", "hypergradient_mode": "--hypergradient"}
+
+
+def cli_flag(name: str) -> str:
+    """The command-line flag of the `BilevelConfig` field ``name``."""
+    return _CLI_FLAGS.get(name, "--" + name.replace("_", "-"))
+
+
 @dataclass
 class BilevelConfig:
     """Options of the `bilevel-convergence` experiment (all plain JSON values)."""
@@ -103,7 +113,7 @@ class BilevelConfig:
         """Raise ConfigError naming the option (as its CLI flag) and what is allowed."""
 
         def flag(name: str) -> str:
-            return "--" + name.replace("_", "-")
+            return cli_flag(name)
 
         def need(ok: bool, name: str, rule: str) -> None:
             if not ok:
@@ -121,8 +131,8 @@ class BilevelConfig:
         need(is_int(self.seed) and self.seed >= 0, "seed", "an integer ≥ 0")
         need(is_int(self.fit_points) and self.fit_points >= 2, "fit_points", "an integer ≥ 2")
         if self.max_steps <= self.fit_min_steps:
-            raise ConfigError(f"--max-steps must be > --fit-min-steps ({self.fit_min_steps}) so the "
-                              f"slope can be fitted, got {self.max_steps}")
+            raise ConfigError(f"{flag('max_steps')} must be > {flag('fit_min_steps')} ({self.fit_min_steps}) "
+                              f"so the slope can be fitted, got {self.max_steps}")
         need(is_num(self.nonconvexity) and self.nonconvexity >= 0, "nonconvexity", "a number ≥ 0")
         need(is_num(self.schur_min) and self.schur_min > 0, "schur_min", "a number > 0")
         need(is_num(self.schur_max) and self.schur_max >= self.schur_min, "schur_max",

@@ -87,6 +87,30 @@ _CMP_FLAGS: dict[str, tuple[Any, str]] = {
 }
 
 
+# `synthetic bilevel-convergence`: flag → (BilevelConfig field, type, help); every field has a flag, so an
+# error naming a field's flag (synthetic.bilevel.cli_flag) names one the user can type
+_BC_FLAGS: dict[str, tuple[str, Any, str]] = {
+    "steps": ("max_steps", int, "T, the longest horizon (default 10000)"),
+    "seed": ("seed", int, "problem seed (default 0)"),
+    "hypergradient": ("hypergradient_mode", str, "exact (default) or finite-difference"),
+    "dim-x": ("dim_x", int, "upper-level dimension d_x (default 10)"),
+    "dim-y": ("dim_y", int, "lower-level dimension d_y (default 20)"),
+    "fit-min-steps": ("fit_min_steps", int, "the slope is fitted from T = this (default 100)"),
+    "fit-points": ("fit_points", int, "number of log-spaced T in the slope fit (default 25)"),
+    "nonconvexity": ("nonconvexity", float, "c = nonconvexity · schur-min; > 1 makes Φ nonconvex (default 2)"),
+    "schur-min": ("schur_min", float, "smallest eigenvalue of Φ's quadratic part S (default 0.3)"),
+    "schur-max": ("schur_max", float, "largest eigenvalue of S (default 0.5)"),
+    "lower-mu": ("lower_mu", float, "μ, smallest eigenvalue of H_yy (default 1)"),
+    "lower-max": ("lower_max", float, "largest eigenvalue of H_yy (default 1.1)"),
+    "coupling": ("coupling", float, "spectral norm of H_xy (default 0.2)"),
+    "linear-scale": ("linear_scale", float, "g ~ N(0, linear-scale²) (default 1)"),
+    "init-scale": ("init_scale", float, "x⁰, y⁰ ~ N(0, init-scale²) (default 2)"),
+    "fd-eps": ("fd_eps", float, "finite-difference step of --hypergradient finite-difference (default 1e-3)"),
+    "alpha": ("alpha", float, "lower-level step α (default: Theorem 7.2's 1/(4 L_{f,1}))"),
+    "eta": ("eta", float, "upper-level step η (default: Theorem 7.2's)"),
+}
+
+
 def _single_threaded(cmd: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     def handler(args: argparse.Namespace) -> int:
         # The synthetic problems are tiny: one intra-op thread avoids spin-wait overhead, and keeps
@@ -113,11 +137,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         rr.add_argument(f"--{flag}", type=typ, default=None, help=help_)
 
     bc = ssub.add_parser("bilevel-convergence", help="single-loop bilevel rate and Lemma A.5 bias (paper §7)")
-    bc.add_argument("--steps", type=int, default=None, help="T, the longest horizon (default 10000)")
-    bc.add_argument("--seed", type=int, default=None, help="problem seed (default 0)")
-    bc.add_argument("--hypergradient", default=None, help="exact (default) or finite-difference")
     bc.add_argument("--out", default="runs/bilevel-convergence", help="output folder")
     bc.add_argument("--no-plot", action="store_true", help="skip the PNG figure")
+    for flag, (_, typ, help_) in _BC_FLAGS.items():
+        bc.add_argument(f"--{flag}", type=typ, default=None, help=help_)
 
     tu = ssub.add_parser("tune", help="the step-size grid behind --preset tuned")
     tu.add_argument("--ground-truth", default="shared-private")
@@ -173,14 +196,8 @@ def _cmd_rank_recovery(args: argparse.Namespace) -> int:
 def _cmd_bilevel(args: argparse.Namespace) -> int:
     from synthetic.bilevel import BilevelConfig, plot_bilevel_convergence, run_bilevel_convergence
 
-    kw: dict[str, Any] = {}
-    if args.steps is not None:
-        kw["max_steps"] = args.steps
-    if args.seed is not None:
-        kw["seed"] = args.seed
-    if args.hypergradient is not None:
-        kw["hypergradient_mode"] = args.hypergradient
-    cfg = BilevelConfig(**kw)
+    kw = {field: getattr(args, flag.replace("-", "_")) for flag, (field, _, _) in _BC_FLAGS.items()}
+    cfg = BilevelConfig(**{k: v for k, v in kw.items() if v is not None})
     cfg.validate()
     out = check_output_dir(args.out)
     result = run_bilevel_convergence(cfg)

@@ -152,14 +152,14 @@ def test_constants_and_lemma_a5_bound_at_random_points():
 
 # ---------------------------------------------------------------- config validation
 
-@pytest.mark.parametrize("field,value,flag", [
-    ("max_steps", 0, "--max-steps"),
+BAD_VALUES = [
+    ("max_steps", 0, "--steps"),
     ("dim_x", 0, "--dim-x"),
     ("dim_y", -3, "--dim-y"),
     ("dim_x", 2.5, "--dim-x"),
     ("seed", -1, "--seed"),
     ("fit_points", 1, "--fit-points"),
-    ("fit_min_steps", 10_000, "--max-steps"),
+    ("fit_min_steps", 10_000, "--steps"),
     ("nonconvexity", -0.5, "--nonconvexity"),
     ("nonconvexity", float("nan"), "--nonconvexity"),
     ("schur_min", 0.0, "--schur-min"),
@@ -167,11 +167,17 @@ def test_constants_and_lemma_a5_bound_at_random_points():
     ("lower_mu", -1.0, "--lower-mu"),
     ("lower_max", 0.5, "--lower-max"),
     ("coupling", -0.1, "--coupling"),
-    ("hypergradient_mode", "none", "--hypergradient-mode"),
+    ("hypergradient_mode", "bogus", "--hypergradient"),
     ("fd_eps", 0.0, "--fd-eps"),
     ("alpha", 0.0, "--alpha"),
     ("eta", -1e-3, "--eta"),
-])
+    ("fit_min_steps", 0, "--fit-min-steps"),
+    ("linear_scale", -1.0, "--linear-scale"),
+    ("init_scale", float("inf"), "--init-scale"),
+]
+
+
+@pytest.mark.parametrize("field,value,flag", BAD_VALUES)
 def test_bad_config_raises_config_error(field, value, flag):
     cfg = replace(BilevelConfig(), **{field: value})
     with pytest.raises(ConfigError, match=flag) as ei:
@@ -179,6 +185,60 @@ def test_bad_config_raises_config_error(field, value, flag):
     assert isinstance(ei.value, ValueError)
     with pytest.raises(ConfigError):
         run_bilevel_convergence(cfg)
+
+
+def _bilevel_flags() -> set[str]:
+    import argparse
+
+    from fedlora import cli
+
+    top = cli._build_parser("synthetic")
+    syn = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction)).choices["synthetic"]
+    bc = next(a for a in syn._actions if isinstance(a, argparse._SubParsersAction)).choices["bilevel-convergence"]
+    return {o for a in bc._actions for o in a.option_strings}
+
+
+@pytest.mark.parametrize("field,value,flag", BAD_VALUES)
+def test_every_error_names_a_flag_of_the_command(field, value, flag):
+    """Issue 18 §4: the messages named --max-steps / --fit-min-steps, which the command did not have.
+    Every flag a message names must be one `fedlora synthetic bilevel-convergence` accepts."""
+    import re
+
+    with pytest.raises(ConfigError) as ei:
+        replace(BilevelConfig(), **{field: value}).validate()
+    named = set(re.findall(r"--[a-z][a-z-]*", str(ei.value)))
+    assert named and named <= _bilevel_flags(), (str(ei.value), named - _bilevel_flags())
+
+
+def test_every_config_field_is_a_flag_and_reaches_the_config(tmp_path, monkeypatch):
+    """Each BilevelConfig field has a flag (the one its errors name), and the flag sets that field."""
+    import synthetic.bilevel as bl
+    from fedlora.cli import main
+    from synthetic.bilevel import cli_flag
+
+    fields = [f.name for f in __import__("dataclasses").fields(BilevelConfig)]
+    assert {cli_flag(f) for f in fields} <= _bilevel_flags()
+    seen = {}
+
+    def fake_run(cfg):
+        seen["cfg"] = cfg
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr(bl, "run_bilevel_convergence", fake_run)
+    argv = ["--steps", "321", "--dim-x", "3", "--coupling", "0.25", "--alpha", "0.01", "--hypergradient",
+            "finite-difference", "--fit-min-steps", "7"]
+    assert main(["synthetic", "bilevel-convergence", *argv, "--out", str(tmp_path / "o")]) == 2
+    cfg = seen["cfg"]
+    assert (cfg.max_steps, cfg.dim_x, cfg.coupling, cfg.alpha, cfg.hypergradient_mode, cfg.fit_min_steps) == \
+        (321, 3, 0.25, 0.01, "finite-difference", 7)
+
+
+def test_cli_error_for_a_too_short_run_names_steps(capsys, tmp_path):
+    from fedlora.cli import main
+
+    assert main(["synthetic", "bilevel-convergence", "--steps", "50", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--steps must be > --fit-min-steps (100)" in err and "--max-steps" not in err
 
 
 def test_default_config_is_valid():
