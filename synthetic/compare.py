@@ -32,7 +32,7 @@ from fedlora.errors import ConfigError
 from fedlora.methods import available_methods, get_method
 
 from .closed_forms import ols
-from .data import TASKS, make_heterogeneous_clients
+from .data import TASKS, make_heterogeneous_clients, per_client
 from .runner import StackedData, build_method, run_method, stack_federations
 
 __all__ = ["CompareConfig", "MethodSpec", "method_spec", "run_compare", "to_markdown", "plot_compare",
@@ -156,6 +156,7 @@ class CompareConfig:
             need(isinstance(v, int) and not isinstance(v, bool) and v >= low, flag, f"an integer ≥ {low}", v)
         if not self.n_train:
             self.n_train = _auto_n_train(self.clients)
+        self.n_train = per_client(self.n_train, self.clients)  # one --n-train value is every client's
         need(len(self.n_train) == self.clients and all(isinstance(n, int) and n >= 2 for n in self.n_train),
              "n-train", f"one integer ≥ 2 per client ({self.clients})", self.n_train)
         need(0 < self.val_fraction < 1, "val-fraction", "in (0, 1)", self.val_fraction)

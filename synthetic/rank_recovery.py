@@ -25,7 +25,7 @@ from fedlora.methods import HetLoRA, PF2LoRA
 from fedlora.simulator import Federation, run_rounds
 
 from .closed_forms import best_two_level_fit, mse, reduced_rank_regression
-from .data import GROUND_TRUTHS, make_clients
+from .data import GROUND_TRUTHS, make_clients, per_client
 from .rank import numerical_rank, rank90
 
 __all__ = ["RankRecoveryConfig", "PRESETS", "run_rank_recovery", "summarise"]
@@ -83,6 +83,15 @@ class RankRecoveryConfig:
         def need(cond: bool, flag: str, allowed: str, got: Any) -> None:
             if not cond:
                 raise ConfigError(f"--{flag}: must be {allowed}, got {got!r}")
+
+        # one value of a per-client option (--noise-std 0.3) is every client's; the true ranks say how
+        # many clients there are
+        if isinstance(self.true_ranks, int) and not isinstance(self.true_ranks, bool):
+            self.true_ranks = (self.true_ranks,)
+        need(isinstance(self.true_ranks, (list, tuple)), "true-ranks", "one rank per client", self.true_ranks)
+        self.true_ranks = tuple(self.true_ranks)
+        self.noise_std = per_client(self.noise_std, len(self.true_ranks))
+        self.het_initial_ranks = per_client(self.het_initial_ranks, len(self.true_ranks))
 
         need(self.ground_truth in GROUND_TRUTHS, "ground-truth", f"one of {', '.join(GROUND_TRUTHS)}", self.ground_truth)
         need(self.preset in PRESETS, "preset", f"one of {', '.join(PRESETS)}", self.preset)

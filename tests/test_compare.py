@@ -6,6 +6,7 @@ import math
 import pytest
 
 from fedlora.cli import main
+from fedlora.errors import ConfigError
 from fedlora.methods import available_methods
 from synthetic.compare import CompareConfig, run_compare
 from synthetic.data import make_heterogeneous_clients
@@ -217,3 +218,11 @@ def test_client_sampling_in_compare_counts_only_participants(tmp_path):
             per_round = [[c["bytes_up_per_round"][t] for c in s["clients"]] for t in range(cfg.rounds)]
             # ⌈0.5·4⌉ = 2 clients upload each round, the other two send nothing
             assert all(sum(b > 0 for b in row) == 2 for row in per_round), (r["method"], per_round)
+
+
+def test_one_n_train_is_every_clients():
+    """One value of a per-client option is every client's (issue 18 §4, as --noise-std in rank-recovery)."""
+    cfg = CompareConfig.from_options(methods=("fedavg",), clients=3, n_train=(20,))
+    assert cfg.n_train == (20, 20, 20)
+    with pytest.raises(ConfigError, match="--n-train: must be one integer ≥ 2 per client"):
+        CompareConfig.from_options(methods=("fedavg",), clients=3, n_train=(20, 30))
