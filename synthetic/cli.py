@@ -30,21 +30,16 @@ def _load_config_file(path: str) -> dict[str, Any]:
     return {k.replace("-", "_"): (tuple(v) if isinstance(v, list) else v) for k, v in data.items()}
 
 
-# flag name → (type, help); every flag defaults to None so that only what the user gave overrides
-_RR_FLAGS: dict[str, tuple[Any, str]] = {
+# flag name → (type, help); every flag defaults to None so that only what the user gave overrides.
+# The testbed: ground truth, data, clients, noise and the methods' structure — rank-recovery and tune
+# both take these (tune searches the step sizes and step count on the testbed they describe).
+_TESTBED_FLAGS: dict[str, tuple[Any, str]] = {
     "ground-truth": (str, "independent (the paper's W_k* = A_k*B_k*) or shared-private (W_k* = S + P_k)"),
-    "seeds": (int, "number of seeds (independent federations), seeds offset…offset+N−1 (default 1)"),
-    "seed-offset": (int, "first seed (default 0)"),
-    "methods": (lambda s: tuple(s.split(",")), "comma-separated subset of pf2lora,hetlora"),
-    "steps": (int, "total local steps T (paper: 2000)"),
     "interval": (int, "local steps per round I (paper: 10)"),
     "rank": (int, "PF2LoRA common rank r (paper: 4)"),
     "client-rank": (int, "PF2LoRA client rank r̃ < r (paper: 2)"),
-    "upper-lr": (float, "PF2LoRA upper-level (common adapter) step size"),
-    "lower-lr": (float, "PF2LoRA lower-level (client adapter) SGD step size"),
     "upper-optimizer": (str, "adamw (default) or sgd"),
     "hypergradient": (str, "exact (default), finite-difference, or none (the 'without bilevel' ablation)"),
-    "het-lr": (float, "HetLoRA SGD step size"),
     "het-r-min": (int, "HetLoRA r_min (paper: 1)"),
     "het-r-max": (int, "HetLoRA r_max (paper: 12)"),
     "het-initial-ranks": (_ints, "HetLoRA initial client ranks, comma-separated, or one for every client (paper: 2,10)"),
@@ -57,10 +52,27 @@ _RR_FLAGS: dict[str, tuple[Any, str]] = {
     "n-samples": (int, "samples per client (default 1000)"),
     "n-train": (int, "training samples per client (default 700)"),
     "batch-size": (int, "0 = full batch (default), else minibatch size"),
-    "rank-tol": (float, "numerical rank: count σ_i > tol·σ_1 (default 0.02)"),
+}
+
+# rank-recovery's own: seeds, methods, the step sizes and step count (what tune chooses), evaluation
+_RR_FLAGS: dict[str, tuple[Any, str]] = {
+    "seeds": (int, "number of seeds (independent federations), seeds offset…offset+N−1 (default 1)"),
+    "seed-offset": (int, "first seed (default 0)"),
+    "methods": (lambda s: tuple(s.split(",")), "comma-separated subset of pf2lora,hetlora"),
+    "steps": (int, "total local steps T (paper: 2000)"),
+    "upper-lr": (float, "PF2LoRA upper-level (common adapter) step size"),
+    "lower-lr": (float, "PF2LoRA lower-level (client adapter) SGD step size"),
     "upper-schedule": (str, "PF2LoRA upper-level step: constant (paper) or cosine (decay to 0 over --steps)"),
+    "het-lr": (float, "HetLoRA SGD step size"),
+    **_TESTBED_FLAGS,
+    "rank-tol": (float, "numerical rank: count σ_i > tol·σ_1 (default 0.02)"),
     "jobs": (int, "worker processes for the methods (0 = one per method up to the CPU count; 1 = none)"),
 }
+
+
+def _given(args: argparse.Namespace, flags: dict[str, Any]) -> dict[str, Any]:
+    """The options of ``flags`` the user gave, as config field names."""
+    return {f.replace("-", "_"): v for f in flags if (v := getattr(args, f.replace("-", "_"))) is not None}
 
 
 # `synthetic compare`: flag name → (type, help); None default = not given (config file / defaults apply)
@@ -142,11 +154,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     for flag, (_, typ, help_) in _BC_FLAGS.items():
         bc.add_argument(f"--{flag}", type=typ, default=None, help=help_)
 
-    tu = ssub.add_parser("tune", help="the step-size grid behind --preset tuned")
-    tu.add_argument("--ground-truth", default="shared-private")
+    tu = ssub.add_parser("tune", help="the step-size grid behind --preset tuned, on the testbed the options describe")
     tu.add_argument("--seeds", type=int, default=5, help="held-out seeds used for selection (default 5)")
     tu.add_argument("--seed-offset", type=int, default=100, help="first held-out seed (default 100)")
     tu.add_argument("--out", default="runs/tune", help="output folder")
+    for flag, (typ, help_) in _TESTBED_FLAGS.items():
+        if flag == "ground-truth":
+            help_ += " (default for tune: shared-private)"
+        tu.add_argument(f"--{flag}", type=typ, default=None, help=help_)
 
     cm = ssub.add_parser("compare", help="every method on M heterogeneous clients over a heterogeneity sweep")
     cm.add_argument("--task", default=None, help="regression, classification or both (default both)")
@@ -178,10 +193,7 @@ def _cmd_rank_recovery(args: argparse.Namespace) -> int:
     preset = options.pop("preset", None) or args.preset
     if args.preset != "paper":
         preset = args.preset
-    for flag in _RR_FLAGS:
-        val = getattr(args, flag.replace("-", "_"))
-        if val is not None:
-            options[flag.replace("-", "_")] = val
+    options.update(_given(args, _RR_FLAGS))
     cfg = RankRecoveryConfig.from_preset(preset, **options)
     out = check_output_dir(args.out)
     result = run_rank_recovery(cfg)
@@ -218,12 +230,12 @@ def _cmd_bilevel(args: argparse.Namespace) -> int:
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
-    from synthetic.tune import tune_rank_recovery
+    from synthetic.tune import tune_rank_recovery, validate_testbed
 
-    if args.seeds < 1:
-        raise ConfigError(f"--seeds: must be an integer ≥ 1, got {args.seeds}")
+    testbed = _given(args, _TESTBED_FLAGS)
+    validate_testbed(args.seeds, args.seed_offset, **testbed)  # every option checked before any work
     out = check_output_dir(args.out)
-    result = tune_rank_recovery(args.ground_truth, args.seeds, args.seed_offset)
+    result = tune_rank_recovery(seeds=args.seeds, seed_offset=args.seed_offset, **testbed)
     write_json_atomic(out / "tune.json", result)
     for method, t in result["choice"].items():
         print(f"{method}: {t}")
