@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from fedlora.adapter import LoRALinear
-from fedlora.errors import ConfigError
+from fedlora.errors import ConfigError, did_you_mean
 from fedlora.methods import HetLoRA, PF2LoRA
 from fedlora.simulator import Federation, run_rounds
 
@@ -137,7 +137,8 @@ class RankRecoveryConfig:
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(overrides) - fields)
         if unknown:
-            raise ConfigError(f"unknown rank-recovery option(s) {unknown}; allowed: {sorted(fields)}")
+            named = ", ".join(f"{k!r}{did_you_mean(k, fields)}" for k in unknown)
+            raise ConfigError(f"unknown rank-recovery option(s) {named}; allowed: {', '.join(sorted(fields))}")
         return cls(**{**PRESETS[preset], **overrides, "preset": preset}).validate()
 
 

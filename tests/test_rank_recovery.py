@@ -107,3 +107,10 @@ def test_two_noise_values_for_three_clients_is_still_refused(capsys, tmp_path):
     assert main(["synthetic", "rank-recovery", "--true-ranks", "2,3,4", "--noise-std", "0.1,0.2",
                  "--out", str(tmp_path)]) == 2
     assert "--noise-std: must be one value per client (3)" in capsys.readouterr().err
+
+
+def test_misspelt_config_key_gets_a_suggestion(tmp_path, capsys):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('nosie-std = [0.1, 0.2]\n')
+    assert main(["synthetic", "rank-recovery", "--config", str(cfg), "--out", str(tmp_path / "o")]) == 2
+    assert "unknown rank-recovery option(s) 'nosie_std' (did you mean 'noise_std'?)" in capsys.readouterr().err
