@@ -108,7 +108,7 @@ _BC_FLAGS: dict[str, tuple[str, Any, str]] = {
                       "wrong on purpose (no mixed term; eq. (6)'s printed '+'): negative controls the checks must fail"),
     "dim-x": ("dim_x", int, "upper-level dimension d_x (default 10)"),
     "dim-y": ("dim_y", int, "lower-level dimension d_y (default 20)"),
-    "fit-min-steps": ("fit_min_steps", int, "the slope is fitted from T = this (default 100)"),
+    "fit-min-steps": ("fit_min_steps", int, "the slope is fitted from T = this to the gradient floor (default 100)"),
     "fit-points": ("fit_points", int, "number of log-spaced T in the slope fit (default 25)"),
     "nonconvexity": ("nonconvexity", float, "c = nonconvexity · schur-min; > 1 makes Φ nonconvex (default 2)"),
     "schur-min": ("schur_min", float, "smallest eigenvalue of Φ's quadratic part S (default 0.3)"),
