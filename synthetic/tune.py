@@ -43,8 +43,13 @@ def validate_testbed(seeds: int = 5, seed_offset: int = 100, **testbed: Any) -> 
         raise ConfigError(f"tune: {', '.join(bad)} {'is' if len(bad) == 1 else 'are'} not testbed options "
                           f"(tune chooses {', '.join(TUNED_OPTIONS)}; the seeds are --seeds/--seed-offset)")
     testbed.setdefault("ground_truth", "shared-private")
+    interval = testbed.get("interval")
+    if isinstance(interval, int) and interval >= 1 and any(n % interval for n in GRID["steps"]):
+        # tune has no --steps: say it in terms of what the user typed
+        raise ConfigError(f"--interval: must divide every step count of tune's grid "
+                          f"({', '.join(map(str, GRID['steps']))}), got {interval}")
     base = RankRecoveryConfig.from_preset("paper", seeds=seeds, seed_offset=seed_offset, **testbed)
-    for steps in GRID["steps"]:  # e.g. --interval must divide every step count of the grid
+    for steps in GRID["steps"]:
         dataclasses.replace(base, steps=steps).validate()
     return base
 

@@ -50,7 +50,7 @@ def test_tune_takes_the_testbed_options_of_rank_recovery(tmp_path, tiny_grid):
     (["--dim", "0"], "--dim: must be ≥ 1"),
     (["--true-ranks", "3,4", "--noise-std", "0.1,0.2,0.3"], "--noise-std: must be one value per client (2)"),
     (["--client-rank", "4"], "--client-rank"),
-    (["--interval", "7"], "--steps: must be a multiple of --interval (7)"),
+    (["--interval", "7"], "--interval: must divide every step count of tune's grid (2000, 3000, 4000), got 7"),
     (["--seeds", "0"], "--seeds"),
 ])
 def test_bad_testbed_options_fail_before_any_work(argv, match, tmp_path, capsys, monkeypatch):
@@ -61,6 +61,7 @@ def test_bad_testbed_options_fail_before_any_work(argv, match, tmp_path, capsys,
     assert main(["synthetic", "tune", *argv, "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert match in err and err.count("\n") == 1
+    assert "--steps" not in err and "--upper-lr" not in err   # flags tune does not have
     assert not (tmp_path / "o").exists()
 
 
