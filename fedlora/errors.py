@@ -3,3 +3,12 @@
 
 class ConfigError(ValueError):
     """A bad option or input: the message names the field and what is allowed."""
+
+
+def did_you_mean(key: str, allowed, cutoff: float = 0.6) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``allowed`` to a misspelt ``key`` (difflib), else ``""``.
+    The one suggestion helper of every configuration reader (llm's config, synthetic's commands)."""
+    import difflib
+
+    close = difflib.get_close_matches(str(key), [str(a) for a in allowed], n=1, cutoff=cutoff)
+    return f" (did you mean {close[0]!r}?)" if close else ""

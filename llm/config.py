@@ -8,14 +8,13 @@ Sections: ``model``, ``data``, ``method``, ``federation``, ``train``, ``eval`` a
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from fedlora.errors import ConfigError
+from fedlora.errors import ConfigError, did_you_mean
 from fedlora.io import read_table_file, yaml_load
 
 __all__ = ["ModelConfig", "DataConfig", "MethodConfig", "FederationConfig", "TrainConfig", "EvalConfig",
@@ -387,8 +386,7 @@ def build_method(cfg: RunConfig):
 # --------------------------------------------------------------------------------------------------
 # building from plain data
 def _suggest(key: str, allowed: Sequence[str]) -> str:
-    close = difflib.get_close_matches(key, list(allowed), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    return did_you_mean(key, allowed)
 
 
 def _build(cls, data: Mapping[str, Any], prefix: str):

@@ -613,7 +613,8 @@ class FederatedRun:
             try:
                 from .plots import plot_run
 
-                plot_run(self.history, evals, main, out / "rounds.png")
+                plot_run(self.history, evals, main, out / "rounds.png", method=self.method.name,
+                         task=self.task.name, clients=cfg.federation.clients)
             except Exception as e:  # a figure must never lose a run's results
                 summary["plot_error"] = str(e)
         return summary

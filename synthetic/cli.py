@@ -30,37 +30,49 @@ def _load_config_file(path: str) -> dict[str, Any]:
     return {k.replace("-", "_"): (tuple(v) if isinstance(v, list) else v) for k, v in data.items()}
 
 
-# flag name → (type, help); every flag defaults to None so that only what the user gave overrides
-_RR_FLAGS: dict[str, tuple[Any, str]] = {
+# flag name → (type, help); every flag defaults to None so that only what the user gave overrides.
+# The testbed: ground truth, data, clients, noise and the methods' structure — rank-recovery and tune
+# both take these (tune searches the step sizes and step count on the testbed they describe).
+_TESTBED_FLAGS: dict[str, tuple[Any, str]] = {
     "ground-truth": (str, "independent (the paper's W_k* = A_k*B_k*) or shared-private (W_k* = S + P_k)"),
-    "seeds": (int, "number of seeds (independent federations), seeds offset…offset+N−1 (default 1)"),
-    "seed-offset": (int, "first seed (default 0)"),
-    "methods": (lambda s: tuple(s.split(",")), "comma-separated subset of pf2lora,hetlora"),
-    "steps": (int, "total local steps T (paper: 2000)"),
     "interval": (int, "local steps per round I (paper: 10)"),
     "rank": (int, "PF2LoRA common rank r (paper: 4)"),
     "client-rank": (int, "PF2LoRA client rank r̃ < r (paper: 2)"),
-    "upper-lr": (float, "PF2LoRA upper-level (common adapter) step size"),
-    "lower-lr": (float, "PF2LoRA lower-level (client adapter) SGD step size"),
     "upper-optimizer": (str, "adamw (default) or sgd"),
     "hypergradient": (str, "exact (default), finite-difference, or none (the 'without bilevel' ablation)"),
-    "het-lr": (float, "HetLoRA SGD step size"),
     "het-r-min": (int, "HetLoRA r_min (paper: 1)"),
     "het-r-max": (int, "HetLoRA r_max (paper: 12)"),
-    "het-initial-ranks": (_ints, "HetLoRA initial client ranks, comma-separated (paper: 2,10)"),
+    "het-initial-ranks": (_ints, "HetLoRA initial client ranks, comma-separated, or one for every client (paper: 2,10)"),
     "het-penalty": (float, "HetLoRA tail penalty λ (paper: 0.1)"),
     "het-gamma": (float, "HetLoRA γ: penalise and prune ranks ≥ ⌊γ r_k⌋ (paper's 'last 30 %%': 0.7)"),
     "true-ranks": (_ints, "true ranks per client, comma-separated (default 3,4)"),
     "shared-rank": (int, "shared-private: rank of the shared part S (default 2)"),
-    "noise-std": (_floats, "noise standard deviation per client (default 0.1,0.2)"),
+    "noise-std": (_floats, "noise standard deviation per client, comma-separated, or one for every client (default 0.1,0.2)"),
     "dim": (int, "d_in = d_out (default 10)"),
     "n-samples": (int, "samples per client (default 1000)"),
     "n-train": (int, "training samples per client (default 700)"),
     "batch-size": (int, "0 = full batch (default), else minibatch size"),
-    "rank-tol": (float, "numerical rank: count σ_i > tol·σ_1 (default 0.02)"),
+}
+
+# rank-recovery's own: seeds, methods, the step sizes and step count (what tune chooses), evaluation
+_RR_FLAGS: dict[str, tuple[Any, str]] = {
+    "seeds": (int, "number of seeds (independent federations), seeds offset…offset+N−1 (default 1)"),
+    "seed-offset": (int, "first seed (default 0)"),
+    "methods": (lambda s: tuple(s.split(",")), "comma-separated subset of pf2lora,hetlora"),
+    "steps": (int, "total local steps T (paper: 2000)"),
+    "upper-lr": (float, "PF2LoRA upper-level (common adapter) step size"),
+    "lower-lr": (float, "PF2LoRA lower-level (client adapter) SGD step size"),
     "upper-schedule": (str, "PF2LoRA upper-level step: constant (paper) or cosine (decay to 0 over --steps)"),
+    "het-lr": (float, "HetLoRA SGD step size"),
+    **_TESTBED_FLAGS,
+    "rank-tol": (float, "numerical rank: count σ_i > tol·σ_1 (default 0.02)"),
     "jobs": (int, "worker processes for the methods (0 = one per method up to the CPU count; 1 = none)"),
 }
+
+
+def _given(args: argparse.Namespace, flags: dict[str, Any]) -> dict[str, Any]:
+    """The options of ``flags`` the user gave, as config field names."""
+    return {f.replace("-", "_"): v for f in flags if (v := getattr(args, f.replace("-", "_"))) is not None}
 
 
 # `synthetic compare`: flag name → (type, help); None default = not given (config file / defaults apply)
@@ -78,12 +90,37 @@ _CMP_FLAGS: dict[str, tuple[Any, str]] = {
     "lr-grid": (_floats, "common step-size grid (default 0.001,0.003,0.01,0.03,0.1,0.3)"),
     "shared-rank": (int, "rank of the shared part S (default 2)"),
     "private-rank": (int, "rank of each private part P_k (default 2)"),
-    "n-train": (_ints, "training samples per client, comma-separated (default 75,100,125,…)"),
+    "n-train": (_ints, "training samples per client, comma-separated, or one for every client (default 75,100,125,…)"),
     "n-test": (int, "test samples per client (default 500)"),
     "val-fraction": (float, "share of each client's training data held out to choose the step size (default 0.2)"),
     "noise-std": (float, "regression noise standard deviation (default 0.5)"),
     "sample-fraction": (float, "share of clients drawn each round, in (0, 1] (default 1: all)"),
     "rank-tol": (float, "numerical rank: count σ_i > tol·σ_1 (default 0.02)"),
+}
+
+
+# `synthetic bilevel-convergence`: flag → (BilevelConfig field, type, help); every field has a flag, so an
+# error naming a field's flag (synthetic.bilevel.cli_flag) names one the user can type
+_BC_FLAGS: dict[str, tuple[str, Any, str]] = {
+    "steps": ("max_steps", int, "T, the longest horizon (default 10000)"),
+    "seed": ("seed", int, "problem seed (default 0)"),
+    "hypergradient": ("hypergradient_mode", str, "exact (default) or finite-difference; none and eq6-sign are "
+                      "wrong on purpose (no mixed term; eq. (6)'s printed '+'): negative controls the checks must fail"),
+    "dim-x": ("dim_x", int, "upper-level dimension d_x (default 10)"),
+    "dim-y": ("dim_y", int, "lower-level dimension d_y (default 20)"),
+    "fit-min-steps": ("fit_min_steps", int, "the slope is fitted from T = this to the gradient floor (default 100)"),
+    "fit-points": ("fit_points", int, "number of log-spaced T in the slope fit (default 25)"),
+    "nonconvexity": ("nonconvexity", float, "c = nonconvexity · schur-min; > 1 makes Φ nonconvex (default 2)"),
+    "schur-min": ("schur_min", float, "smallest eigenvalue of Φ's quadratic part S (default 0.3)"),
+    "schur-max": ("schur_max", float, "largest eigenvalue of S (default 0.5)"),
+    "lower-mu": ("lower_mu", float, "μ, smallest eigenvalue of H_yy (default 1)"),
+    "lower-max": ("lower_max", float, "largest eigenvalue of H_yy (default 1.1)"),
+    "coupling": ("coupling", float, "spectral norm of H_xy (default 0.2)"),
+    "linear-scale": ("linear_scale", float, "g ~ N(0, linear-scale²) (default 1)"),
+    "init-scale": ("init_scale", float, "x⁰, y⁰ ~ N(0, init-scale²) (default 2)"),
+    "fd-eps": ("fd_eps", float, "finite-difference step of --hypergradient finite-difference (default 1e-3)"),
+    "alpha": ("alpha", float, "lower-level step α (default: Theorem 7.2's 1/(4 L_{f,1}))"),
+    "eta": ("eta", float, "upper-level step η (default: Theorem 7.2's)"),
 }
 
 
@@ -113,17 +150,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         rr.add_argument(f"--{flag}", type=typ, default=None, help=help_)
 
     bc = ssub.add_parser("bilevel-convergence", help="single-loop bilevel rate and Lemma A.5 bias (paper §7)")
-    bc.add_argument("--steps", type=int, default=None, help="T, the longest horizon (default 10000)")
-    bc.add_argument("--seed", type=int, default=None, help="problem seed (default 0)")
-    bc.add_argument("--hypergradient", default=None, help="exact (default) or finite-difference")
     bc.add_argument("--out", default="runs/bilevel-convergence", help="output folder")
     bc.add_argument("--no-plot", action="store_true", help="skip the PNG figure")
+    for flag, (_, typ, help_) in _BC_FLAGS.items():
+        bc.add_argument(f"--{flag}", type=typ, default=None, help=help_)
 
-    tu = ssub.add_parser("tune", help="the step-size grid behind --preset tuned")
-    tu.add_argument("--ground-truth", default="shared-private")
+    tu = ssub.add_parser("tune", help="the step-size grid behind --preset tuned, on the testbed the options describe")
     tu.add_argument("--seeds", type=int, default=5, help="held-out seeds used for selection (default 5)")
     tu.add_argument("--seed-offset", type=int, default=100, help="first held-out seed (default 100)")
     tu.add_argument("--out", default="runs/tune", help="output folder")
+    for flag, (typ, help_) in _TESTBED_FLAGS.items():
+        if flag == "ground-truth":
+            help_ += " (default for tune: shared-private)"
+        tu.add_argument(f"--{flag}", type=typ, default=None, help=help_)
 
     cm = ssub.add_parser("compare", help="every method on M heterogeneous clients over a heterogeneity sweep")
     cm.add_argument("--task", default=None, help="regression, classification or both (default both)")
@@ -155,10 +194,7 @@ def _cmd_rank_recovery(args: argparse.Namespace) -> int:
     preset = options.pop("preset", None) or args.preset
     if args.preset != "paper":
         preset = args.preset
-    for flag in _RR_FLAGS:
-        val = getattr(args, flag.replace("-", "_"))
-        if val is not None:
-            options[flag.replace("-", "_")] = val
+    options.update(_given(args, _RR_FLAGS))
     cfg = RankRecoveryConfig.from_preset(preset, **options)
     out = check_output_dir(args.out)
     result = run_rank_recovery(cfg)
@@ -173,26 +209,35 @@ def _cmd_rank_recovery(args: argparse.Namespace) -> int:
 def _cmd_bilevel(args: argparse.Namespace) -> int:
     from synthetic.bilevel import BilevelConfig, plot_bilevel_convergence, run_bilevel_convergence
 
-    kw: dict[str, Any] = {}
-    if args.steps is not None:
-        kw["max_steps"] = args.steps
-    if args.seed is not None:
-        kw["seed"] = args.seed
-    if args.hypergradient is not None:
-        kw["hypergradient_mode"] = args.hypergradient
-    cfg = BilevelConfig(**kw)
+    kw = {field: getattr(args, flag.replace("-", "_")) for flag, (field, _, _) in _BC_FLAGS.items()}
+    cfg = BilevelConfig(**{k: v for k, v in kw.items() if v is not None})
     cfg.validate()
     out = check_output_dir(args.out)
     result = run_bilevel_convergence(cfg)
     write_json_atomic(out / "metrics.json", result)
     fit, checks = result["fit"], result["checks"]
-    k, bias = result["constants"], result["bias_check"]
+    k, bias, ident = result["constants"], result["bias_check"], result["bias_identity_check"]
+    ok = lambda b: "ok" if b else "FAILS"  # noqa: E731
+    print(f"hypergradient: {cfg.hypergradient_mode}")
     print("constants: " + ", ".join(f"{n} = {v:.4g}" for n, v in k.items() if isinstance(v, (int, float))))
-    print(f"fitted slope of log((1/T) Σ‖∇Φ(x_t)‖²) vs log T over T ∈ [{fit['T_min']}, {fit['T_max']}]: "
-          f"{fit['slope']:.3f}")
-    print(f"hypergradient bias vs Lemma A.5 bound: max ratio {bias['max_ratio_bias_over_bound']}, "
-          f"violations {bias['violations']}")
-    print(f"checks: {checks}")
+    floor = (f"‖∇Φ‖² reaches {fit['grad_floor_rel']:g}·‖∇Φ(x⁰)‖² at step {fit['T_floor']}, where the fit stops"
+             if fit["T_floor"] is not None else f"‖∇Φ‖² stays above {fit['grad_floor_rel']:g}·‖∇Φ(x⁰)‖²")
+    slope = "none (window too short)" if fit["slope"] is None else f"{fit['slope']:.3f}"
+    print(f"rate: slope of log((1/T) Σ‖∇Φ(x_t)‖²) vs log T over T ∈ [{fit['T_min']}, {fit['T_max']}] ({floor}): "
+          f"{slope} (≤ {checks['slope_threshold']}: {ok(checks['slope_ok'])})")
+    mr = bias["max_ratio_bias_over_bound"]
+    print(f"bias ≤ Lemma A.5's bound: max ratio {'n/a' if mr is None else f'{mr:.3g}'}, violations {bias['violations']} "
+          f"({ok(checks['bias_within_lemma_a5'])})")
+    dev = ident["max_rel_deviation"]
+    print(f"bias = eq. (4)'s, {ident['predicted']}: max relative deviation "
+          f"{'n/a' if dev is None else f'{dev:.3g}'} over {ident['steps_resolved']} resolved steps, "
+          f"violations {ident['violations']} ({ok(checks['bias_is_eq4s'])})")
+    if checks["passed"]:
+        print("checks: passed")
+    else:
+        failed = [n for n in ("slope_ok", "bias_within_lemma_a5", "bias_is_eq4s") if not checks[n]]
+        print(f"checks: FAILED ({', '.join(failed)}); the rate and Lemma A.5's bound hold without the mixed term "
+              f"too, the bias check is the one that tells a wrong hypergradient")
     print(f"wrote {out / 'metrics.json'}")
     if not args.no_plot:
         plot_bilevel_convergence(result, out / "bilevel_convergence.png")
@@ -201,12 +246,12 @@ def _cmd_bilevel(args: argparse.Namespace) -> int:
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
-    from synthetic.tune import tune_rank_recovery
+    from synthetic.tune import tune_rank_recovery, validate_testbed
 
-    if args.seeds < 1:
-        raise ConfigError(f"--seeds: must be an integer ≥ 1, got {args.seeds}")
+    testbed = _given(args, _TESTBED_FLAGS)
+    validate_testbed(args.seeds, args.seed_offset, **testbed)  # every option checked before any work
     out = check_output_dir(args.out)
-    result = tune_rank_recovery(args.ground_truth, args.seeds, args.seed_offset)
+    result = tune_rank_recovery(seeds=args.seeds, seed_offset=args.seed_offset, **testbed)
     write_json_atomic(out / "tune.json", result)
     for method, t in result["choice"].items():
         print(f"{method}: {t}")

@@ -10,10 +10,30 @@ __all__ = ["ols", "reduced_rank_regression", "mse", "best_two_level_fit"]
 
 
 def ols(X: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:
-    """W = (XᵀX)⁻¹XᵀY via a thin QR (X = QR, W = R⁻¹QᵀY): no explicit inverse, and bit-for-bit
-    reproducible (``torch.linalg.lstsq`` on CPU differed in the last ulp between identical calls)."""
+    """Least squares: a W minimising ‖XW − Y‖_F, batched over leading dims.
+
+    Where X has full column rank (n ≥ d_in, the testbed's default 700 × 10) the solution is unique,
+    W = (XᵀX)⁻¹XᵀY, computed by a thin QR (X = QR, W = R⁻¹QᵀY): no explicit inverse, and bit-for-bit
+    reproducible (``torch.linalg.lstsq`` on CPU differed in the last ulp between identical calls).
+
+    Where it does not (fewer samples than inputs, ``n_train < dim``, or a degenerate X) there are
+    infinitely many solutions, and this returns the **minimum-norm** one, W = X⁺Y (pseudo-inverse by
+    SVD): the least-squares solution of least Frobenius norm, the limit of ridge regression as the
+    penalty goes to 0, and the point plain gradient descent on W converges to from W = 0. With
+    n < d_in (and X of full row rank, as a Gaussian X is) it fits the training data exactly.
+    """
+    n, d = X.shape[-2], X.shape[-1]
+    if n < d:
+        return torch.linalg.pinv(X) @ Y
     Q, R = torch.linalg.qr(X)
-    return torch.linalg.solve_triangular(R, Q.transpose(-1, -2) @ Y, upper=True)
+    diag = R.diagonal(dim1=-2, dim2=-1).abs()
+    full = (diag > diag.amax(-1, keepdim=True) * n * torch.finfo(R.dtype).eps).all(-1)
+    if bool(full.all()):
+        return torch.linalg.solve_triangular(R, Q.transpose(-1, -2) @ Y, upper=True)
+    # a rank-deficient X in the batch: the minimum-norm solution there, the QR one elsewhere
+    W = torch.linalg.solve_triangular(torch.where(full[..., None, None], R, torch.eye(d, dtype=R.dtype)),
+                                      Q.transpose(-1, -2) @ Y, upper=True)
+    return torch.where(full[..., None, None], W, torch.linalg.pinv(X) @ Y)
 
 
 def reduced_rank_regression(X: torch.Tensor, Y: torch.Tensor, rank: int) -> torch.Tensor:
@@ -21,7 +41,8 @@ def reduced_rank_regression(X: torch.Tensor, Y: torch.Tensor, rank: int) -> torc
 
     Reinsel & Velu (1998) Thm 2.2 (Lemma B.1 of the paper) with the weight Γ = Σ = I and the sample
     covariances: V_r = top-r eigenvectors of Σ̂_yx Σ̂_xx⁻¹ Σ̂_xy = ŶᵀŶ/n (Ŷ = X W_OLS), and
-    W_r = W_OLS V_r V_rᵀ.
+    W_r = W_OLS V_r V_rᵀ. With fewer samples than inputs W_OLS is the minimum-norm solution (``ols``),
+    and W_r is a minimiser built from it (the minimiser is then not unique).
     """
     if not 1 <= rank <= min(X.shape[-1], Y.shape[-1]):
         raise ValueError(f"rank must be in [1, {min(X.shape[-1], Y.shape[-1])}], got {rank}")
@@ -63,7 +84,10 @@ def best_two_level_fit(
     g = torch.Generator().manual_seed(seed)
     # Every sweep works on sufficient statistics (d×d), never on the n rows again. With the Gram
     # matrices G_k = X_kᵀX_k, G = Σ_k G_k and OLS maps O_k = G_k⁺X_kᵀY_k, O = G⁺Σ_k X_kᵀY_k:
-    #   OLS of the residual Y_k − X_k W_c is O_k − W_c (G_k⁺G_k = I for full-column-rank X_k);
+    #   OLS of the residual Y_k − X_k W_c is O_k − W_c (G_k⁺G_k = I for full-column-rank X_k; with
+    #   fewer samples than inputs O_k − W_c is *a* least-squares solution: it differs from the
+    #   minimum-norm one only in X_k's null space, which changes no fitted value, so every loss
+    #   below and the minimisation stay exact — the returned W is then one of many minimisers);
     #   OLS of the stacked residuals Y_k − X_k P_k is O − G⁺Σ_k G_k P_k;
     #   RRR then projects an OLS map M on the top eigenvectors of MᵀGM (= ŶᵀŶ, Ŷ the fitted values).
     Gk = X.transpose(-1, -2) @ X                         # (S, K, d_in, d_in)

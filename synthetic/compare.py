@@ -28,11 +28,11 @@ from typing import Any, Mapping
 
 import torch
 
-from fedlora.errors import ConfigError
+from fedlora.errors import ConfigError, did_you_mean
 from fedlora.methods import available_methods, get_method
 
 from .closed_forms import ols
-from .data import TASKS, make_heterogeneous_clients
+from .data import TASKS, make_heterogeneous_clients, per_client
 from .runner import StackedData, build_method, run_method, stack_federations
 
 __all__ = ["CompareConfig", "MethodSpec", "method_spec", "run_compare", "to_markdown", "plot_compare",
@@ -98,6 +98,11 @@ def method_spec(name: str, rank: int, n_clients: int, overrides: Mapping[str, An
     return MethodSpec(name, options, None)
 
 
+def _with_suggestions(keys, allowed) -> str:
+    """'a' (did you mean 'b'?), 'c' — each unknown key with the closest allowed one, if any is close."""
+    return ", ".join(f"{k!r}{did_you_mean(k, allowed)}" for k in keys)
+
+
 def _auto_n_train(clients: int) -> tuple[int, ...]:
     return tuple(75 + 25 * k for k in range(clients))
 
@@ -156,6 +161,7 @@ class CompareConfig:
             need(isinstance(v, int) and not isinstance(v, bool) and v >= low, flag, f"an integer ≥ {low}", v)
         if not self.n_train:
             self.n_train = _auto_n_train(self.clients)
+        self.n_train = per_client(self.n_train, self.clients)  # one --n-train value is every client's
         need(len(self.n_train) == self.clients and all(isinstance(n, int) and n >= 2 for n in self.n_train),
              "n-train", f"one integer ≥ 2 per client ({self.clients})", self.n_train)
         need(0 < self.val_fraction < 1, "val-fraction", "in (0, 1)", self.val_fraction)
@@ -180,7 +186,9 @@ class CompareConfig:
         need(isinstance(self.method_options, dict), "config", "a table method_options = {method: {option: value}}",
              self.method_options)
         bad = sorted(set(self.method_options) - set(known))
-        need(not bad, "config", f"method_options for methods from {', '.join(known)}", bad)
+        if bad:
+            raise ConfigError(f"--config: method_options for unknown method(s) {_with_suggestions(bad, known)}; "
+                              f"methods: {', '.join(known)}")
         bad = sorted(k for k, v in self.method_options.items() if not isinstance(v, dict))
         need(not bad, "config", "method_options = {method: {option: value}} (a table per method)", bad)
         for name in self.methods:  # every constructor validates its options: fail before running anything
@@ -199,7 +207,8 @@ class CompareConfig:
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(options) - fields)
         if unknown:
-            raise ConfigError(f"unknown compare option(s) {unknown}; allowed: {sorted(fields)}")
+            raise ConfigError(f"unknown compare option(s) {_with_suggestions(unknown, fields)}; "
+                              f"allowed: {', '.join(sorted(fields))}")
         return cls(**options).validate()
 
 

@@ -9,12 +9,24 @@ deviation (docs/design.md §6), so the irreducible test MSE is 0.01 / 0.04.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from fedlora.errors import ConfigError
 
-__all__ = ["ClientTask", "GROUND_TRUTHS", "make_clients", "TASKS", "make_heterogeneous_clients"]
+__all__ = ["ClientTask", "GROUND_TRUTHS", "make_clients", "TASKS", "make_heterogeneous_clients", "per_client"]
+
+
+def per_client(value: Any, n_clients: int) -> Any:
+    """A per-client option as a tuple: one value (a number, or a list of one) is every client's, as
+    for the other per-client options; a longer sequence is kept as given (its length is checked by
+    the caller's validation, which names the flag). Anything else is returned unchanged."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return (value,) * n_clients
+    if isinstance(value, (list, tuple)):
+        return tuple(value) * n_clients if len(value) == 1 else tuple(value)
+    return value
 
 GROUND_TRUTHS = ("independent", "shared-private")
 

@@ -20,12 +20,12 @@ from typing import Any
 import torch
 
 from fedlora.adapter import LoRALinear
-from fedlora.errors import ConfigError
+from fedlora.errors import ConfigError, did_you_mean
 from fedlora.methods import HetLoRA, PF2LoRA
 from fedlora.simulator import Federation, run_rounds
 
 from .closed_forms import best_two_level_fit, mse, reduced_rank_regression
-from .data import GROUND_TRUTHS, make_clients
+from .data import GROUND_TRUTHS, make_clients, per_client
 from .rank import numerical_rank, rank90
 
 __all__ = ["RankRecoveryConfig", "PRESETS", "run_rank_recovery", "summarise"]
@@ -84,6 +84,15 @@ class RankRecoveryConfig:
             if not cond:
                 raise ConfigError(f"--{flag}: must be {allowed}, got {got!r}")
 
+        # one value of a per-client option (--noise-std 0.3) is every client's; the true ranks say how
+        # many clients there are
+        if isinstance(self.true_ranks, int) and not isinstance(self.true_ranks, bool):
+            self.true_ranks = (self.true_ranks,)
+        need(isinstance(self.true_ranks, (list, tuple)), "true-ranks", "one rank per client", self.true_ranks)
+        self.true_ranks = tuple(self.true_ranks)
+        self.noise_std = per_client(self.noise_std, len(self.true_ranks))
+        self.het_initial_ranks = per_client(self.het_initial_ranks, len(self.true_ranks))
+
         need(self.ground_truth in GROUND_TRUTHS, "ground-truth", f"one of {', '.join(GROUND_TRUTHS)}", self.ground_truth)
         need(self.preset in PRESETS, "preset", f"one of {', '.join(PRESETS)}", self.preset)
         need(isinstance(self.seeds, int) and self.seeds >= 1, "seeds", "an integer ≥ 1", self.seeds)
@@ -128,7 +137,8 @@ class RankRecoveryConfig:
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(overrides) - fields)
         if unknown:
-            raise ConfigError(f"unknown rank-recovery option(s) {unknown}; allowed: {sorted(fields)}")
+            named = ", ".join(f"{k!r}{did_you_mean(k, fields)}" for k in unknown)
+            raise ConfigError(f"unknown rank-recovery option(s) {named}; allowed: {', '.join(sorted(fields))}")
         return cls(**{**PRESETS[preset], **overrides, "preset": preset}).validate()
 
 

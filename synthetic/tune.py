@@ -10,14 +10,21 @@ cosine trial (whose schedule depends on the step count) is run once per step cou
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any
 
+from fedlora.errors import ConfigError
 
 from .closed_forms import best_two_level_fit, mse
 from .rank_recovery import RankRecoveryConfig, _data_for, run_rank_recovery
 
-__all__ = ["GRID", "tune_rank_recovery", "reference_train_mse", "select"]
+__all__ = ["GRID", "tune_rank_recovery", "reference_train_mse", "select", "validate_testbed", "TUNED_OPTIONS"]
+
+#: what the grid chooses: a testbed option may not set these
+TUNED_OPTIONS = ("steps", "upper_lr", "lower_lr", "upper_schedule", "het_lr")
+#: rank-recovery options that are not the testbed's (the seeds are tune's own; methods run one at a time)
+_NOT_TESTBED = (*TUNED_OPTIONS, "seeds", "seed_offset", "methods", "preset")
 
 GRID: dict[str, Any] = {
     "steps": (2000, 3000, 4000),
@@ -27,11 +34,32 @@ GRID: dict[str, Any] = {
 }
 
 
+def validate_testbed(seeds: int = 5, seed_offset: int = 100, **testbed: Any) -> RankRecoveryConfig:
+    """The rank-recovery configuration every trial starts from (``ConfigError`` naming the flag if an
+    option is bad). ``testbed``: ``RankRecoveryConfig`` fields other than what the grid chooses
+    (``TUNED_OPTIONS``), the seeds and the methods; ground truth defaults to shared-private."""
+    bad = sorted(k for k in testbed if k in _NOT_TESTBED)
+    if bad:
+        raise ConfigError(f"tune: {', '.join(bad)} {'is' if len(bad) == 1 else 'are'} not testbed options "
+                          f"(tune chooses {', '.join(TUNED_OPTIONS)}; the seeds are --seeds/--seed-offset)")
+    testbed.setdefault("ground_truth", "shared-private")
+    interval = testbed.get("interval")
+    if isinstance(interval, int) and interval >= 1 and any(n % interval for n in GRID["steps"]):
+        # tune has no --steps: say it in terms of what the user typed
+        raise ConfigError(f"--interval: must divide every step count of tune's grid "
+                          f"({', '.join(map(str, GRID['steps']))}), got {interval}")
+    base = RankRecoveryConfig.from_preset("paper", seeds=seeds, seed_offset=seed_offset, **testbed)
+    for steps in GRID["steps"]:
+        dataclasses.replace(base, steps=steps).validate()
+    return base
+
+
 def tune_rank_recovery(ground_truth: str = "shared-private", seeds: int = 5, seed_offset: int = 100,
-                       log=print) -> dict[str, Any]:
-    """Run the grid; return every trial, the held-out reference train MSEs and the choice per
-    method (``select``)."""
-    reference = reference_train_mse(ground_truth, seeds, seed_offset)
+                       log=print, **testbed: Any) -> dict[str, Any]:
+    """Run the grid on the testbed ``testbed`` describes (``validate_testbed``); return every trial,
+    the held-out reference train MSEs and the choice per method (``select``)."""
+    base = validate_testbed(seeds, seed_offset, ground_truth=ground_truth, **testbed)
+    reference = reference_train_mse(base)
     trials = []
     for method, space in (("pf2lora", GRID["pf2lora"]), ("hetlora", GRID["hetlora"])):
         names = list(space)
@@ -39,9 +67,7 @@ def tune_rank_recovery(ground_truth: str = "shared-private", seeds: int = 5, see
             hp = dict(zip(names, values))
 
             def trial(steps):
-                cfg = RankRecoveryConfig.from_preset("paper", ground_truth=ground_truth, seeds=seeds,
-                                                     seed_offset=seed_offset, methods=(method,),
-                                                     steps=steps, **hp)
+                cfg = dataclasses.replace(base, methods=(method,), steps=steps, **hp).validate()
                 return run_rank_recovery(cfg, log=lambda *a: None)
 
             # A constant-step run gives every shorter budget (the state after `steps` steps is the
@@ -58,18 +84,19 @@ def tune_rank_recovery(ground_truth: str = "shared-private", seeds: int = 5, see
                                "train_mse": sum(per_seed) / len(per_seed), "train_mse_per_seed": per_seed})
             log(f"[tune] {method} {hp}: " + ", ".join(
                 f"{t['steps']}→{t['train_mse']:.4g}" for t in trials[-len(GRID['steps']):]))
-    return {"ground_truth": ground_truth, "seeds": list(range(seed_offset, seed_offset + seeds)),
+    return {"experiment": "tune", "schema_version": 1,
+            "config": {k: v for k, v in dataclasses.asdict(base).items() if k not in _NOT_TESTBED},
+            "ground_truth": base.ground_truth, "seeds": list(range(seed_offset, seed_offset + seeds)),
             "grid": {k: (list(v) if isinstance(v, tuple) else {kk: list(vv) for kk, vv in v.items()})
                      for k, v in GRID.items()},
             "reference_train_mse": reference, "trials": trials, "choice": select(trials, reference)}
 
 
-def reference_train_mse(ground_truth: str, seeds: int, seed_offset: int) -> list[float]:
-    """Per held-out seed, the client-mean train MSE of the two-level best fit (training data only)."""
-    cfg = RankRecoveryConfig.from_preset("paper", ground_truth=ground_truth, seeds=seeds, seed_offset=seed_offset)
+def reference_train_mse(cfg: RankRecoveryConfig) -> list[float]:
+    """Per seed of ``cfg``, the client-mean train MSE of the two-level best fit (training data only)."""
     data = _data_for(cfg)
     K = data.n_clients
-    X, Y = (t.reshape(seeds, K, *t.shape[1:]) for t in (data.X_train, data.Y_train))
+    X, Y = (t.reshape(cfg.seeds, K, *t.shape[1:]) for t in (data.X_train, data.Y_train))
     W = best_two_level_fit(X, Y, cfg.rank, cfg.client_rank)
     return mse(X, Y, W).mean(1).tolist()
 

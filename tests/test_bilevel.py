@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # repo root (no in
 from fedlora.errors import ConfigError  # noqa: E402
 from fedlora.methods.hypergradient import bilevel_direction  # noqa: E402
 from synthetic.bilevel import (  # noqa: E402
+    GRAD_FLOOR_REL,
     SLOPE_THRESHOLD,
     BilevelConfig,
     make_problem,
@@ -152,14 +153,14 @@ def test_constants_and_lemma_a5_bound_at_random_points():
 
 # ---------------------------------------------------------------- config validation
 
-@pytest.mark.parametrize("field,value,flag", [
-    ("max_steps", 0, "--max-steps"),
+BAD_VALUES = [
+    ("max_steps", 0, "--steps"),
     ("dim_x", 0, "--dim-x"),
     ("dim_y", -3, "--dim-y"),
     ("dim_x", 2.5, "--dim-x"),
     ("seed", -1, "--seed"),
     ("fit_points", 1, "--fit-points"),
-    ("fit_min_steps", 10_000, "--max-steps"),
+    ("fit_min_steps", 10_000, "--steps"),
     ("nonconvexity", -0.5, "--nonconvexity"),
     ("nonconvexity", float("nan"), "--nonconvexity"),
     ("schur_min", 0.0, "--schur-min"),
@@ -167,11 +168,17 @@ def test_constants_and_lemma_a5_bound_at_random_points():
     ("lower_mu", -1.0, "--lower-mu"),
     ("lower_max", 0.5, "--lower-max"),
     ("coupling", -0.1, "--coupling"),
-    ("hypergradient_mode", "none", "--hypergradient-mode"),
+    ("hypergradient_mode", "bogus", "--hypergradient"),
     ("fd_eps", 0.0, "--fd-eps"),
     ("alpha", 0.0, "--alpha"),
     ("eta", -1e-3, "--eta"),
-])
+    ("fit_min_steps", 0, "--fit-min-steps"),
+    ("linear_scale", -1.0, "--linear-scale"),
+    ("init_scale", float("inf"), "--init-scale"),
+]
+
+
+@pytest.mark.parametrize("field,value,flag", BAD_VALUES)
 def test_bad_config_raises_config_error(field, value, flag):
     cfg = replace(BilevelConfig(), **{field: value})
     with pytest.raises(ConfigError, match=flag) as ei:
@@ -179,6 +186,60 @@ def test_bad_config_raises_config_error(field, value, flag):
     assert isinstance(ei.value, ValueError)
     with pytest.raises(ConfigError):
         run_bilevel_convergence(cfg)
+
+
+def _bilevel_flags() -> set[str]:
+    import argparse
+
+    from fedlora import cli
+
+    top = cli._build_parser("synthetic")
+    syn = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction)).choices["synthetic"]
+    bc = next(a for a in syn._actions if isinstance(a, argparse._SubParsersAction)).choices["bilevel-convergence"]
+    return {o for a in bc._actions for o in a.option_strings}
+
+
+@pytest.mark.parametrize("field,value,flag", BAD_VALUES)
+def test_every_error_names_a_flag_of_the_command(field, value, flag):
+    """Issue 18 §4: the messages named --max-steps / --fit-min-steps, which the command did not have.
+    Every flag a message names must be one `fedlora synthetic bilevel-convergence` accepts."""
+    import re
+
+    with pytest.raises(ConfigError) as ei:
+        replace(BilevelConfig(), **{field: value}).validate()
+    named = set(re.findall(r"--[a-z][a-z-]*", str(ei.value)))
+    assert named and named <= _bilevel_flags(), (str(ei.value), named - _bilevel_flags())
+
+
+def test_every_config_field_is_a_flag_and_reaches_the_config(tmp_path, monkeypatch):
+    """Each BilevelConfig field has a flag (the one its errors name), and the flag sets that field."""
+    import synthetic.bilevel as bl
+    from fedlora.cli import main
+    from synthetic.bilevel import cli_flag
+
+    fields = [f.name for f in __import__("dataclasses").fields(BilevelConfig)]
+    assert {cli_flag(f) for f in fields} <= _bilevel_flags()
+    seen = {}
+
+    def fake_run(cfg):
+        seen["cfg"] = cfg
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr(bl, "run_bilevel_convergence", fake_run)
+    argv = ["--steps", "321", "--dim-x", "3", "--coupling", "0.25", "--alpha", "0.01", "--hypergradient",
+            "finite-difference", "--fit-min-steps", "7"]
+    assert main(["synthetic", "bilevel-convergence", *argv, "--out", str(tmp_path / "o")]) == 2
+    cfg = seen["cfg"]
+    assert (cfg.max_steps, cfg.dim_x, cfg.coupling, cfg.alpha, cfg.hypergradient_mode, cfg.fit_min_steps) == \
+        (321, 3, 0.25, 0.01, "finite-difference", 7)
+
+
+def test_cli_error_for_a_too_short_run_names_steps(capsys, tmp_path):
+    from fedlora.cli import main
+
+    assert main(["synthetic", "bilevel-convergence", "--steps", "50", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--steps must be > --fit-min-steps (100)" in err and "--max-steps" not in err
 
 
 def test_default_config_is_valid():
@@ -212,12 +273,15 @@ def test_finite_difference_mode_follows_exact_trajectory():
 
 
 def test_full_experiment_acceptance(tmp_path):
-    """docs/design.md §6 / Theorem 7.2: (1/T)Σ‖∇Φ‖² = O(1/T) (slope ≤ −0.9 on T ∈ [1e2, 1e4]) and the
-    measured bias never exceeds Lemma A.5's bound; Φ nonconvex; default (10⁴-step) config."""
+    """docs/design.md §6 / Theorem 7.2: (1/T)Σ‖∇Φ‖² = O(1/T) (slope ≤ −0.9 on T ∈ [1e2, T_floor], the steps
+    before ‖∇Φ‖² reaches its floor), the measured bias never exceeds Lemma A.5's bound and equals
+    eq. (4)'s closed form; Φ nonconvex; default (10⁴-step) config."""
     r = run_bilevel_convergence(BilevelConfig())
     json.dumps(r, allow_nan=False)
-    assert r["fit"]["T_min"] == 100 and r["fit"]["T_max"] == 10_000
+    f = r["fit"]
+    assert f["T_min"] == 100 and f["T_run"] == 10_000 and 100 < f["T_floor"] == f["T_max"] < 10_000
     assert r["fit"]["slope"] <= SLOPE_THRESHOLD
+    assert r["checks"]["bias_is_eq4s"] and r["bias_identity_check"]["max_rel_deviation"] < 1e-5
     bc = r["bias_check"]
     assert bc["violations"] == 0 and bc["lemma_a1_violations"] == 0
     assert bc["steps_resolved"] >= 100 and 0 < bc["max_ratio_bias_over_bound"] <= 1
@@ -228,3 +292,67 @@ def test_full_experiment_acceptance(tmp_path):
     out = tmp_path / "bilevel.png"
     plot_bilevel_convergence(r, out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------- the check must tell a wrong hypergradient
+
+#: seed 1 reaches the gradient floor at step ~1170, so 1500 steps cover the whole fit window
+DISCRIMINATE = dict(seed=1, max_steps=1500)
+
+
+@pytest.fixture(scope="module")
+def by_mode():
+    return {m: run_bilevel_convergence(BilevelConfig(hypergradient_mode=m, **DISCRIMINATE))
+            for m in ("exact", "finite-difference", "none", "eq6-sign")}
+
+
+@pytest.mark.parametrize("mode", ["exact", "finite-difference"])
+def test_the_correct_hypergradient_passes_every_check(by_mode, mode):
+    r = by_mode[mode]
+    c, idc = r["checks"], r["bias_identity_check"]
+    assert c["passed"] and c["slope_ok"] and c["bias_within_lemma_a5"] and c["bias_is_eq4s"], c
+    assert idc["violations"] == 0 and idc["steps_resolved"] >= 300 and idc["max_rel_deviation"] < 1e-5
+
+
+@pytest.mark.parametrize("mode", ["none", "eq6-sign"])
+def test_a_wrong_hypergradient_fails_the_check(by_mode, mode):
+    """Issue 18 §6: without the mixed term, or with eq. (6)'s printed '+', the check must fail. It fails on
+    the bias (40–60 % off eq. 4's), while the rate and Lemma A.5's bound — which hold for these too —
+    pass: that is why the rate alone could not be the check."""
+    r = by_mode[mode]
+    c, idc = r["checks"], r["bias_identity_check"]
+    assert not c["passed"] and not c["bias_is_eq4s"], c
+    assert idc["max_rel_deviation"] > 0.3 and idc["violations"] >= 300
+    assert c["slope_ok"] and c["bias_within_lemma_a5"]      # the old checks cannot see it
+
+
+def test_every_hypergradient_reaches_the_same_stationary_point(by_mode):
+    """Same f at both levels: the mixed term vanishes at a fixed point, so all four end at the same x
+    (README "Bilevel convergence"); the slopes agree to 1e-3."""
+    phis = {m: r["problem"]["phi_final"] for m, r in by_mode.items()}
+    assert max(phis.values()) - min(phis.values()) < 1e-9, phis
+    slopes = [r["fit"]["slope"] for r in by_mode.values()]
+    assert max(slopes) - min(slopes) < 1e-3, slopes
+
+
+def test_the_slope_is_fitted_only_before_the_gradient_floor(by_mode):
+    r = by_mode["exact"]
+    f, g = r["fit"], np.asarray(r["trace"]["grad_phi_sq"])
+    t_floor = int(np.nonzero(g <= GRAD_FLOOR_REL * g[0])[0][0])
+    assert f["T_floor"] == t_floor == f["T_max"] < f["T_run"] == 1500
+    assert max(f["T"]) <= t_floor and min(f["T"]) == f["T_min"]
+    # past the floor the average is exactly ∝ 1/T for anything that converged: slope −1 by construction
+    avg = np.asarray(r["trace"]["running_avg_grad_phi_sq"])
+    late = np.polyfit(np.log([t_floor + 50, 1500]), np.log(avg[[t_floor + 49, 1499]]), 1)[0]
+    assert late == pytest.approx(-1, abs=1e-6)
+
+
+def test_cli_reports_a_failed_check_for_a_wrong_hypergradient(tmp_path, capsys):
+    from fedlora.cli import main
+
+    out = tmp_path / "o"
+    assert main(["synthetic", "bilevel-convergence", "--hypergradient", "eq6-sign", "--seed", "1", "--steps", "1500",
+                 "--out", str(out), "--no-plot"]) == 0
+    text = capsys.readouterr().out
+    assert "checks: FAILED (bias_is_eq4s)" in text and "(FAILS)" in text
+    assert json.loads((out / "metrics.json").read_text())["checks"]["passed"] is False

@@ -85,3 +85,55 @@ def test_best_two_level_fit_beats_every_feasible_point():
         truth = sum(mse(c.X_train, c.Y_train, c.W_star) for c in f)
         assert fit <= truth
         assert [int(rank90(W[s, k])) for k in range(2)] == [c.true_rank for c in f]
+
+
+# ---------------------------------------------------------------- fewer samples than inputs (issue 18 §4)
+
+def _min_norm(X, Y):
+    """Minimum-norm least squares for full-row-rank X (n < d): Xᵀ(XXᵀ)⁻¹Y, by numpy in float64."""
+    Xn, Yn = X.numpy(), Y.numpy()
+    return Xn.T @ np.linalg.solve(Xn @ Xn.T, Yn)
+
+
+def test_ols_with_fewer_samples_than_inputs_is_the_minimum_norm_solution():
+    g = torch.Generator().manual_seed(3)
+    X = torch.randn(6, 10, generator=g, dtype=torch.float64)
+    Y = torch.randn(6, 4, generator=g, dtype=torch.float64)
+    W = ols(X, Y)
+    assert W.shape == (10, 4) and torch.isfinite(W).all()
+    np.testing.assert_allclose(W.numpy(), _min_norm(X, Y), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose((X @ W).numpy(), Y.numpy(), atol=1e-10)  # interpolates
+    # no other solution is shorter: adding a null-space direction of X keeps the fit, grows the norm
+    null = torch.linalg.svd(X).Vh[-1]
+    W2 = W + null[:, None] * torch.ones(1, 4, dtype=torch.float64)
+    assert torch.allclose(X @ W2, X @ W, atol=1e-10) and torch.linalg.norm(W2) > torch.linalg.norm(W)
+
+
+def test_ols_batch_with_a_degenerate_member_and_unchanged_full_rank_numbers():
+    g = torch.Generator().manual_seed(4)
+    X = torch.randn(3, 20, 5, generator=g, dtype=torch.float64)
+    Y = torch.randn(3, 20, 2, generator=g, dtype=torch.float64)
+    full = ols(X, Y)
+    X[1, :, 4] = X[1, :, 3]  # member 1: two equal columns (rank 4 < 5)
+    W = ols(X, Y)
+    assert torch.isfinite(W).all()
+    Q, R = torch.linalg.qr(X[[0, 2]])
+    exact = torch.linalg.solve_triangular(R, Q.transpose(-1, -2) @ Y[[0, 2]], upper=True)
+    assert torch.equal(W[[0, 2]], exact) and torch.equal(W[[0, 2]], full[[0, 2]])  # bit for bit
+    np.testing.assert_allclose(W[1].numpy(), (torch.linalg.pinv(X[1]) @ Y[1]).numpy(), rtol=1e-9, atol=1e-12)
+    assert torch.allclose(W[1, 3], W[1, 4])  # the minimum-norm solution splits the weight evenly
+
+
+def test_rank_recovery_with_n_train_below_dim_runs_and_reports_the_oracle(tmp_path):
+    """`--n-train 6` on a 10-dim testbed crashed in the OLS oracle (linalg.solve_triangular)."""
+    import json
+
+    from fedlora.cli import main
+
+    out = tmp_path / "o"
+    assert main(["synthetic", "rank-recovery", "--n-train", "6", "--n-samples", "100", "--steps", "20",
+                 "--jobs", "1", "--no-plot", "--out", str(out)]) == 0
+    m = json.loads((out / "metrics.json").read_text())
+    for run in m["runs"]:
+        for c in run["clients"]:
+            assert np.isfinite(c["oracle_mse"]) and np.isfinite(c["best_attainable_mse"]) and c["train_mse"] >= 0

@@ -6,6 +6,7 @@ import math
 import pytest
 
 from fedlora.cli import main
+from fedlora.errors import ConfigError
 from fedlora.methods import available_methods
 from synthetic.compare import CompareConfig, run_compare
 from synthetic.data import make_heterogeneous_clients
@@ -193,11 +194,16 @@ def test_unknown_method_lists_the_allowed_ones(capsys):
     ({"method_options": {"h2tune": {"densities": [0.5, 1.5, 1, 1]}}}, "densities (β_k) must each be a number in [0, 1]"),
     ({"method_options": {"h2tune": {"densities": [-0.1, 1, 1, 1]}}}, "[0, 1]"),
     ({"method_options": {"fedavg": {"momentum": 0.9}}}, "fedavg: unknown option(s) ['momentum']; allowed: rank, lr"),
-    ({"method_options": {"nope": {}}}, "--config: must be method_options for methods from"),
+    ({"method_options": {"nope": {}}}, "--config: method_options for unknown method(s) 'nope'; methods: "),
+    ({"method_options": {"pf2lorra": {}}}, "unknown method(s) 'pf2lorra' (did you mean 'pf2lora'?)"),
     ({"method_options": {"lora-a2": {"client_ranks": [9, 9, 9, 9]}}}, "lora-a2: client_ranks"),
     ({"method_options": {"hetlora": {"r_min": 3, "r_max": 2}}}, "hetlora: need 1 ≤ r_min ≤ r_max"),
     ({"heterogeneity": [0, 0]}, "--heterogeneity: must be a list without repeats"),
-    ({"stepsize": 1}, "unknown compare option(s) ['stepsize']"),
+    ({"stepsize": 1}, "unknown compare option(s) 'stepsize'; allowed: "),
+    # a misspelt key gets the closest option (issue 18 §4), in the file's own spelling or with dashes
+    ({"lr_grids": [0.1]}, "unknown compare option(s) 'lr_grids' (did you mean 'lr_grid'?); allowed: "),
+    ({"hetrogeneity": [0], "local-step": 2}, "'hetrogeneity' (did you mean 'heterogeneity'?), "
+                                             "'local_step' (did you mean 'local_steps'?)"),
     ({"method_options": {"ffa": {"client_ranks": [1, 2, 3, 4]}}}, "ffa: per-client rank budgets (client_ranks) are not supported"),
     ({"sample_fraction": 0}, "--sample-fraction: must be in (0, 1]"),
     ({"sample_fraction": 0.5}, "--sample-fraction: must be 1 when centralized is compared"),
@@ -217,3 +223,11 @@ def test_client_sampling_in_compare_counts_only_participants(tmp_path):
             per_round = [[c["bytes_up_per_round"][t] for c in s["clients"]] for t in range(cfg.rounds)]
             # ⌈0.5·4⌉ = 2 clients upload each round, the other two send nothing
             assert all(sum(b > 0 for b in row) == 2 for row in per_round), (r["method"], per_round)
+
+
+def test_one_n_train_is_every_clients():
+    """One value of a per-client option is every client's (issue 18 §4, as --noise-std in rank-recovery)."""
+    cfg = CompareConfig.from_options(methods=("fedavg",), clients=3, n_train=(20,))
+    assert cfg.n_train == (20, 20, 20)
+    with pytest.raises(ConfigError, match="--n-train: must be one integer ≥ 2 per client"):
+        CompareConfig.from_options(methods=("fedavg",), clients=3, n_train=(20, 30))
