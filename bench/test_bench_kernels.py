@@ -9,7 +9,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from kernels import lora_linear_multi, lora_linear_reference  # noqa: E402
+from fedlora.kernels import lora_linear_multi, lora_linear_reference  # noqa: E402
 
 CASES = [(16, 256, 8, 2), (128, 256, 8, 2), (128, 512, 16, 4), (512, 512, 64, 0)]
 

@@ -4,7 +4,7 @@ on a 2-core CPU). Run: ``.venv/bin/python -m pytest bench/test_bench_rank_recove
 --seeds 5 --no-plot``)."""
 import torch
 
-from synthetic.rank_recovery import RankRecoveryConfig, run_rank_recovery
+from fedlora.synthetic.rank_recovery import RankRecoveryConfig, run_rank_recovery
 
 
 def test_bench_tuned_rank_recovery_5_seeds(benchmark):

@@ -39,9 +39,9 @@ COMMANDS_GROUP = "fedlora.commands"
 #: the built-in commands, in the order ``fedlora --help`` lists them: name → ``module:register``.
 #: Must equal pyproject.toml's ``[project.entry-points."fedlora.commands"]`` (tests/test_cli_layering.py).
 BUILTIN_COMMANDS: dict[str, str] = {
-    "synthetic": "synthetic.cli:register",
-    "run": "llm.cli:register_run",
-    "export": "llm.cli:register_export",
+    "synthetic": "fedlora.synthetic.cli:register",
+    "run": "fedlora.llm.cli:register_run",
+    "export": "fedlora.llm.cli:register_export",
 }
 
 #: the exit status of bad input (``ConfigError``) and of an unavailable command

@@ -1,7 +1,7 @@
 """The LLM runtime (SPEC §8): many simulated clients, one frozen base model, slots and passes.
 
 One frozen base model is in memory. Its target layers carry adapters with a leading dimension of S
-slots (``llm.inject``). A round draws its participants (``fedlora.simulator.Federation``); they are
+slots (``fedlora.llm.inject``). A round draws its participants (``fedlora.simulator.Federation``); they are
 trained ``clients_per_pass`` at a time. For a pass of S clients the runtime
 
 1. gives every slot module S slots and binds the method to them (``Method.bind``: names,
@@ -399,7 +399,7 @@ class FederatedRun:
         (its dropout generator included)."""
         steps = [self.steps[k] for k in clients]
         I = max(steps)
-        self.model.train(self.cfg.model.dropout)  # each client's own masks (llm.dropout)
+        self.model.train(self.cfg.model.dropout)  # each client's own masks (fedlora.llm.dropout)
         self._bind(clients)
         samplers = self._load(clients)
         for i, k in enumerate(clients):

@@ -148,8 +148,8 @@ def _print_rank_recovery(result: dict[str, Any]) -> None:
 
 
 def _cmd_rank_recovery(args: argparse.Namespace) -> int:
-    from synthetic.plots import plot_rank_recovery
-    from synthetic.rank_recovery import RankRecoveryConfig, run_rank_recovery
+    from fedlora.synthetic.plots import plot_rank_recovery
+    from fedlora.synthetic.rank_recovery import RankRecoveryConfig, run_rank_recovery
 
     options = _load_config_file(args.config) if args.config else {}
     preset = options.pop("preset", None) or args.preset
@@ -171,7 +171,7 @@ def _cmd_rank_recovery(args: argparse.Namespace) -> int:
 
 
 def _cmd_bilevel(args: argparse.Namespace) -> int:
-    from synthetic.bilevel import BilevelConfig, plot_bilevel_convergence, run_bilevel_convergence
+    from fedlora.synthetic.bilevel import BilevelConfig, plot_bilevel_convergence, run_bilevel_convergence
 
     kw: dict[str, Any] = {}
     if args.steps is not None:
@@ -201,7 +201,7 @@ def _cmd_bilevel(args: argparse.Namespace) -> int:
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
-    from synthetic.tune import tune_rank_recovery
+    from fedlora.synthetic.tune import tune_rank_recovery
 
     if args.seeds < 1:
         raise ConfigError(f"--seeds: must be an integer ≥ 1, got {args.seeds}")
@@ -215,7 +215,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from synthetic.compare import CompareConfig, plot_compare, run_compare, to_markdown
+    from fedlora.synthetic.compare import CompareConfig, plot_compare, run_compare, to_markdown
 
     options = _load_config_file(args.config) if args.config else {}
     task = args.task if args.task is not None else options.pop("task", None)

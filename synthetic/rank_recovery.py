@@ -267,12 +267,12 @@ def _data_for(cfg: RankRecoveryConfig) -> _Stacked:
 
 
 class _Worker:
-    """One method running in a child interpreter (``synthetic._worker``); ``result()`` waits for it."""
+    """One method running in a child interpreter (``fedlora.synthetic._worker``); ``result()`` waits for it."""
 
     def __init__(self, name: str, cfg: RankRecoveryConfig) -> None:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         self.name = name
-        self.proc = subprocess.Popen([sys.executable, "-m", "synthetic._worker"], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", "fedlora.synthetic._worker"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
         # Send the job now (a few hundred bytes: never blocks on the pipe) so the child starts at once.
         self.proc.stdin.write(pickle.dumps((name, cfg, torch.get_num_threads())))

@@ -106,7 +106,7 @@ def _make(M, d_in, d_out, r, rc, *, bias=True, base=True, stack=None, three_d=Fa
 @contextlib.contextmanager
 def recorded_launches():
     """Record (kernel name, kwargs, args) of every Triton launch the op makes, launching each for real."""
-    ll = importlib.import_module("kernels.lora_linear")  # the package attribute `lora_linear` is the op
+    ll = importlib.import_module("fedlora.kernels.lora_linear")  # the package attribute `lora_linear` is the op
     seen = []
 
     def hook(kernel, grid, args, kwargs):

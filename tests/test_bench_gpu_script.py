@@ -33,7 +33,7 @@ import importlib.util, json, sys
 spec = importlib.util.spec_from_file_location("kernels_gpu", {script!r})
 mod = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mod)
-import kernels
+from fedlora import kernels
 {patch}
 sys.exit(mod.main(json.loads({argv!r})))
 """

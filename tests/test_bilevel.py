@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # repo root (no in
 
 from fedlora.errors import ConfigError  # noqa: E402
 from fedlora.methods.hypergradient import bilevel_direction  # noqa: E402
-from synthetic.bilevel import (  # noqa: E402
+from fedlora.synthetic.bilevel import (  # noqa: E402
     SLOPE_THRESHOLD,
     BilevelConfig,
     make_problem,

@@ -82,20 +82,20 @@ def _bad_outs(tmp: Path) -> dict[str, tuple[str, str]]:
 @pytest.fixture
 def no_work(monkeypatch):
     """Make every known experiment fail loudly if it starts: the --out check must come first."""
-    import synthetic.bilevel
-    import synthetic.compare
-    import synthetic.rank_recovery
-    import synthetic.tune
+    import fedlora.synthetic.bilevel
+    import fedlora.synthetic.compare
+    import fedlora.synthetic.rank_recovery
+    import fedlora.synthetic.tune
 
     def boom(*a, **k):
         raise AssertionError("the experiment started before --out was checked")
 
-    import llm.export
-    import llm.runtime
+    import fedlora.llm.export
+    import fedlora.llm.runtime
 
-    for mod, fn in ((synthetic.rank_recovery, "run_rank_recovery"), (synthetic.bilevel, "run_bilevel_convergence"),
-                    (synthetic.tune, "tune_rank_recovery"), (synthetic.compare, "run_compare"),
-                    (llm.runtime.FederatedRun, "prepare"), (llm.export, "export_peft")):
+    for mod, fn in ((fedlora.synthetic.rank_recovery, "run_rank_recovery"), (fedlora.synthetic.bilevel, "run_bilevel_convergence"),
+                    (fedlora.synthetic.tune, "tune_rank_recovery"), (fedlora.synthetic.compare, "run_compare"),
+                    (fedlora.llm.runtime.FederatedRun, "prepare"), (fedlora.llm.export, "export_peft")):
         monkeypatch.setattr(mod, fn, boom)
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from _kernel_helpers import _compare, _oracle
 
-from kernels import lora_linear, lora_linear_multi
+from fedlora.kernels import lora_linear, lora_linear_multi
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
@@ -81,7 +81,7 @@ def _step(fn, leaves):
 
 def test_spy_sees_a_host_upload_from_kernels_code():
     """The spy is real: a torch.tensor(...) made in kernels/ code is recorded (the offsets cache's upload)."""
-    ll = importlib.import_module("kernels.lora_linear")  # the package attribute `lora_linear` is the op
+    ll = importlib.import_module("fedlora.kernels.lora_linear")  # the package attribute `lora_linear` is the op
     ll._OFFSETS_CACHE.clear()
     with host_traffic() as calls:
         ll._offsets_tensor((0, 3, 5), torch.device("cpu"))
@@ -105,7 +105,7 @@ def test_single_client_and_stacked_calls_touch_no_host_data(fuse, base_gemm):
 
 @pytest.mark.parametrize("base_gemm", ["triton", "cublas"])
 def test_multi_host_offsets_uploaded_once_then_cached(base_gemm):
-    ll = importlib.import_module("kernels.lora_linear")  # the package attribute `lora_linear` is the op
+    ll = importlib.import_module("fedlora.kernels.lora_linear")  # the package attribute `lora_linear` is the op
     ll._OFFSETS_CACHE.clear()
     x, w, bb, a, b, c, d = _ops(30, K_clients=3)
     offs = [0, 4, 4, 30]  # unequal: the kernels need the table

@@ -28,9 +28,9 @@ import torch  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-import kernels  # noqa: E402
+from fedlora import kernels  # noqa: E402
 from _kernel_helpers import TOL, _compare, _make, _oracle, _rel  # noqa: E402
-from kernels import lora_linear, lora_linear_multi, lora_linear_reference  # noqa: E402
+from fedlora.kernels import lora_linear, lora_linear_multi, lora_linear_reference  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
@@ -236,7 +236,7 @@ def test_bad_input_raises_valueerror_before_launch(case, match):
 
 def test_poison_catches_unwritten_output():
     """The NaN poison is real: an output the kernels never touch stays NaN."""
-    from kernels.lora_linear import _alloc
+    from fedlora.kernels.lora_linear import _alloc
 
     t = _alloc((2, 3), torch.float32, torch.device("cpu"))
     assert torch.isnan(t).all()

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from fedlora.cli import main
-from synthetic.rank_recovery import RankRecoveryConfig, run_rank_recovery
+from fedlora.synthetic.rank_recovery import RankRecoveryConfig, run_rank_recovery
 
 
 def test_tuned_shared_private_recovers_ranks_and_hetlora_fails_client1():

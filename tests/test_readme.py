@@ -45,7 +45,7 @@ def test_python_example_runs(i, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("line", FEDLORA)
 def test_shell_example_parses_and_bundled_runs_validate(line, tmp_path, monkeypatch, capsys):
-    from llm.config import bundled_configs
+    from fedlora.llm.config import bundled_configs
 
     argv = shlex.split(line)[1:]
     _build_parser().parse_args(argv)  # SystemExit/ConfigError on a flag the CLI does not have
