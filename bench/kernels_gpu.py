@@ -59,8 +59,9 @@ import sys
 import tempfile
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = pathlib.Path(__file__).resolve().parents[1]  # results go to ROOT/bench/results; fedlora is imported
+# as installed (`make env` or `pip install -e .`): the repo root is not put on sys.path, where its folder
+# kernels/ would shadow HuggingFace's `kernels`
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

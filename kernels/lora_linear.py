@@ -1,7 +1,7 @@
 """Fused two-level LoRA linear on Triton (SPEC §7, ops 1–5), with the adapter folding shared by
 the reference path.
 
-Public pieces (re-exported by ``kernels``):
+Public pieces (re-exported by ``fedlora.kernels``):
 
 * ``lora_linear_triton(x, weight, bias, a, b, scale, c, d, client_scale, *, rank_mask, client_rank_mask,
   middle, middle_phi, middle_mask, precision, fuse)`` — the Triton path of ``fedlora.kernels.lora_linear``.
@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from .base_gemm import Chooser, m_bucket, requested_base_gemm, shape_key
 from .reference import check_lora_shapes, lora_linear_reference
 
-# triton is imported lazily (first Triton-path call): importing ``kernels`` never imports triton, so
+# triton is imported lazily (first Triton-path call): importing ``fedlora.kernels`` never imports triton, so
 # TRITON_INTERPRET may still be set afterwards (tests), and CPU-only users never pay for it.
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 _TRITON_IMPORT_ERROR: Exception | None = None if HAS_TRITON else ModuleNotFoundError("triton")
@@ -744,7 +744,7 @@ def lora_linear_multi(x, weight, bias, a, b, c, d, seg_offsets, scale=1.0, clien
     Shapes: X (M, d_in) (or (..., d_in), flattened, rows in client order), W0 (d_out, d_in) or None,
     A (r, d_in), B (d_out, r) shared, C (K, r̃, d_in), D (K, d_out, r̃), seg_offsets (K+1,) ints;
     ``rank_mask`` (r,), ``client_rank_mask`` (r̃,) or (K, r̃). Equals K separate ``lora_linear`` calls.
-    ``backend``: 'triton' | 'reference' | None (= ``kernels`` dispatch rules); ``precision``,
+    ``backend``: 'triton' | 'reference' | None (= ``fedlora.kernels`` dispatch rules); ``precision``,
     ``fuse``, ``base_gemm``: see ``lora_linear_triton``.
 
     ``seg_offsets`` as a list (or a CPU tensor) is validated on the host; equal segments then need no

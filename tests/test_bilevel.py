@@ -5,15 +5,11 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # repo root (no installed package)
 
 from fedlora.errors import ConfigError  # noqa: E402
 from fedlora.methods.hypergradient import bilevel_direction  # noqa: E402

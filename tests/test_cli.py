@@ -15,7 +15,6 @@ from fedlora import cli
 from fedlora.cli import check_output_dir, main
 from fedlora.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
 
 #: extra argv a command needs to get past argument parsing (none so far)
 REQUIRED_ARGS: dict[tuple[str, ...], list[str]] = {("run",): ["tiny-smoke"], ("export",): ["runs/none"]}
@@ -52,8 +51,8 @@ def test_help_of_every_command_exits_0(path, capsys):
     assert out.startswith("usage: fedlora") and "Traceback" not in out
 
 
-def test_help_as_a_subprocess():
-    r = subprocess.run([sys.executable, "-m", "fedlora.cli", "--help"], cwd=ROOT, capture_output=True,
+def test_help_as_a_subprocess(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "fedlora.cli", "--help"], cwd=tmp_path, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("usage: fedlora") and "synthetic" in r.stdout and r.stderr == ""

@@ -12,14 +12,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import pathlib
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
@@ -38,7 +37,8 @@ def _aot(args, timeout):
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FEDLORA_KERNELS_POISON")}
     env["OMP_NUM_THREADS"] = "1"
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "fedlora.kernels.aot", *map(str, args)], cwd=ROOT, env=env,
+    # not from the repo root: `-m` puts the current folder first on sys.path (issue 18 §2)
+    proc = subprocess.run([sys.executable, "-m", "fedlora.kernels.aot", *map(str, args)], cwd=tempfile.gettempdir(), env=env,
                           capture_output=True, text=True, timeout=timeout)
     return proc, time.perf_counter() - t0
 

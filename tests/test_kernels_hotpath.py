@@ -2,8 +2,8 @@
 
 On CUDA, ``torch.tensor(..., device=cuda)`` is a blocking host→device copy and ``.tolist()`` / ``.item()``
 / ``bool(t)`` / ``int(t)`` a device→host sync; both break CUDA-graph capture. ``host_traffic`` records every
-such call whose caller is a file of the ``kernels`` package (host code; the interpreter's own reads of
-kernel arguments come from triton's files and are not counted). After a first call (which may upload
+such call whose caller is a file of the ``fedlora.kernels`` package, the folder ``kernels/`` (host code; the
+interpreter's own reads of kernel arguments come from triton's files and are not counted). After a first call (which may upload
 a host-known offsets table once), repeated forward + backward calls must record nothing; offsets
 given as a tensor on X's device are never read on the host at all.
 """

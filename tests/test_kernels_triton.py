@@ -1,8 +1,8 @@
 """Triton kernel tests (SPEC §7) — run on CPU under the Triton interpreter.
 
-TRITON_INTERPRET must be set before the kernels module is first loaded; ``kernels`` imports triton
-lazily (first Triton-path call), so setting it here at import time is enough even when other test
-files imported ``kernels``/``fedlora`` first. Outputs are NaN-poisoned before every launch
+TRITON_INTERPRET must be set before the kernels module is first loaded; ``fedlora.kernels`` imports
+triton lazily (first Triton-path call), so setting it here at import time is enough even when other
+test files imported ``fedlora.kernels``/``fedlora`` first. Outputs are NaN-poisoned before every launch
 (FEDLORA_KERNELS_POISON=1), so an element a kernel fails to write shows up as NaN.
 
 Tolerance: every output and gradient within 1e-5 of a float64 oracle, relative to the oracle's
@@ -16,12 +16,6 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ["FEDLORA_KERNELS_POISON"] = "1"
 
 import importlib.util  # noqa: E402
-import pathlib  # noqa: E402
-import sys  # noqa: E402
-
-_ROOT = str(pathlib.Path(__file__).resolve().parents[1])
-if _ROOT not in sys.path:  # the repo root holds the `kernels` package
-    sys.path.insert(0, _ROOT)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
