@@ -21,11 +21,13 @@ demo: env
 	$(VENV)/bin/fedlora synthetic rank-recovery --preset tuned --ground-truth shared-private --seeds 5 --out $(OUT)/tuned-shared-private
 	$(VENV)/bin/fedlora synthetic rank-recovery --preset paper --ground-truth independent --seeds 5 --out $(OUT)/paper-independent
 
+# pytest's own script, not `python -m pytest`: that would put the repo root first on sys.path, where the
+# folder kernels/ (installed as fedlora.kernels) would shadow HuggingFace's `kernels` (issue 18 §2)
 test: env
-	$(PY) -m pytest -q
+	$(VENV)/bin/pytest -q
 
 bench: env
-	$(PY) -m pytest -q bench/ --benchmark-only
+	$(VENV)/bin/pytest -q bench/ --benchmark-only
 
 clean:
 	rm -rf $(VENV) runs

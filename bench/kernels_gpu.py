@@ -8,16 +8,16 @@
 For every (tokens M, d_in = d_out = d, rank r+r̃) it times, with ``triton.testing.do_bench``
 (warm-up, median), forward and forward+backward of:
 
-* ``fused``   — ``kernels.lora_linear_triton`` with ``base_gemm='triton'`` (X W0ᵀ inside this package's
+* ``fused``   — ``fedlora.kernels.lora_linear_triton`` with ``base_gemm='triton'`` (X W0ᵀ inside this package's
   Triton kernel, together with the low-rank path),
-* ``cublas``  — ``kernels.lora_linear_triton`` with ``base_gemm='cublas'`` (X W0ᵀ + b by cuBLAS, the
+* ``cublas``  — ``fedlora.kernels.lora_linear_triton`` with ``base_gemm='cublas'`` (X W0ᵀ + b by cuBLAS, the
   low-rank path by Triton, added into Y in place): the other variant ``base_gemm='auto'`` may pick,
 * ``eager``   — PEFT-style eager LoRA: F.linear(x, W0) + s·F.linear(F.linear(x, A), B) (+ client),
 * ``compile`` — ``torch.compile`` of the eager function,
 * ``base``    — the frozen base alone: X W0ᵀ forward, dX = dY W0 backward (the floor to beat).
 
 Multi-client (``--K``, default 8; 2 with ``--smoke``): for every configuration with r̃ > 0 and M ≥ K,
-``kernels.lora_linear_multi`` (backend 'triton', one launch) on the same M rows split into K equal
+``fedlora.kernels.lora_linear_multi`` (backend 'triton', one launch) on the same M rows split into K equal
 segments (rows k·M//K … (k+1)·M//K − 1 use client k's own C_k, D_k; A, B and W0 shared; sizes
 differ by one row when K ∤ M) is timed forward and forward+backward. ``multi/single`` is its time
 over the single-client op's on the same M rows with the same base-GEMM variant (the ``fused`` or
@@ -59,8 +59,9 @@ import sys
 import tempfile
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = pathlib.Path(__file__).resolve().parents[1]  # results go to ROOT/bench/results; fedlora is imported
+# as installed (`make env` or `pip install -e .`): the repo root is not put on sys.path, where its folder
+# kernels/ would shadow HuggingFace's `kernels`
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -239,10 +240,10 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
 
-    import kernels
+    from fedlora import kernels
 
     if smoke:
-        from kernels.lora_linear import _load_triton
+        from fedlora.kernels.lora_linear import _load_triton
 
         try:
             interp = _load_triton().INTERPRET

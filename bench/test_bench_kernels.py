@@ -1,15 +1,10 @@
 """CPU microbenchmarks of the reference LoRA linear (runs anywhere): ``pytest bench/ --benchmark-only``."""
 from __future__ import annotations
 
-import pathlib
-import sys
-
 import pytest
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from kernels import lora_linear_multi, lora_linear_reference  # noqa: E402
+from fedlora.kernels import lora_linear_multi, lora_linear_reference
 
 CASES = [(16, 256, 8, 2), (128, 256, 8, 2), (128, 512, 16, 4), (512, 512, 64, 0)]
 

@@ -1,10 +1,10 @@
 """End-to-end speed of the tuned rank-recovery run (issue goal: both methods × 5 seeds ≤ 15 s wall
-on a 2-core CPU). Run: ``.venv/bin/python -m pytest bench/test_bench_rank_recovery.py --benchmark-only``
+on a 2-core CPU). Run: ``.venv/bin/pytest bench/test_bench_rank_recovery.py --benchmark-only``
 (or time the CLI: ``time fedlora synthetic rank-recovery --preset tuned --ground-truth shared-private
 --seeds 5 --no-plot``)."""
 import torch
 
-from synthetic.rank_recovery import RankRecoveryConfig, run_rank_recovery
+from fedlora.synthetic.rank_recovery import RankRecoveryConfig, run_rank_recovery
 
 
 def test_bench_tuned_rank_recovery_5_seeds(benchmark):

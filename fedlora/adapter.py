@@ -1,7 +1,7 @@
 """The adapter layer: frozen W0 (+ bias) and the method's trainable factors (docs/design.md §2).
 
 One code path: the synthetic testbed is a single ``LoRALinear`` with W0 = 0, and the LLM layer
-injects the same class into HF models. Its forward is one ``kernels.lora_linear`` call.
+injects the same class into HF models. Its forward is one ``fedlora.kernels.lora_linear`` call.
 
 Factors (PEFT orientation, docs/design.md §3), with an optional leading stack dimension ``G`` holding
 independent replicas (clients × seeds) that share W0::
@@ -22,7 +22,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
-import kernels
+from fedlora import kernels
 
 from .errors import ConfigError
 

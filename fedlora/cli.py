@@ -7,14 +7,14 @@
     fedlora run CONFIG [--set key=value …] [--out DIR] [--dry-run] [--list-configs]
     fedlora export RUN_DIR --client K --out DIR [--format peft|merged]
 
-The core imports nothing from the layers built on it (``synthetic``, ``llm``): each layer owns its
-commands (``synthetic/cli.py``, ``llm/cli.py``), and this module discovers them through the
+The core imports nothing from the layers built on it (``fedlora.synthetic``, ``fedlora.llm``): each layer owns
+its commands (``synthetic/cli.py``, ``llm/cli.py``), and this module discovers them through the
 entry-point group ``fedlora.commands`` (pyproject.toml). An entry point is named after the command it
 adds and names a ``register(subparsers)`` callable, which adds that command with
 ``subparsers.add_parser(NAME, …)`` and gives every runnable (sub)command a handler with
 ``set_defaults(handler=fn)``, ``fn(args) -> int`` (the exit status). Any installed package can add a
-command the same way. Without the package's metadata (a source checkout that was never installed, or
-an install older than the entry points) the built-in commands come from ``BUILTIN_COMMANDS``.
+command the same way. Without the package's metadata (an install older than the entry points, or an
+environment whose metadata cannot be read) the built-in commands come from ``BUILTIN_COMMANDS``.
 
 A plugin that fails to load costs only its own command: the others work, ``fedlora --help`` marks it
 unavailable, and running it prints one line naming the plugin and why (exit status 2).
@@ -39,9 +39,9 @@ COMMANDS_GROUP = "fedlora.commands"
 #: the built-in commands, in the order ``fedlora --help`` lists them: name → ``module:register``.
 #: Must equal pyproject.toml's ``[project.entry-points."fedlora.commands"]`` (tests/test_cli_layering.py).
 BUILTIN_COMMANDS: dict[str, str] = {
-    "synthetic": "synthetic.cli:register",
-    "run": "llm.cli:register_run",
-    "export": "llm.cli:register_export",
+    "synthetic": "fedlora.synthetic.cli:register",
+    "run": "fedlora.llm.cli:register_run",
+    "export": "fedlora.llm.cli:register_export",
 }
 
 #: the exit status of bad input (``ConfigError``) and of an unavailable command

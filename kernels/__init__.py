@@ -16,14 +16,14 @@ Triton-path knobs (arguments of ``lora_linear``/``lora_linear_multi``, or enviro
 
 * ``base_gemm`` / ``FEDLORA_KERNELS_BASE_GEMM``: ``auto`` (default: on CUDA, time the Triton-GEMM and
   the cuBLAS-GEMM variants on first use per shape bucket and keep the faster), ``triton``, ``cublas``
-  (``kernels.base_gemm``).
+  (``fedlora.kernels.base_gemm``).
 * ``precision``: float32 dots, ``ieee`` or ``tf32``; default follows torch's CUDA matmul setting
   (``select_precision``).
 * Under ``torch.use_deterministic_algorithms(True)`` the backward's split reductions (dA, dB) use
   per-split partial sums summed in a fixed order instead of fp32 atomics.
 
 ``FEDLORA_KERNELS_POISON=1`` fills kernel outputs with NaN before each launch (tests).
-``python -m kernels.aot`` compiles the kernels for sm_90 without a GPU (``kernels.aot``).
+``python -m fedlora.kernels.aot`` compiles the kernels for sm_90 without a GPU (``fedlora.kernels.aot``).
 """
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def backend_for(x: torch.Tensor, *tensors, backend: str | None = None) -> str:
 def lora_linear(x, weight, bias, a, b, scale=1.0, c=None, d=None, client_scale=1.0, *,
                 rank_mask=None, client_rank_mask=None, middle=None, middle_phi=None, middle_mask=None,
                 backend=None, precision=None, fuse=None, base_gemm=None):
-    """Two-level LoRA linear: Y = X W0ᵀ + b + s₁(XAᵀ)Bᵀ + s₂(XCᵀ)Dᵀ (shapes: ``kernels.reference``).
+    """Two-level LoRA linear: Y = X W0ᵀ + b + s₁(XAᵀ)Bᵀ + s₂(XCᵀ)Dᵀ (shapes: ``fedlora.kernels.reference``).
 
     Keyword-only extras (both backends):
       rank_mask ([G,] r): LoRA-A² rank mask; ΔW = s₁·B·diag(m)·A (masked ranks contribute nothing

@@ -76,7 +76,7 @@ def _ieee_spills(c, named_args, br) -> bool:
     """Whether config ``c`` spills registers on sm_90 for fp32 IEEE dots (so the autotuner never tries it).
 
     IEEE fp32 ``tl.dot`` runs on FMA units with the accumulator and the operand tiles in registers.
-    From ``python -m kernels.aot`` (README, "AOT compile check"): per thread (T = 32·warps) an
+    From ``python -m fedlora.kernels.aot`` (README, "AOT compile check"): per thread (T = 32·warps) an
     accumulator above 32 values or operand tiles (BM·BK + BK·BN)/T above 96 values spill (up to ~50 KB
     for 128×256); with a wide low-rank epilogue (BLOCK_R ≥ 64) the L·Rt tiles spill above 2048
     outputs or 64 rows, the fused shrink above 1024 outputs.
@@ -156,7 +156,7 @@ def _row_offsets(offs_m, rows_inner, stride_o, stride_m, SPLIT_ROWS: tl.constexp
     """Memory offsets (int64) of rows ``offs_m`` (int64) of a 2-D (or, SPLIT_ROWS, a 3-D strided) operand.
 
     The split divides in int32 (row indices < 2³¹): an int64 division is a PTX subroutine whose stack
-    frame spilled kilobytes in the TN kernel's loop (``kernels.aot``).
+    frame spilled kilobytes in the TN kernel's loop (``fedlora.kernels.aot``).
     """
     if SPLIT_ROWS:
         m32 = offs_m.to(tl.int32)

@@ -1,10 +1,10 @@
 """Ahead-of-time compile check of the Triton kernels for sm_90 (H100), without a GPU.
 
-    python -m kernels.aot --out DIR            # CI subset (a few shapes, minutes on 2 cores)
-    python -m kernels.aot --full --out DIR     # the whole sweep (or FEDLORA_AOT_FULL=1)
+    python -m fedlora.kernels.aot --out DIR            # CI subset (a few shapes, minutes on 2 cores)
+    python -m fedlora.kernels.aot --full --out DIR     # the whole sweep (or FEDLORA_AOT_FULL=1)
 
 How. The real op (``lora_linear_triton`` / ``lora_linear_multi``, forward and backward through
-autograd) runs on ``meta`` tensors inside ``kernels.lora_linear.compile_only``: its host code is
+autograd) runs on ``meta`` tensors inside ``fedlora.kernels.lora_linear.compile_only``: its host code is
 unchanged (validation, adapter folding, segments, fuse / precision / base-GEMM variant choice,
 launch arguments and constexprs) and each launch reaches a hook instead of the GPU. The hook asks
 the kernel's own autotuner for the configs it would try (``Autotuner.prune_configs`` — the same
@@ -89,13 +89,13 @@ def check_environment():
         raise AOTUnavailable(f"triton {ver} lacks an API this tool needs ({exc!r})") from exc
     if knobs.runtime.interpret:
         raise AOTUnavailable("TRITON_INTERPRET=1 was set when triton was imported in this process; run "
-                             "`python -m kernels.aot` in a fresh process")
+                             "`python -m fedlora.kernels.aot` in a fresh process")
     from .lora_linear import _load_triton
 
     tk = _load_triton()
     if tk.INTERPRET:
         raise AOTUnavailable("the kernels were loaded under the Triton interpreter in this process; run "
-                             "`python -m kernels.aot` in a fresh process")
+                             "`python -m fedlora.kernels.aot` in a fresh process")
     return triton
 
 
@@ -278,8 +278,8 @@ class Compiler:
     def run_case(self, case: Case):
         import torch
 
-        import kernels
-        from kernels.lora_linear import compile_only
+        from fedlora import kernels
+        from fedlora.kernels.lora_linear import compile_only
 
         self.case = case
         dt = getattr(torch, _DTYPES[case.dtype])
@@ -463,7 +463,7 @@ def run(cases, arch: int = 90, smem_limit: int = SMEM_LIMIT_H100, jobs: int = 1,
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kernels.aot", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m fedlora.kernels.aot", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--full", action="store_true", help="the whole sweep (default: the CI subset; env "
                                                         "FEDLORA_AOT_FULL=1 does the same)")
@@ -483,7 +483,7 @@ def main(argv=None) -> int:
     try:
         triton = check_environment()
     except AOTUnavailable as exc:
-        print(f"kernels.aot: cannot compile ahead of time: {exc}", file=sys.stderr)
+        print(f"fedlora.kernels.aot: cannot compile ahead of time: {exc}", file=sys.stderr)
         return 2
     import torch
 
@@ -496,7 +496,7 @@ def main(argv=None) -> int:
     meta = {"arch": args.arch, "triton": triton.__version__, "torch": torch.__version__,
             "mode": "full sweep" if full else "CI subset", "cases": len(cases), "jobs": args.jobs,
             "seconds": time.perf_counter() - t0,
-            "command": "python -m kernels.aot" + (" --full" if full else "") + (
+            "command": "python -m fedlora.kernels.aot" + (" --full" if full else "") + (
                 f" --only '{args.only}'" if args.only else "") + (f" --jobs {args.jobs}" if args.jobs > 1 else "")}
     js, md = write_report(out, args.arch, meta, rows, launches, failures, summary)
     print(f"{summary['compiled_configs']} configs compiled ({summary['unique_binaries']} binaries), max regs "
@@ -504,7 +504,7 @@ def main(argv=None) -> int:
           f"{summary['max_shared']} B, over the limit {summary['configs_over_smem']}, failures {len(failures)}")
     print(f"written: {js} {md}")
     if failures:
-        print(f"kernels.aot: {len(failures)} failure(s):", file=sys.stderr)
+        print(f"fedlora.kernels.aot: {len(failures)} failure(s):", file=sys.stderr)
         for f in failures:
             print(f"  {f}", file=sys.stderr)
         return 1

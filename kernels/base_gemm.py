@@ -1,6 +1,6 @@
 """Which base GEMM the Triton path runs: X W0ᵀ inside the Triton kernel, or cuBLAS.
 
-Two variants of the same op (``kernels.lora_linear_triton``, ``kernels.lora_linear_multi``):
+Two variants of the same op (``fedlora.kernels.lora_linear_triton``, ``fedlora.kernels.lora_linear_multi``):
 
 * ``'triton'`` — the base GEMM X W0ᵀ (and dY W0) runs inside the Triton kernel whose accumulator
   also takes the low-rank product (one pass writes Y); for small M even the shrink X A_catᵀ shares

@@ -1,10 +1,10 @@
 """Fused two-level LoRA linear on Triton (docs/design.md §7, ops 1–5), with the adapter folding shared by
 the reference path.
 
-Public pieces (re-exported by ``kernels``):
+Public pieces (re-exported by ``fedlora.kernels``):
 
 * ``lora_linear_triton(x, weight, bias, a, b, scale, c, d, client_scale, *, rank_mask, client_rank_mask,
-  middle, middle_phi, middle_mask, precision, fuse)`` — the Triton path of ``kernels.lora_linear``.
+  middle, middle_phi, middle_mask, precision, fuse)`` — the Triton path of ``fedlora.kernels.lora_linear``.
 * ``lora_linear_multi(x, weight, bias, a, b, c, d, seg_offsets, ...)`` — multi-client op: rows of X
   grouped by client (``seg_offsets``, length K+1), shared W0 and common adapter (A, B), client
   adapter (C_k, D_k) per segment; forward and backward each one set of launches for all clients.
@@ -29,7 +29,7 @@ starts from S B_catᵀ), or for small M one launch doing both in the same K loop
 backward dS = dY B_cat, dX = dY W0 + dS A_cat (fused likewise), dA_cat = dSᵀ X, dB_cat = dYᵀ S
 (split-M; fp32 atomics, or under ``torch.use_deterministic_algorithms(True)`` per-split partial
 sums summed in a fixed order). ``base_gemm='cublas'`` runs X W0ᵀ + b and dY W0 with cuBLAS instead
-and only the low-rank path in Triton (``kernels.base_gemm``; 'auto' times both on first use).
+and only the low-rank path in Triton (``fedlora.kernels.base_gemm``; 'auto' times both on first use).
 Double backward (``create_graph=True``, PF2LoRA's HVP) runs the backward as differentiable torch
 matmuls instead of kernels.
 
@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from .base_gemm import Chooser, m_bucket, requested_base_gemm, shape_key
 from .reference import check_lora_shapes, lora_linear_reference
 
-# triton is imported lazily (first Triton-path call): importing ``kernels`` never imports triton, so
+# triton is imported lazily (first Triton-path call): importing ``fedlora.kernels`` never imports triton, so
 # TRITON_INTERPRET may still be set afterwards (tests), and CPU-only users never pay for it.
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 _TRITON_IMPORT_ERROR: Exception | None = None if HAS_TRITON else ModuleNotFoundError("triton")
@@ -128,7 +128,7 @@ def _check_triton_operands(x: torch.Tensor, named: dict) -> None:
         if x.dtype != torch.float32:
             raise ValueError(f"lora_linear: under the Triton interpreter only float32 is supported, X is {x.dtype}")
     elif x.device.type == "meta" and _COMPILE_ONLY:
-        pass  # kernels.aot: launches are compiled, never run
+        pass  # fedlora.kernels.aot: launches are compiled, never run
     elif x.device.type != "cuda":
         raise ValueError(f"lora_linear: the Triton path runs on CUDA (or CPU under the interpreter), "
                          f"X is on {x.device}")
@@ -394,11 +394,11 @@ def launch_hook(fn):
 
 @contextlib.contextmanager
 def compile_only(fn):
-    """``kernels.aot``: accept meta-device operands and hand each launch to ``fn`` instead of running it.
+    """``fedlora.kernels.aot``: accept meta-device operands and hand each launch to ``fn`` instead of running it.
 
     The op then executes its real host code (validation, folding, segment handling, variant, fuse
     and precision choice, launch arguments) on shapes only; ``fn(kernel, grid, args, kwargs)``
-    typically compiles what the autotuner would try (``kernels.aot``).
+    typically compiles what the autotuner would try (``fedlora.kernels.aot``).
     """
     global _COMPILE_ONLY
     _load_triton()
@@ -599,7 +599,7 @@ class _SegLoRAFunction(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------------------------
-# base-GEMM variant (kernels.base_gemm)
+# base-GEMM variant (fedlora.kernels.base_gemm)
 # ----------------------------------------------------------------------------------------------
 
 _CHOOSER = Chooser()
@@ -665,12 +665,12 @@ def _segmented_call(x, weight, bias, a_cat, b_cat, segs, precision, fuse, base_g
 def lora_linear_triton(x, weight, bias, a, b, scale=1.0, c=None, d=None, client_scale=1.0, *,
                        rank_mask=None, client_rank_mask=None, middle=None, middle_phi=None, middle_mask=None,
                        precision=None, fuse=None, base_gemm=None):
-    """Triton path of ``kernels.lora_linear`` (same maths as the reference; extras: see module doc).
+    """Triton path of ``fedlora.kernels.lora_linear`` (same maths as the reference; extras: see module doc).
 
     ``precision``: 'ieee' or 'tf32' for float32 dots (default ``select_precision``: TF32 iff torch
     allows TF32 for CUDA matmuls); ``fuse``: one launch for shrink + base GEMM (default: M ≤
     ``FUSE_MAX_M``); ``base_gemm``: 'triton' | 'cublas' | 'auto' (default env
-    ``FEDLORA_KERNELS_BASE_GEMM``, else 'auto'; see ``kernels.base_gemm``).
+    ``FEDLORA_KERNELS_BASE_GEMM``, else 'auto'; see ``fedlora.kernels.base_gemm``).
     Operands may be non-contiguous (strides are passed to the kernels; only the small folded factors
     are copied).
     """
@@ -744,7 +744,7 @@ def lora_linear_multi(x, weight, bias, a, b, c, d, seg_offsets, scale=1.0, clien
     Shapes: X (M, d_in) (or (..., d_in), flattened, rows in client order), W0 (d_out, d_in) or None,
     A (r, d_in), B (d_out, r) shared, C (K, r̃, d_in), D (K, d_out, r̃), seg_offsets (K+1,) ints;
     ``rank_mask`` (r,), ``client_rank_mask`` (r̃,) or (K, r̃). Equals K separate ``lora_linear`` calls.
-    ``backend``: 'triton' | 'reference' | None (= ``kernels`` dispatch rules); ``precision``,
+    ``backend``: 'triton' | 'reference' | None (= ``fedlora.kernels`` dispatch rules); ``precision``,
     ``fuse``, ``base_gemm``: see ``lora_linear_triton``.
 
     ``seg_offsets`` as a list (or a CPU tensor) is validated on the host; equal segments then need no

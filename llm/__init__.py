@@ -1,15 +1,15 @@
 """The LLM layer (docs/design.md §8): federated LoRA fine-tuning of HuggingFace models with every method.
 
-* ``llm.inject`` — PEFT-style targets, slot adapters (``fedlora.adapter.LoRALinear``) and slot heads;
-* ``llm.runtime`` — many simulated clients on one frozen base model: client state records, slots and
+* ``fedlora.llm.inject`` — PEFT-style targets, slot adapters (``fedlora.adapter.LoRALinear``) and slot heads;
+* ``fedlora.llm.runtime`` — many simulated clients on one frozen base model: client state records, slots and
   passes (``FederatedRun``, ``run``);
-* ``llm.config`` — the one validated run configuration (``RunConfig``, ``load_config``);
-* ``llm.data``, ``llm.tasks``, ``llm.metrics`` — text data, client splits, metrics;
-* ``llm.export`` — a client's model as a PEFT adapter or merged into the base weights.
+* ``fedlora.llm.config`` — the one validated run configuration (``RunConfig``, ``load_config``);
+* ``fedlora.llm.data``, ``fedlora.llm.tasks``, ``fedlora.llm.metrics`` — text data, client splits, metrics;
+* ``fedlora.llm.export`` — a client's model as a PEFT adapter or merged into the base weights.
 
-``fedlora run CONFIG`` is the command line of ``run`` (``llm.cli``).
+``fedlora run CONFIG`` is the command line of ``run`` (``fedlora.llm.cli``).
 
-The names below are imported on first use, so that ``import llm.cli`` — which every ``fedlora`` command
+The names below are imported on first use, so that ``import fedlora.llm.cli`` — which every ``fedlora`` command
 line does to list its commands — does not pull in torch and the runtime.
 """
 from __future__ import annotations

@@ -42,7 +42,7 @@ def register_export(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from llm.config import bundled_configs, load_config
+    from fedlora.llm.config import bundled_configs, load_config
 
     if args.list_configs:
         for name, path in bundled_configs().items():
@@ -64,7 +64,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(json.dumps({**cfg.to_dict(), "resolved": {"method": method, "data": data}}, indent=1))
         return 0
     out = check_output_dir(cfg.output_dir, "--out" if args.out is not None else "output_dir")
-    from llm.runtime import FederatedRun
+    from fedlora.llm.runtime import FederatedRun
 
     summary = FederatedRun(cfg, progress=not args.no_progress).run()
     m = summary["main_metric"]
@@ -81,7 +81,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from llm.export import export_merged, export_peft
+    from fedlora.llm.export import export_merged, export_peft
 
     if args.client < 0:
         raise ConfigError(f"--client: must be an integer ≥ 0, got {args.client}")

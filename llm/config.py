@@ -45,7 +45,7 @@ class ModelConfig:
     max_length: tokens per example (truncation). dtype: of the base model and adapters.
     device: ``auto`` (CUDA when available) | ``cpu`` | ``cuda`` | ``cuda:N``.
     dropout: train with the model's own dropout rates, each client's masks drawn from its own
-        generator (``llm.dropout``; seeded from (seed, client), kept in its state record): they do not
+        generator (``fedlora.llm.dropout``; seeded from (seed, client), kept in its state record): they do not
         depend on its slot or pass-mates. Never in evaluation. Default off (eval mode while training).
     """
 
@@ -64,7 +64,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """The labelled text: a registered task (``llm.tasks``: glue/cola, glue/sst2, glue/mnli, glue/qqp,
+    """The labelled text: a registered task (``fedlora.llm.tasks``: glue/cola, glue/sst2, glue/mnli, glue/qqp,
     glue/qnli, glue/rte, banking77, 20newsgroups, debian-sections), any HF dataset (``hf_name``), or a
     local csv/tsv/jsonl file or folder (``path``; with ``task``, the task's columns and metrics apply
     to the local copy; ``task: auto``, the default, is the bundled ``debian-sections`` when neither
@@ -120,7 +120,7 @@ class FederationConfig:
     classic sequential loop; on a GPU more slots are faster, one launch per layer for all of them; on
     a 2-core CPU 1–2 were fastest — README "Memory and speed"). ``auto`` (default): 1 on a CPU (the
     measured best), on CUDA every participant of a round as far as the free GPU memory allows
-    (``llm.runtime.auto_clients_per_pass``); config.json records the value chosen. store: where client state records
+    (``fedlora.llm.runtime.auto_clients_per_pass``); config.json records the value chosen. store: where client state records
     live between rounds, ``memory`` or ``disk`` (safetensors files under ``output_dir/clients``).
     val_fraction: each client's held-out validation share of its training data.
     """

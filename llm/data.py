@@ -1,6 +1,6 @@
 """Text-classification data for the LLM layer (docs/design.md §5, §8): loading, client splits, tokenising.
 
-* :func:`load_text_data` reads a registered task (``llm.tasks``), any HuggingFace dataset by name,
+* :func:`load_text_data` reads a registered task (``fedlora.llm.tasks``), any HuggingFace dataset by name,
   or local files (csv / tsv / jsonl / json, optionally ``.gz``; a folder of ``train.*`` /
   ``test.*`` files; a ``save_to_disk`` folder) into two :class:`TextDataset` (train, test) that
   share one label mapping.
@@ -621,7 +621,7 @@ def load_text_data(
     """Load (train, test, task info).
 
     Sources (one of):
-        * ``task``: a registered task (``llm.tasks``) from the Hub (``datasets.load_dataset``) or,
+        * ``task``: a registered task (``fedlora.llm.tasks``) from the Hub (``datasets.load_dataset``) or,
           for bundled tasks, from the package;
         * ``task`` + ``path``: the task's columns, label names and metrics, data from local files
           (e.g. a local copy of GLUE SST-2 as tsv: a folder with train.tsv and dev.tsv);

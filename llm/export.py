@@ -32,7 +32,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from fedlora.errors import ConfigError
-from kernels import fold_adapters
+from fedlora.kernels import fold_adapters
 
 __all__ = ["lora_factors", "export_peft", "export_merged", "load_run_adapter", "load_run_base_model",
            "merge_adapters", "unmerge_adapters", "config_digest", "MERGED_UPDATE"]

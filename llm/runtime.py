@@ -1,7 +1,7 @@
 """The LLM runtime (docs/design.md §8): many simulated clients, one frozen base model, slots and passes.
 
 One frozen base model is in memory. Its target layers carry adapters with a leading dimension of S
-slots (``llm.inject``). A round draws its participants (``fedlora.simulator.Federation``); they are
+slots (``fedlora.llm.inject``). A round draws its participants (``fedlora.simulator.Federation``); they are
 trained ``clients_per_pass`` at a time. For a pass of S clients the runtime
 
 1. gives every slot module S slots and binds the method to them (``Method.bind``: names,
@@ -429,7 +429,7 @@ class FederatedRun:
         (its dropout generator included)."""
         steps = [self.steps[k] for k in clients]
         I = max(steps)
-        self.model.train(self.cfg.model.dropout)  # each client's own masks (llm.dropout)
+        self.model.train(self.cfg.model.dropout)  # each client's own masks (fedlora.llm.dropout)
         self._bind(clients)
         samplers = self._load(clients)
         for i, k in enumerate(clients):
@@ -663,7 +663,7 @@ class FederatedRun:
                 "split_indices": split_indices(self.clients, self.train_data.keys)}
 
     def manifest(self) -> dict[str, Any]:
-        """Provenance (``llm.manifest``): versions, git commit, command line, the data files' hashes."""
+        """Provenance (``fedlora.llm.manifest``): versions, git commit, command line, the data files' hashes."""
         from .tasks import get_task
 
         dc = self.cfg.data
@@ -713,7 +713,7 @@ class FederatedRun:
         """Every client's final model (``client_adapter``) as ``client_<k>.safetensors``, and FLoRA's
         merged update (``merged_update``) once as ``merged_update.safetensors``; each file's metadata
         names the method, the client, the number of clients and the SHA-256 of the run's config
-        (``llm.export.config_digest``), so export refuses files another run left in the folder."""
+        (``fedlora.llm.export.config_digest``), so export refuses files another run left in the folder."""
         from safetensors.torch import save
 
         from .export import MERGED_UPDATE, config_digest

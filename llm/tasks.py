@@ -1,6 +1,6 @@
 """Named text-classification tasks (docs/design.md §8): where the data lives, its columns, its metrics.
 
-A :class:`TaskSpec` says nothing about models or training; :func:`llm.data.load_text_data` reads
+A :class:`TaskSpec` says nothing about models or training; :func:`fedlora.llm.data.load_text_data` reads
 it. Column names are those of the HuggingFace datasets as published:
 
 =================  ===============================  ==========================  ==================
@@ -19,7 +19,7 @@ debian-sections    bundled (llm/datasets/)          text → label              
 
 GLUE's test splits carry hidden labels (-1), so the validation split is the test split (RoLoRA
 §4: "use the original validation set as the new test set"; a client's own validation data is carved
-from its training share by ``llm.data.split_clients``).  Metrics follow PF2LoRA's GLUE experiments:
+from its training share by ``fedlora.llm.data.split_clients``).  Metrics follow PF2LoRA's GLUE experiments:
 CoLA Matthews correlation, MNLI/SST-2/QQP/QNLI accuracy (RTE accuracy as in RoLoRA Table 1);
 BANKING77 and 20 Newsgroups accuracy (LoRA-A² Table 1) plus macro-F1.
 
@@ -50,7 +50,7 @@ class TaskSpec:
             single-sentence tasks.
         label_column: class label column (ints or strings).
         train_split / test_split: split names (files ``<split>.*`` for local folders).
-        metrics: metric names reported (see ``llm.metrics.METRICS``).
+        metrics: metric names reported (see ``fedlora.llm.metrics.METRICS``).
         main_metric: the one used for model selection / headline tables.
         label_names: class names in id order, or None to read them from the dataset's features.
         description: one line for listings.

@@ -1,4 +1,4 @@
-"""Child-process entry for ``run_rank_recovery``'s parallel methods: ``python -m synthetic._worker``.
+"""Child-process entry for ``run_rank_recovery``'s parallel methods (``rank_recovery._CHILD`` runs ``main``).
 
 Reads a pickled (method name, RankRecoveryConfig, torch threads) from stdin and writes the pickled
 ``(history, extra)`` of ``_run_method`` to stdout. A plain subprocess rather than multiprocessing:

@@ -100,7 +100,7 @@ _CMP_FLAGS: dict[str, tuple[Any, str]] = {
 
 
 # `synthetic bilevel-convergence`: flag → (BilevelConfig field, type, help); every field has a flag, so an
-# error naming a field's flag (synthetic.bilevel.cli_flag) names one the user can type
+# error naming a field's flag (fedlora.synthetic.bilevel.cli_flag) names one the user can type
 _BC_FLAGS: dict[str, tuple[str, Any, str]] = {
     "steps": ("max_steps", int, "T, the longest horizon (default 10000)"),
     "seed": ("seed", int, "problem seed (default 0)"),
@@ -187,8 +187,8 @@ def _print_rank_recovery(result: dict[str, Any]) -> None:
 
 
 def _cmd_rank_recovery(args: argparse.Namespace) -> int:
-    from synthetic.plots import plot_rank_recovery
-    from synthetic.rank_recovery import RankRecoveryConfig, run_rank_recovery
+    from fedlora.synthetic.plots import plot_rank_recovery
+    from fedlora.synthetic.rank_recovery import RankRecoveryConfig, run_rank_recovery
 
     options = _load_config_file(args.config) if args.config else {}
     preset = options.pop("preset", None) or args.preset
@@ -207,7 +207,7 @@ def _cmd_rank_recovery(args: argparse.Namespace) -> int:
 
 
 def _cmd_bilevel(args: argparse.Namespace) -> int:
-    from synthetic.bilevel import BilevelConfig, plot_bilevel_convergence, run_bilevel_convergence
+    from fedlora.synthetic.bilevel import BilevelConfig, plot_bilevel_convergence, run_bilevel_convergence
 
     kw = {field: getattr(args, flag.replace("-", "_")) for flag, (field, _, _) in _BC_FLAGS.items()}
     cfg = BilevelConfig(**{k: v for k, v in kw.items() if v is not None})
@@ -246,7 +246,7 @@ def _cmd_bilevel(args: argparse.Namespace) -> int:
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
-    from synthetic.tune import tune_rank_recovery, validate_testbed
+    from fedlora.synthetic.tune import tune_rank_recovery, validate_testbed
 
     testbed = _given(args, _TESTBED_FLAGS)
     validate_testbed(args.seeds, args.seed_offset, **testbed)  # every option checked before any work
@@ -260,7 +260,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from synthetic.compare import CompareConfig, plot_compare, run_compare, to_markdown
+    from fedlora.synthetic.compare import CompareConfig, plot_compare, run_compare, to_markdown
 
     options = _load_config_file(args.config) if args.config else {}
     task = args.task if args.task is not None else options.pop("task", None)

@@ -1,6 +1,6 @@
 """``fedlora synthetic compare``: every registered method on M heterogeneous clients (docs/design.md §6).
 
-Clients k = 1..M hold W_k* = S + h·P_k (``synthetic.data.make_heterogeneous_clients``): a shared
+Clients k = 1..M hold W_k* = S + h·P_k (``fedlora.synthetic.data.make_heterogeneous_clients``): a shared
 part S and a private part P_k scaled by the heterogeneity knob h (h = 0: identical clients). Two
 tasks: ``regression`` (MSE) and ``classification`` (labels drawn from softmax(X W_k*), cross-entropy,
 accuracy). Every seed × h is one federation; all of them train at once as the replicas of one

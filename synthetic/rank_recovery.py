@@ -276,13 +276,20 @@ def _data_for(cfg: RankRecoveryConfig) -> _Stacked:
     return _make_data(cfg)
 
 
+#: the child's program: ``fedlora.synthetic._worker`` without the current folder on sys.path. ``python -m``
+#: would put it first, and from a clone's root that makes the source folder ``fedlora/`` (which holds no
+#: ``kernels``/``llm``/``synthetic``: they install as fedlora.*) shadow the installed package, and the
+#: folder ``kernels/`` HuggingFace's ``kernels``. The parent's own sys.path comes through PYTHONPATH.
+_CHILD = "import sys; sys.path[:] = [p for p in sys.path if p]; from fedlora.synthetic._worker import main; main()"
+
+
 class _Worker:
-    """One method running in a child interpreter (``synthetic._worker``); ``result()`` waits for it."""
+    """One method running in a child interpreter (``fedlora.synthetic._worker``); ``result()`` waits for it."""
 
     def __init__(self, name: str, cfg: RankRecoveryConfig) -> None:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         self.name = name
-        self.proc = subprocess.Popen([sys.executable, "-m", "synthetic._worker"], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
         # Send the job now (a few hundred bytes: never blocks on the pipe) so the child starts at once.
         self.proc.stdin.write(pickle.dumps((name, cfg, torch.get_num_threads())))

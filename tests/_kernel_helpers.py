@@ -1,7 +1,7 @@
 """Shared pieces of the Triton-kernel tests (run on CPU under the Triton interpreter).
 
 Importing this module sets TRITON_INTERPRET=1 (unless set) and FEDLORA_KERNELS_POISON=1 before triton
-is first imported (``kernels`` imports triton lazily), so kernel outputs are NaN-poisoned before every
+is first imported (``fedlora.kernels`` imports triton lazily), so kernel outputs are NaN-poisoned before every
 launch and an element a kernel fails to write shows up as NaN.
 
 Tolerance: every output and gradient within 1e-5 of a float64 oracle, relative to the oracle's largest
@@ -16,12 +16,6 @@ os.environ["FEDLORA_KERNELS_POISON"] = "1"
 
 import contextlib  # noqa: E402
 import importlib  # noqa: E402
-import pathlib  # noqa: E402
-import sys  # noqa: E402
-
-_ROOT = str(pathlib.Path(__file__).resolve().parents[1])
-if _ROOT not in sys.path:  # the repo root holds the `kernels` package
-    sys.path.insert(0, _ROOT)
 
 import torch  # noqa: E402
 
@@ -106,7 +100,7 @@ def _make(M, d_in, d_out, r, rc, *, bias=True, base=True, stack=None, three_d=Fa
 @contextlib.contextmanager
 def recorded_launches():
     """Record (kernel name, kwargs, args) of every Triton launch the op makes, launching each for real."""
-    ll = importlib.import_module("kernels.lora_linear")  # the package attribute `lora_linear` is the op
+    ll = importlib.import_module("fedlora.kernels.lora_linear")  # the package attribute `lora_linear` is the op
     seen = []
 
     def hook(kernel, grid, args, kwargs):

@@ -4,16 +4,59 @@ TRITON_INTERPRET=1 is set before anything can import triton: the kernel tests ru
 CPU under the interpreter, and triton fixes its mode when first imported — which ``import peft`` (an
 LLM test) does, whatever test file happens to run first. Tests that need the compiler (the AOT check)
 clear it in their subprocess's environment.
+
+The tests import fedlora as installed (``make env``: an editable install of this checkout), never from
+the repo root on ``sys.path`` (issue 18 §2): there the folder ``kernels/`` — installed as
+``fedlora.kernels`` — would be a top-level ``kernels`` that hides HuggingFace's, and ``llm/`` PyPI's
+``llm``. ``make test`` runs ``.venv/bin/pytest``, which puts only ``tests/`` on ``sys.path`` (for helpers
+such as ``_kernel_helpers``); ``python -m pytest`` or ``PYTHONPATH=.`` would add the root, so it is taken
+off here. If ``fedlora`` is not this checkout's (not installed, or another copy), the run stops.
 """
 import os
 import sys
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest
-import torch
+ROOT = Path(__file__).resolve().parents[1]
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+def _is_root(entry: str) -> bool:
+    try:
+        return Path(entry or os.curdir).resolve() == ROOT
+    except OSError:
+        return False
+
+
+sys.path[:] = [p for p in sys.path if not _is_root(p)]
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+def _checkout_problem() -> str | None:
+    try:
+        import fedlora.kernels
+        import fedlora.llm
+        import fedlora.synthetic
+    except ImportError as e:
+        return (f"cannot import the layers ({e}): fedlora is not installed in {sys.prefix}, or installed before they "
+                f"moved under fedlora.* (issue 18): run `make env` (or `pip install -e .`)")
+    for mod, folder in ((fedlora, "fedlora"), (fedlora.kernels, "kernels"), (fedlora.llm, "llm"),
+                        (fedlora.synthetic, "synthetic")):
+        where = Path(mod.__file__).resolve().parent
+        if where != ROOT / folder:
+            return (f"{mod.__name__} comes from {where}, not from this checkout's {folder}/: the tests would test "
+                    f"another copy; reinstall this one with `make env` (or `pip install -e .`)")
+    return None
+
+
+_PROBLEM = _checkout_problem()
+
+
+def pytest_configure(config):
+    if _PROBLEM:
+        raise pytest.UsageError(_PROBLEM)
 
 
 @pytest.fixture(autouse=True)

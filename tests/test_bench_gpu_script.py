@@ -18,6 +18,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -33,7 +34,7 @@ import importlib.util, json, sys
 spec = importlib.util.spec_from_file_location("kernels_gpu", {script!r})
 mod = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mod)
-import kernels
+from fedlora import kernels
 {patch}
 sys.exit(mod.main(json.loads({argv!r})))
 """
@@ -46,7 +47,7 @@ def _run(argv, patch="", timeout=120):
            "OMP_NUM_THREADS": "1"}
     code = _RUNNER.format(script=str(SCRIPT), patch=patch, argv=json.dumps([str(a) for a in argv]))
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tempfile.gettempdir(), env=env, capture_output=True, text=True,
                           timeout=timeout)
     return proc, time.perf_counter() - t0
 

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_smoke_runs_and_reports_speed_and_memory(tmp_path):
     res = subprocess.run([sys.executable, str(ROOT / "bench" / "llm_runtime.py"), "all", "--smoke", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=900, cwd=ROOT)
+                         capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads((tmp_path / "llm_runtime_smoke.json").read_text())
     s = out["speed"]

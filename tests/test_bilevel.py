@@ -5,19 +5,15 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # repo root (no installed package)
-
 from fedlora.errors import ConfigError  # noqa: E402
 from fedlora.methods.hypergradient import bilevel_direction  # noqa: E402
-from synthetic.bilevel import (  # noqa: E402
+from fedlora.synthetic.bilevel import (  # noqa: E402
     GRAD_FLOOR_REL,
     SLOPE_THRESHOLD,
     BilevelConfig,
@@ -213,9 +209,9 @@ def test_every_error_names_a_flag_of_the_command(field, value, flag):
 
 def test_every_config_field_is_a_flag_and_reaches_the_config(tmp_path, monkeypatch):
     """Each BilevelConfig field has a flag (the one its errors name), and the flag sets that field."""
-    import synthetic.bilevel as bl
+    import fedlora.synthetic.bilevel as bl
     from fedlora.cli import main
-    from synthetic.bilevel import cli_flag
+    from fedlora.synthetic.bilevel import cli_flag
 
     fields = [f.name for f in __import__("dataclasses").fields(BilevelConfig)]
     assert {cli_flag(f) for f in fields} <= _bilevel_flags()

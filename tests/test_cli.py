@@ -15,7 +15,6 @@ from fedlora import cli
 from fedlora.cli import check_output_dir, main
 from fedlora.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
 
 #: extra argv a command needs to get past argument parsing (none so far)
 REQUIRED_ARGS: dict[tuple[str, ...], list[str]] = {("run",): ["tiny-smoke"], ("export",): ["runs/none"]}
@@ -52,8 +51,8 @@ def test_help_of_every_command_exits_0(path, capsys):
     assert out.startswith("usage: fedlora") and "Traceback" not in out
 
 
-def test_help_as_a_subprocess():
-    r = subprocess.run([sys.executable, "-m", "fedlora.cli", "--help"], cwd=ROOT, capture_output=True,
+def test_help_as_a_subprocess(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "fedlora.cli", "--help"], cwd=tmp_path, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("usage: fedlora") and "synthetic" in r.stdout and r.stderr == ""
@@ -82,20 +81,20 @@ def _bad_outs(tmp: Path) -> dict[str, tuple[str, str]]:
 @pytest.fixture
 def no_work(monkeypatch):
     """Make every known experiment fail loudly if it starts: the --out check must come first."""
-    import synthetic.bilevel
-    import synthetic.compare
-    import synthetic.rank_recovery
-    import synthetic.tune
+    import fedlora.synthetic.bilevel
+    import fedlora.synthetic.compare
+    import fedlora.synthetic.rank_recovery
+    import fedlora.synthetic.tune
 
     def boom(*a, **k):
         raise AssertionError("the experiment started before --out was checked")
 
-    import llm.export
-    import llm.runtime
+    import fedlora.llm.export
+    import fedlora.llm.runtime
 
-    for mod, fn in ((synthetic.rank_recovery, "run_rank_recovery"), (synthetic.bilevel, "run_bilevel_convergence"),
-                    (synthetic.tune, "tune_rank_recovery"), (synthetic.compare, "run_compare"),
-                    (llm.runtime.FederatedRun, "prepare"), (llm.export, "export_peft")):
+    for mod, fn in ((fedlora.synthetic.rank_recovery, "run_rank_recovery"), (fedlora.synthetic.bilevel, "run_bilevel_convergence"),
+                    (fedlora.synthetic.tune, "tune_rank_recovery"), (fedlora.synthetic.compare, "run_compare"),
+                    (fedlora.llm.runtime.FederatedRun, "prepare"), (fedlora.llm.export, "export_peft")):
         monkeypatch.setattr(mod, fn, boom)
 
 

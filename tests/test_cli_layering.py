@@ -1,7 +1,14 @@
-"""Layering of the command line (issue 13 §3): dependencies point kernels ← fedlora ← synthetic, llm.
+"""Layering of the command line (issue 13 §3) and of the one import name (issue 18 §2): dependencies
+point fedlora.kernels ← fedlora ← fedlora.synthetic, fedlora.llm.
 
-* No module of the core (``fedlora/``) imports a layer built on it, nor ``kernels`` the core — read
-  from the source with ``ast`` (imports inside functions and relative imports included).
+* The folders install under one name (pyproject.toml's ``package-dir``: ``kernels/`` is ``fedlora.kernels``,
+  ``llm/`` ``fedlora.llm``, ``synthetic/`` ``fedlora.synthetic``). Read from the source with ``ast``
+  (imports inside functions and relative imports included): no module of the core (the folder
+  ``fedlora/``) imports ``fedlora.llm`` or ``fedlora.synthetic``; no module of ``kernels/`` imports
+  anything of ``fedlora`` but ``fedlora.kernels`` (the package ``fedlora`` itself is run by any import
+  of ``fedlora.kernels``: it must stay light, which ``test_importing_fedlora_loads_no_layer`` checks);
+  and no module anywhere imports the old top-level names ``kernels``/``llm``/``synthetic`` — those are
+  HuggingFace's and PyPI's projects now.
 * The ``fedlora`` command discovers its subcommands through the entry-point group ``fedlora.commands``:
   pyproject.toml's table, the dispatcher's built-in fallback and (when the distribution is installed)
   the installed metadata agree, and every entry point resolves and adds its command.
@@ -28,13 +35,22 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
-#: package folder → modules it must not import (nor anything under them). ``fedlora.llm`` and
-#: ``fedlora.synthetic`` are the layers' names once they live under the fedlora namespace.
-FORBIDDEN = {
-    "kernels": ("fedlora", "llm", "synthetic"),
-    "fedlora": ("llm", "synthetic", "fedlora.llm", "fedlora.synthetic"),
+#: folder → the import name it installs as (pyproject.toml's package-dir)
+PACKAGE_OF = {folder: name for name, folder in PYPROJECT["tool"]["setuptools"]["package-dir"].items()}
+
+#: the top-level names the layers had before issue 18: other projects' (HuggingFace's kernels, PyPI's llm)
+OLD_NAMES = ("kernels", "llm", "synthetic")
+
+#: folder → (names its modules must not import, nor anything under them; names under those that they may)
+RULES = {
+    "fedlora": (("fedlora.llm", "fedlora.synthetic", *OLD_NAMES), ()),
+    "kernels": (("fedlora", *OLD_NAMES), ("fedlora.kernels",)),
 }
+
+#: files that name the old top-level packages on purpose (the other projects' packages)
+MAY_IMPORT_OLD_NAMES = {"tests/test_packaging.py"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -65,30 +81,82 @@ def _imports(path: Path, module: str):
             yield node.lineno, node.args[0].value
 
 
-def _modules(package: str):
-    """(path, dotted module name) of every .py file of ``package``, leaving out the folders of the
-    layers it must not import (once they live under its namespace, they are not part of it)."""
-    skip = [ROOT / Path(*f.split(".")) for f in FORBIDDEN[package] if f.startswith(package + ".")]
-    for path in sorted((ROOT / package).rglob("*.py")):
-        if any(s in path.parents for s in skip):
-            continue
-        parts = path.relative_to(ROOT).with_suffix("").parts
-        yield path, ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+def _modules(folder: str):
+    """(path, dotted module name as installed) of every .py file of ``folder``."""
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        parts = path.relative_to(ROOT / folder).with_suffix("").parts
+        parts = parts[:-1] if parts[-1] == "__init__" else parts
+        yield path, ".".join((PACKAGE_OF[folder], *parts))
 
 
-def _upward_imports(package: str) -> list[str]:
+def _under(name: str, prefixes) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _violations(folder: str, modules) -> list[str]:
+    """The imports of ``modules`` (path, module name) that ``RULES[folder]`` forbids. The bare package
+    ``fedlora`` (``from fedlora import kernels``) is not the core's code: importing any ``fedlora.*`` runs it."""
+    forbidden, allowed = RULES[folder]
     bad = []
-    for path, module in _modules(package):
+    for path, module in modules:
         for line, name in _imports(path, module):
-            if any(name == f or name.startswith(f + ".") for f in FORBIDDEN[package]):
-                bad.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
+            if name != "fedlora" and _under(name, forbidden) and not _under(name, allowed):
+                bad.append(f"{path.name}:{line} imports {name}")
     return bad
 
 
-@pytest.mark.parametrize("package", list(FORBIDDEN))
-def test_no_module_imports_a_layer_built_on_it(package):
-    assert sum(1 for _ in _modules(package)) > 3  # the walk finds the package's files
-    assert _upward_imports(package) == []
+@pytest.mark.parametrize("folder", list(RULES))
+def test_no_module_imports_a_layer_built_on_it(folder):
+    modules = list(_modules(folder))
+    assert len(modules) > 3  # the walk finds the package's files
+    assert _violations(folder, modules) == []
+
+
+@pytest.mark.parametrize("folder, source, bad", [
+    # the core must not import a layer, however it is written
+    ("fedlora", "from fedlora import llm", True),
+    ("fedlora", "def f():\n    import fedlora.synthetic.runner", True),
+    ("fedlora", "from .llm.runtime import FederatedRun", True),
+    ("fedlora", "from . import synthetic", True),
+    ("fedlora", "importlib.import_module('fedlora.llm.cli')", True),
+    ("fedlora", "from llm import run", True),
+    ("fedlora", "from fedlora import kernels\nfrom .methods import base\nfrom fedlora.errors import ConfigError", False),
+    # the kernels may import only themselves
+    ("kernels", "from fedlora.adapter import LoRALinear", True),
+    ("kernels", "from .. import errors", True),
+    ("kernels", "from fedlora import ConfigError", True),
+    ("kernels", "import fedlora.methods", True),
+    ("kernels", "import kernels", True),
+    ("kernels", "from fedlora import kernels\nfrom . import reference\nfrom fedlora.kernels.lora_linear import x", False),
+])
+def test_the_rules_catch_what_they_must(folder, source, bad, tmp_path):
+    """The rules on planted modules: every way to cross a layer is caught, the allowed forms pass."""
+    f = tmp_path / "m.py"
+    f.write_text(source + "\n")
+    assert bool(_violations(folder, [(f, f"{PACKAGE_OF[folder]}.m")])) is bad, source
+
+
+def test_no_file_imports_the_old_top_level_names():
+    """Every module, test and benchmark imports the layers as fedlora.kernels/llm/synthetic (a branch
+    written before issue 18 brings ``from llm.x import …`` back; rewrite it to ``fedlora.llm.x``)."""
+    bad = []
+    for folder in ("fedlora", "kernels", "llm", "synthetic", "tests", "bench"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if rel in MAY_IMPORT_OLD_NAMES:
+                continue
+            module = ".".join((PACKAGE_OF[folder], *path.relative_to(ROOT / folder).with_suffix("").parts)) \
+                if folder in PACKAGE_OF else path.stem
+            bad += [f"{rel}:{line} imports {name}" for line, name in _imports(path, module) if _under(name, OLD_NAMES)]
+    assert bad == []
+
+
+def test_importing_fedlora_loads_no_layer(tmp_path):
+    """``import fedlora`` (which every ``import fedlora.kernels`` runs) loads nothing but the core's errors."""
+    code = "import sys, fedlora; print(sorted(m for m in sys.modules if m.split('.')[0] in ('fedlora', 'torch')))"
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "['fedlora', 'fedlora.errors']"
 
 
 def test_the_import_reader_sees_every_form(tmp_path):
@@ -104,8 +172,7 @@ def test_the_import_reader_sees_every_form(tmp_path):
 # entry points: pyproject.toml, the built-in fallback, the installed metadata
 
 def _pyproject_commands() -> dict[str, str]:
-    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    return dict(data["project"]["entry-points"][COMMANDS_GROUP])
+    return dict(PYPROJECT["project"]["entry-points"][COMMANDS_GROUP])
 
 
 def _assert_resolves_and_adds(name: str, value: str) -> None:
@@ -158,7 +225,8 @@ def _launchers():
 
 @pytest.mark.parametrize("launcher", [argv for _, argv in _launchers()], ids=[n for n, _ in _launchers()])
 def test_the_command_as_users_start_it(launcher, tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)  # as installed: the repo root is never on sys.path
     r = subprocess.run([*launcher, "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0 and r.stderr == "", r.stderr
     assert r.stdout.startswith("usage: fedlora [-h] {synthetic,run,export} ...")
@@ -169,8 +237,9 @@ def test_the_command_as_users_start_it(launcher, tmp_path):
 
 SNIPPETS = {  # what a fresh interpreter must not have imported after running the snippet
     "a command loads only its own layer": (
-        "rc = main(['synthetic', 'tune', '--seeds', '0', '--out', OUT]); assert rc == 2", ("llm",)),
-    "the command list loads no layer's runtime": ("_build_parser()", ("torch", "llm.runtime", "synthetic.runner")),
+        "rc = main(['synthetic', 'tune', '--seeds', '0', '--out', OUT]); assert rc == 2", ("fedlora.llm",)),
+    "the command list loads no layer's runtime": ("_build_parser()",
+                                                  ("torch", "fedlora.llm.runtime", "fedlora.synthetic.runner")),
 }
 
 
@@ -179,7 +248,7 @@ def test_what_the_command_imports(case, tmp_path):
     snippet, absent = SNIPPETS[case]
     code = (f"import sys\nfrom fedlora.cli import _build_parser, main\nOUT = {str(tmp_path / 'o')!r}\n{snippet}\n"
             f"print(sorted(m for m in sys.modules if any(m == a or m.startswith(a + '.') for a in {absent!r})))")
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout
 
@@ -272,19 +341,19 @@ def test_a_broken_plugin_leaves_every_other_command_working(plugins, tmp_path, c
 
 def test_a_layer_that_cannot_load_costs_only_its_commands(monkeypatch, tmp_path, capsys):
     """E.g. the LLM layer without its dependencies: `fedlora synthetic` works, `fedlora run` says why."""
-    monkeypatch.setitem(sys.modules, "llm.cli", None)  # import llm.cli → ModuleNotFoundError
+    monkeypatch.setitem(sys.modules, "fedlora.llm.cli", None)  # import fedlora.llm.cli → ModuleNotFoundError
     assert main(["synthetic", "tune", "--seeds", "0", "--out", str(tmp_path / "o")]) == 2
     assert capsys.readouterr().err == "fedlora: error: --seeds: must be an integer ≥ 1, got 0\n"
     for name in ("run", "export"):
         assert main([name, "tiny-smoke", "--out", str(tmp_path / "o")]) == 2
         err = capsys.readouterr().err
-        assert err.startswith(f"fedlora: error: command {name!r} is unavailable: its plugin 'llm.cli:register_{name}'")
+        assert err.startswith(f"fedlora: error: command {name!r} is unavailable: its plugin 'fedlora.llm.cli:register_{name}'")
         assert "failed to load: ModuleNotFoundError" in err and err.count("\n") == 1
 
 
 def test_the_installed_core_wins_over_the_fallback(tmp_path, monkeypatch):
     """When the metadata names the core's commands, they come from there (the table is only a fallback)."""
     site = tmp_path / "site"
-    _install_fake_dist(site, "fedlora", "[fedlora.commands]\nsynthetic = synthetic.cli:register\n")
+    _install_fake_dist(site, "fedlora", "[fedlora.commands]\nsynthetic = fedlora.synthetic.cli:register\n")
     monkeypatch.syspath_prepend(str(site))
     assert [(ep.name, cli._dist_name(ep)) for ep in command_entry_points()] == [("synthetic", "fedlora")]

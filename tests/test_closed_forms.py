@@ -3,9 +3,9 @@ import numpy as np
 import torch
 from hypothesis import given, settings, strategies as st
 
-from synthetic.closed_forms import best_two_level_fit, mse, ols, reduced_rank_regression
-from synthetic.data import make_clients
-from synthetic.rank import numerical_rank, rank90
+from fedlora.synthetic.closed_forms import best_two_level_fit, mse, ols, reduced_rank_regression
+from fedlora.synthetic.data import make_clients
+from fedlora.synthetic.rank import numerical_rank, rank90
 
 
 def _rrr_numpy(X, Y, r):

@@ -7,9 +7,9 @@ papers' "half the upload" claims are exact.
 """
 import pytest
 
-from synthetic.compare import method_spec
-from synthetic.data import make_heterogeneous_clients
-from synthetic.runner import run_method, stack_federations
+from fedlora.synthetic.compare import method_spec
+from fedlora.synthetic.data import make_heterogeneous_clients
+from fedlora.synthetic.runner import run_method, stack_federations
 
 D, R, ROUNDS = 8, 4, 4
 

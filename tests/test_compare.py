@@ -8,8 +8,8 @@ import pytest
 from fedlora.cli import main
 from fedlora.errors import ConfigError
 from fedlora.methods import available_methods
-from synthetic.compare import CompareConfig, run_compare
-from synthetic.data import make_heterogeneous_clients
+from fedlora.synthetic.compare import CompareConfig, run_compare
+from fedlora.synthetic.data import make_heterogeneous_clients
 
 TINY = dict(heterogeneity=(0.0, 1.0), seeds=2, rounds=2, local_steps=2, clients=2, dim=6, classes=4, rank=2,
             n_train=(12, 16), n_test=20, lr_grid=(0.01, 0.03))

@@ -1,4 +1,4 @@
-"""Ahead-of-time compile check for sm_90 (review issue 8, item 10): ``python -m kernels.aot``.
+"""Ahead-of-time compile check for sm_90 (review issue 8, item 10): ``python -m fedlora.kernels.aot``.
 
 ``test_ci_subset_compiles_for_sm90`` runs the CI subset (the full sweep with FEDLORA_AOT_FULL=1) in a
 fresh process without the interpreter: the real op, forward and backward, on meta tensors; every
@@ -12,14 +12,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import pathlib
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
@@ -31,21 +30,22 @@ def _triton_version():
 
 
 needs_39 = pytest.mark.skipif(importlib.util.find_spec("triton") is None or _triton_version() < (3, 9),
-                              reason="kernels.aot compiles through triton >= 3.9 APIs")
+                              reason="fedlora.kernels.aot compiles through triton >= 3.9 APIs")
 
 
 def _aot(args, timeout):
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FEDLORA_KERNELS_POISON")}
     env["OMP_NUM_THREADS"] = "1"
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "kernels.aot", *map(str, args)], cwd=ROOT, env=env,
+    # not from the repo root: `-m` puts the current folder first on sys.path (issue 18 §2)
+    proc = subprocess.run([sys.executable, "-m", "fedlora.kernels.aot", *map(str, args)], cwd=tempfile.gettempdir(), env=env,
                           capture_output=True, text=True, timeout=timeout)
     return proc, time.perf_counter() - t0
 
 
 @needs_39
 def test_ci_subset_compiles_for_sm90(tmp_path):
-    from kernels import aot
+    from fedlora.kernels import aot
 
     full = os.environ.get("FEDLORA_AOT_FULL", "0") == "1"
     proc, elapsed = _aot(["--jobs", "2", "--out", tmp_path], timeout=7200 if full else 900)
@@ -87,7 +87,7 @@ def test_fails_when_no_config_fits_shared_memory(tmp_path):
 
 def test_compile_error_of_any_config_is_a_failure():
     """The hook compiles every pruned config and records each one that raises (no GPU, no ptxas needed)."""
-    from kernels import aot
+    from fedlora.kernels import aot
 
     class Cfg:
         def __init__(self, bm):
@@ -133,7 +133,7 @@ def test_compile_error_of_any_config_is_a_failure():
 
 
 def test_parse_ptxas_log():
-    from kernels.aot import parse_ptxas
+    from fedlora.kernels.aot import parse_ptxas
 
     log = ("ptxas info    : Compiling entry function '_lowrank_mm_kernel' for 'sm_90a'\n"
            "ptxas info    : Function properties for _lowrank_mm_kernel\n"
@@ -146,11 +146,11 @@ def test_parse_ptxas_log():
 def test_old_triton_gets_a_message_not_a_traceback(monkeypatch, capsys):
     import triton
 
-    from kernels import aot
+    from fedlora.kernels import aot
 
     monkeypatch.setattr(triton, "__version__", "3.6.0")
     with pytest.raises(aot.AOTUnavailable, match=r"needs triton >= 3\.9 .* found triton 3\.6\.0"):
         aot.check_environment()
     assert aot.main(["--only", "fp16"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("kernels.aot: cannot compile ahead of time: needs triton >= 3.9") and "Traceback" not in err
+    assert err.startswith("fedlora.kernels.aot: cannot compile ahead of time: needs triton >= 3.9") and "Traceback" not in err

@@ -6,7 +6,7 @@
   through the launches actually made, and against float64.
 * Base-GEMM variant (item 11): 'triton' (GEMM in the Triton kernel) or 'cublas' (torch GEMM + Triton
   low-rank path), forced by argument or ``FEDLORA_KERNELS_BASE_GEMM``, or 'auto' timed once per shape
-  bucket (``kernels.base_gemm.Chooser``), here with a fake timer.
+  bucket (``fedlora.kernels.base_gemm.Chooser``), here with a fake timer.
 """
 from __future__ import annotations
 
@@ -21,12 +21,12 @@ import pytest
 import torch
 from _kernel_helpers import _compare, _make, _oracle, recorded_launches
 
-from kernels import base_gemm as bg
-from kernels import lora_linear, lora_linear_multi, select_precision
+from fedlora.kernels import base_gemm as bg
+from fedlora.kernels import lora_linear, lora_linear_multi, select_precision
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
-LL = importlib.import_module("kernels.lora_linear")  # the package attribute `lora_linear` is the op
+LL = importlib.import_module("fedlora.kernels.lora_linear")  # the package attribute `lora_linear` is the op
 
 
 # ------------------------------------------------------------------------------------------------
@@ -57,9 +57,8 @@ def test_precision_follows_torch_float32_matmul_setting(matmul_precision):
 
 
 _NEW_API = textwrap.dedent("""
-    import sys, torch
-    sys.path.insert(0, {root!r})
-    from kernels import select_precision
+    import torch
+    from fedlora.kernels import select_precision
     m = torch.backends.cuda.matmul
     out = []
     for setting in {settings!r}:
@@ -75,10 +74,9 @@ _NEW_API = textwrap.dedent("""
                     reason="torch < 2.9 has no fp32_precision API")
 def test_precision_follows_torch_new_fp32_precision_api():
     """torch ≥ 2.9: after the new API is used, reading the legacy allow_tf32 raises; we must not."""
-    root = str(LL.__file__).rsplit("/kernels/", 1)[0]
     settings = ["m.fp32_precision = 'tf32'", "m.fp32_precision = 'ieee'", "torch.backends.fp32_precision = 'tf32'",
                 "torch.backends.fp32_precision = 'tf32'; m.fp32_precision = 'ieee'", "pass"]
-    proc = subprocess.run([sys.executable, "-c", _NEW_API.format(root=root, settings=settings)],
+    proc = subprocess.run([sys.executable, "-c", _NEW_API.format(settings=settings)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "tf32,ieee,tf32,ieee,ieee", proc.stdout
@@ -328,7 +326,7 @@ def test_autotuner_benchmark_runs_leave_accumulating_outputs_intact(monkeypatch,
 
 
 def test_fp32_ieee_pruning_drops_the_tiles_that_spill():
-    """GPU config list: under IEEE fp32 the tiles measured to spill on sm_90 (kernels.aot) are never tried;
+    """GPU config list: under IEEE fp32 the tiles measured to spill on sm_90 (fedlora.kernels.aot) are never tried;
     under TF32 / 16-bit (tensor cores, operands in shared memory) they stay."""
     tk = LL._load_triton()
     import triton

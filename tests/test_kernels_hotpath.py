@@ -2,8 +2,8 @@
 
 On CUDA, ``torch.tensor(..., device=cuda)`` is a blocking host→device copy and ``.tolist()`` / ``.item()``
 / ``bool(t)`` / ``int(t)`` a device→host sync; both break CUDA-graph capture. ``host_traffic`` records every
-such call whose caller is a file of the ``kernels`` package (host code; the interpreter's own reads of
-kernel arguments come from triton's files and are not counted). After a first call (which may upload
+such call whose caller is a file of the ``fedlora.kernels`` package, the folder ``kernels/`` (host code; the
+interpreter's own reads of kernel arguments come from triton's files and are not counted). After a first call (which may upload
 a host-known offsets table once), repeated forward + backward calls must record nothing; offsets
 given as a tensor on X's device are never read on the host at all.
 """
@@ -19,7 +19,7 @@ import pytest
 import torch
 from _kernel_helpers import _compare, _oracle
 
-from kernels import lora_linear, lora_linear_multi
+from fedlora.kernels import lora_linear, lora_linear_multi
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
@@ -81,7 +81,7 @@ def _step(fn, leaves):
 
 def test_spy_sees_a_host_upload_from_kernels_code():
     """The spy is real: a torch.tensor(...) made in kernels/ code is recorded (the offsets cache's upload)."""
-    ll = importlib.import_module("kernels.lora_linear")  # the package attribute `lora_linear` is the op
+    ll = importlib.import_module("fedlora.kernels.lora_linear")  # the package attribute `lora_linear` is the op
     ll._OFFSETS_CACHE.clear()
     with host_traffic() as calls:
         ll._offsets_tensor((0, 3, 5), torch.device("cpu"))
@@ -105,7 +105,7 @@ def test_single_client_and_stacked_calls_touch_no_host_data(fuse, base_gemm):
 
 @pytest.mark.parametrize("base_gemm", ["triton", "cublas"])
 def test_multi_host_offsets_uploaded_once_then_cached(base_gemm):
-    ll = importlib.import_module("kernels.lora_linear")  # the package attribute `lora_linear` is the op
+    ll = importlib.import_module("fedlora.kernels.lora_linear")  # the package attribute `lora_linear` is the op
     ll._OFFSETS_CACHE.clear()
     x, w, bb, a, b, c, d = _ops(30, K_clients=3)
     offs = [0, 4, 4, 30]  # unequal: the kernels need the table

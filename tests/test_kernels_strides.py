@@ -15,7 +15,7 @@ import pytest
 import torch
 from _kernel_helpers import _compare, _oracle, recorded_launches
 
-from kernels import lora_linear, lora_linear_multi
+from fedlora.kernels import lora_linear, lora_linear_multi
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 

@@ -1,8 +1,8 @@
 """Triton kernel tests (docs/design.md §7) — run on CPU under the Triton interpreter.
 
-TRITON_INTERPRET must be set before the kernels module is first loaded; ``kernels`` imports triton
-lazily (first Triton-path call), so setting it here at import time is enough even when other test
-files imported ``kernels``/``fedlora`` first. Outputs are NaN-poisoned before every launch
+TRITON_INTERPRET must be set before the kernels module is first loaded; ``fedlora.kernels`` imports
+triton lazily (first Triton-path call), so setting it here at import time is enough even when other
+test files imported ``fedlora.kernels``/``fedlora`` first. Outputs are NaN-poisoned before every launch
 (FEDLORA_KERNELS_POISON=1), so an element a kernel fails to write shows up as NaN.
 
 Tolerance: every output and gradient within 1e-5 of a float64 oracle, relative to the oracle's
@@ -16,21 +16,15 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ["FEDLORA_KERNELS_POISON"] = "1"
 
 import importlib.util  # noqa: E402
-import pathlib  # noqa: E402
-import sys  # noqa: E402
-
-_ROOT = str(pathlib.Path(__file__).resolve().parents[1])
-if _ROOT not in sys.path:  # the repo root holds the `kernels` package
-    sys.path.insert(0, _ROOT)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-import kernels  # noqa: E402
+from fedlora import kernels  # noqa: E402
 from _kernel_helpers import TOL, _compare, _make, _oracle, _rel  # noqa: E402
-from kernels import lora_linear, lora_linear_multi, lora_linear_reference  # noqa: E402
+from fedlora.kernels import lora_linear, lora_linear_multi, lora_linear_reference  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
@@ -300,7 +294,7 @@ def test_bad_input_raises_valueerror_before_launch(case, match):
 
 def test_poison_catches_unwritten_output():
     """The NaN poison is real: an output the kernels never touch stays NaN."""
-    from kernels.lora_linear import _alloc
+    from fedlora.kernels.lora_linear import _alloc
 
     t = _alloc((2, 3), torch.float32, torch.device("cpu"))
     assert torch.isnan(t).all()

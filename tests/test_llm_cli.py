@@ -56,7 +56,7 @@ def test_out_is_a_folder_name_never_yaml(name, tmp_path, monkeypatch, capsys):
 
 
 def test_python_entry_point_takes_a_bundled_name(tmp_path):
-    import llm
+    from fedlora import llm
 
     out = tmp_path / "o"
     s = llm.run("tiny-smoke", [f"output_dir={json.dumps(str(out))}", "train.rounds=1", "train.local_steps=1"])
@@ -75,7 +75,7 @@ def test_dry_run_validates_and_writes_nothing(tmp_path, capsys):
 
 
 def test_own_yaml_and_toml_files_and_the_python_entry_point(tmp_path):
-    import llm
+    from fedlora import llm
 
     yaml_cfg = tmp_path / "run.yaml"
     yaml_cfg.write_text(f"""
@@ -139,12 +139,12 @@ BAD = {
 
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_input_is_one_line_before_any_training(case, tmp_path, capsys, monkeypatch):
-    import llm.runtime
+    import fedlora.llm.runtime
 
     def boom(*a, **k):
         raise AssertionError("training started")
 
-    monkeypatch.setattr(llm.runtime.FederatedRun, "run_round", boom)
+    monkeypatch.setattr(fedlora.llm.runtime.FederatedRun, "run_round", boom)
     args, says = BAD[case]
     if args == "columns":
         args = ["--set", f"data.path={_bad_file(tmp_path)}", "--set", "data.task=null"]

@@ -3,7 +3,7 @@
 PyYAML reads YAML 1.1, where a float needs a dot and a signed exponent: ``1e-3``, ``1E-3``, ``5e+2``
 were strings and ``method.lr: 1e-3`` was refused. The config layer reads YAML 1.2 floats
 (``fedlora.io.yaml_load``) and a numeric field given text that is a number of its type takes it
-(``llm.config.coerce_number``: TOML strings, dicts from Python). Text that is no number is still a
+(``fedlora.llm.config.coerce_number``: TOML strings, dicts from Python). Text that is no number is still a
 one-line error, which says the value was read as text.
 """
 import json
@@ -12,7 +12,7 @@ import pytest
 
 from fedlora.errors import ConfigError
 from fedlora.io import yaml_load
-from llm.config import RunConfig, load_config, method_options
+from fedlora.llm.config import RunConfig, load_config, method_options
 
 FORMS = {"1e-3": 1e-3, "1E-3": 1e-3, "5e+2": 500.0, ".5": 0.5, "1_000": 1000, "2.0e-3": 2e-3, "-1e5": -1e5}
 

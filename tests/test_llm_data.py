@@ -1,4 +1,4 @@
-"""llm.data / llm.tasks / the bundled debian-sections set: loaders, label mapping, client splits,
+"""fedlora.llm.data / fedlora.llm.tasks / the bundled debian-sections set: loaders, label mapping, client splits,
 offline errors, tokenising. Offline and fast: every file is written into tmp_path."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from fedlora.errors import ConfigError
-from llm.data import (
+from fedlora.llm.data import (
     ClientSplit,
     ColumnMap,
     TextDataset,
@@ -20,9 +20,9 @@ from llm.data import (
     load_text_data,
     split_clients,
 )
-from llm.datasets import DEBIAN_SECTIONS_DIR
-from llm.metrics import METRICS
-from llm.tasks import TASKS, available_tasks, get_task
+from fedlora.llm.datasets import DEBIAN_SECTIONS_DIR
+from fedlora.llm.metrics import METRICS
+from fedlora.llm.tasks import TASKS, available_tasks, get_task
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -349,7 +349,7 @@ def test_debian_sections_loads_offline_and_is_clean(hub_offline):
 
 
 def test_builder_text_rules():
-    from llm.datasets.build_debian_sections import long_description, make_text, near_duplicate_clusters
+    from fedlora.llm.datasets.build_debian_sections import long_description, make_text, near_duplicate_clusters
 
     desc = "Foo game for kids\n A fun game.\n .\n Foo has  many\n levels."
     assert long_description(desc) == "A fun game. Foo has many levels."

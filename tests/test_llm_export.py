@@ -1,4 +1,4 @@
-"""Export (llm.export, `fedlora export`): a client's model as a PEFT adapter that `peft` loads with the same
+"""Export (fedlora.llm.export, `fedlora export`): a client's model as a PEFT adapter that `peft` loads with the same
 logits, and merged into the base weights (merge / unmerge round trip)."""
 import json
 
@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from fedlora.cli import main
-from llm.config import RunConfig
-from llm.export import (export_peft, load_run_adapter, load_run_base_model, lora_factors, merge_adapters,
+from fedlora.llm.config import RunConfig
+from fedlora.llm.export import (export_peft, load_run_adapter, load_run_base_model, lora_factors, merge_adapters,
                         unmerge_adapters)
-from llm.runtime import FederatedRun
+from fedlora.llm.runtime import FederatedRun
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -21,7 +21,7 @@ def base_folder(tmp_path_factory):
     """A tiny random BERT saved as a local model folder, with the MiniLM tokenizer."""
     from transformers import BertConfig, BertForSequenceClassification
 
-    from llm.model import load_tokenizer
+    from fedlora.llm.model import load_tokenizer
 
     folder = tmp_path_factory.mktemp("tiny-bert")
     torch.manual_seed(0)

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 
 from fedlora.cli import main
 from fedlora.methods import available_methods
-from llm.export import export_merged, export_peft, load_run_base_model
-from llm.metrics import compute_metrics
-from llm.runtime import FederatedRun
+from fedlora.llm.export import export_merged, export_peft, load_run_base_model
+from fedlora.llm.metrics import compute_metrics
+from fedlora.llm.runtime import FederatedRun
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")

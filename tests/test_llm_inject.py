@@ -1,10 +1,10 @@
-"""Adapter injection into HF models (llm.inject): equivalence with PEFT's LoRA layer, slots, targets."""
+"""Adapter injection into HF models (fedlora.llm.inject): equivalence with PEFT's LoRA layer, slots, targets."""
 
 import pytest
 import torch
 
 from fedlora.errors import ConfigError
-from llm.inject import (SlotHead, SlotLoRALinear, inject_adapters, layer_index, make_head_trainable, match_targets,
+from fedlora.llm.inject import (SlotHead, SlotLoRALinear, inject_adapters, layer_index, make_head_trainable, match_targets,
                         set_slots)
 
 transformers = pytest.importorskip("transformers")

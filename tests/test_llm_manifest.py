@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from llm.runtime import FederatedRun
+from fedlora.llm.runtime import FederatedRun
 from test_llm_runtime import tiny_config
 
 pytest.importorskip("transformers")

@@ -1,4 +1,4 @@
-"""llm.metrics against values computed by hand (not against scikit-learn itself)."""
+"""fedlora.llm.metrics against values computed by hand (not against scikit-learn itself)."""
 from __future__ import annotations
 
 import math
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fedlora.errors import ConfigError
-from llm.metrics import aggregate_client_metrics, compute_metrics
+from fedlora.llm.metrics import aggregate_client_metrics, compute_metrics
 
 # 3 classes. Confusion matrix (rows true, cols predicted): [[2,0,0],[0,1,1],[0,1,1]].
 PRED = [0, 1, 1, 2, 2, 0]

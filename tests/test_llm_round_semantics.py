@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from safetensors.torch import save as safetensors_save
 from torch.func import functional_call
 
-from llm.inject import set_slots
-from llm.runtime import ClientSampler, FederatedRun
+from fedlora.llm.inject import set_slots
+from fedlora.llm.runtime import ClientSampler, FederatedRun
 from test_llm_runtime import TINY_ROBERTA, tiny_config
 
 pytest.importorskip("transformers")

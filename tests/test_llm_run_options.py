@@ -9,8 +9,8 @@ import torch
 
 from fedlora.errors import ConfigError
 from fedlora.methods import available_methods, get_method
-from llm.config import describe_method, load_config, method_options
-from llm.runtime import FederatedRun, auto_clients_per_pass
+from fedlora.llm.config import describe_method, load_config, method_options
+from fedlora.llm.runtime import FederatedRun, auto_clients_per_pass
 from test_llm_runtime import tiny_config
 
 pytest.importorskip("transformers")

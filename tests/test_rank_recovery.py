@@ -4,7 +4,7 @@ import json
 import pytest
 
 from fedlora.cli import main
-from synthetic.rank_recovery import RankRecoveryConfig, run_rank_recovery
+from fedlora.synthetic.rank_recovery import RankRecoveryConfig, run_rank_recovery
 
 
 def test_tuned_shared_private_recovers_ranks_and_hetlora_fails_client1():
@@ -95,7 +95,7 @@ def test_one_noise_std_is_every_clients(tmp_path):
     for run in m["runs"]:
         assert [c["noise_mse"] for c in run["clients"]] == pytest.approx([0.09] * 3)
     # the draw itself: residuals of the truth on the training data have std 0.3 for every client
-    from synthetic.rank_recovery import _data_for
+    from fedlora.synthetic.rank_recovery import _data_for
 
     data = _data_for(RankRecoveryConfig.from_preset("paper", true_ranks=(2, 3, 4), noise_std=0.3,
                                                           shared_rank=1, het_initial_ranks=4))

@@ -48,7 +48,7 @@ def test_python_example_runs(i, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("line", FEDLORA)
 def test_shell_example_parses_and_bundled_runs_validate(line, tmp_path, monkeypatch, capsys):
-    from llm.config import bundled_configs
+    from fedlora.llm.config import bundled_configs
 
     argv = shlex.split(line)[1:]
     _build_parser().parse_args(argv)  # SystemExit/ConfigError on a flag the CLI does not have
@@ -63,7 +63,7 @@ def test_shell_example_parses_and_bundled_runs_validate(line, tmp_path, monkeypa
 def test_glue_walkthrough_offline_stops_in_one_line_naming_the_local_copy(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
     res = subprocess.run([sys.executable, "-m", "fedlora.cli", "run", "glue-sst2-pf2lora", "--out", str(tmp_path / "o")],
-                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     assert res.returncode == 2, res.stderr[-2000:]
     err = res.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("fedlora: error: ") and "Traceback" not in res.stderr

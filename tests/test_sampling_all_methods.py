@@ -1,5 +1,5 @@
 """Client sampling with EVERY registered method, through the library path the compare harness uses
-(``synthetic.runner.run_method`` → ``fedlora.simulator.run_rounds``): 3 rounds, half the clients.
+(``fedlora.synthetic.runner.run_method`` → ``fedlora.simulator.run_rounds``): 3 rounds, half the clients.
 
 Per round, a sampled-out client must reach the download exactly as it began the round: parameters,
 stacked buffers (masks), optimizer moments and step counts, and the method's per-client state. What
@@ -8,14 +8,14 @@ a method keeps on the client (never downloaded) must also survive the download u
 import pytest
 import torch
 
-import synthetic.runner as runner
+import fedlora.synthetic.runner as runner
 from fedlora.errors import ConfigError
 from fedlora.methods import available_methods, create_method
 from fedlora.simulator import Federation, run_rounds
 from fedlora.adapter import LoRALinear
-from synthetic.compare import method_spec
-from synthetic.data import make_heterogeneous_clients
-from synthetic.runner import run_method, stack_federations
+from fedlora.synthetic.compare import method_spec
+from fedlora.synthetic.data import make_heterogeneous_clients
+from fedlora.synthetic.runner import run_method, stack_federations
 
 K, RANK, ROUNDS = 4, 3, 3
 

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-import synthetic.tune as tune
+import fedlora.synthetic.tune as tune
 from fedlora.cli import main
 
 TINY_GRID = {"steps": (20, 40), "pf2lora": {"upper_lr": (0.05,), "lower_lr": (0.1,), "upper_schedule": ("constant",)},
@@ -70,7 +70,7 @@ def test_tune_and_rank_recovery_share_the_testbed_flags():
     import argparse
 
     from fedlora import cli
-    from synthetic.cli import _TESTBED_FLAGS
+    from fedlora.synthetic.cli import _TESTBED_FLAGS
 
     top = cli._build_parser("synthetic")
     syn = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction)).choices["synthetic"]

@@ -1,7 +1,7 @@
-"""Data sets bundled with fedlora (read offline by ``llm.data``).
+"""Data sets bundled with fedlora (read offline by ``fedlora.llm.data``).
 
 ``debian_sections/``: Debian package descriptions labelled with their archive Section (games,
-sound, graphics, mail); built by :mod:`llm.datasets.build_debian_sections`, see its README.md.
+sound, graphics, mail); built by :mod:`fedlora.llm.datasets.build_debian_sections`, see its README.md.
 """
 from __future__ import annotations
 

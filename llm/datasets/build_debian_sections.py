@@ -10,7 +10,7 @@ descriptions, Translation-en, which Docker images usually disable)::
     apt-get update -o Dir::State::Lists=/tmp/dsec/lists -o Dir::Cache=/tmp/dsec/cache \\
         -o Dir::Etc::SourceList=/tmp/dsec/sources.list -o Dir::Etc::SourceParts=/nonexistent \\
         -o Acquire::Languages=en
-    python -m llm.datasets.build_debian_sections --lists-dir /tmp/dsec/lists \\
+    python -m fedlora.llm.datasets.build_debian_sections --lists-dir /tmp/dsec/lists \\
         --out llm/datasets/debian_sections
 
 (the private ``Dir::State::Lists`` leaves the system's apt state alone).  Or pass already
@@ -74,7 +74,7 @@ _EXCLUDED_DESC = re.compile(
 )
 _WORD = re.compile(r"[a-z0-9]+")
 
-BUILD_COMMAND = "python -m llm.datasets.build_debian_sections --lists-dir LISTS --out llm/datasets/debian_sections"
+BUILD_COMMAND = "python -m fedlora.llm.datasets.build_debian_sections --lists-dir LISTS --out llm/datasets/debian_sections"
 
 
 class BuildError(RuntimeError):
@@ -396,7 +396,7 @@ def write_readme(out: Path, stats: dict, release: dict[str, str], args: argparse
         "(Debian source package; no source package is in both splits) and `package` (the binary package",
         "whose description was used).",
         "",
-        "Registered as the task `debian-sections` in `llm.tasks` (accuracy, macro-F1); loads without",
+        "Registered as the task `debian-sections` in `fedlora.llm.tasks` (accuracy, macro-F1); loads without",
         "network. Why these four sections: each has a distinct topic (play, audio, images, e-mail) and",
         "enough distinct source packages after de-duplication (mail, the smallest, has "
         f"{stats['train']['mail'] + stats['test']['mail']}); sections whose topics overlap (video and",
@@ -421,7 +421,7 @@ def write_readme(out: Path, stats: dict, release: dict[str, str], args: argparse
         "apt-get update -o Dir::State::Lists=/tmp/dsec/lists -o Dir::Cache=/tmp/dsec/cache \\",
         "    -o Dir::Etc::SourceList=/tmp/dsec/sources.list -o Dir::Etc::SourceParts=/nonexistent \\",
         "    -o Acquire::Languages=en",
-        "python -m llm.datasets.build_debian_sections --lists-dir /tmp/dsec/lists --out llm/datasets/debian_sections",
+        "python -m fedlora.llm.datasets.build_debian_sections --lists-dir /tmp/dsec/lists --out llm/datasets/debian_sections",
         "```",
         "",
         "(the private lists folder leaves the system's apt state alone; a later bookworm point release may",
@@ -490,7 +490,7 @@ def _release_info(path: Path | None) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m llm.datasets.build_debian_sections",
+    ap = argparse.ArgumentParser(prog="python -m fedlora.llm.datasets.build_debian_sections",
                                  description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--out", required=True, type=Path, help="output folder (train/test jsonl + README.md)")
     ap.add_argument("--lists-dir", type=Path, default=Path("/var/lib/apt/lists"))

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 
 import fedlora.methods.pf2lora as pf2lora_module  # noqa: E402
 from fedlora.methods.hypergradient import bilevel_direction  # noqa: E402
-from synthetic.rank_recovery import RankRecoveryConfig, run_rank_recovery  # noqa: E402
+from fedlora.synthetic.rank_recovery import RankRecoveryConfig, run_rank_recovery  # noqa: E402
 
 #: part 1: name → overrides of --preset tuned (shared-private); None = the paper's step sizes
 REGIMES: dict[str, dict] = {
