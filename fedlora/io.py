@@ -51,14 +51,31 @@ def yaml_load(text: str) -> Any:
     return yaml.load(text, Loader=_LOADER)
 
 
+def _umask() -> int:
+    """The process's umask. Linux reports it in /proc/self/status (read-only); elsewhere it is read
+    by setting and restoring it (``os.umask`` has no getter)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to a temp file in the same folder, fsync, then rename: readers never see half a
-    file, and a crash leaves the previous version in place."""
+    file, and a crash leaves the previous version in place. The file gets the mode of any file the
+    user creates (0666 less the umask, as ``open`` gives), not the temp file's private 0600."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o666 & ~_umask())
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
