@@ -21,7 +21,8 @@ unavailable, and running it prints one line naming the plugin and why (exit stat
 
 Bad input exits with status 2 and one line ``fedlora: error: --flag: what is allowed`` — no traceback:
 handlers raise ``ConfigError``. Every command checks its output folder with ``check_output_dir`` before
-any work (new commands too).
+any work (new commands too); a command that writes a results folder claims it with ``claim_output_dir``
+(a non-empty folder is refused unless ``--overwrite``; ``--resume`` is refused until checkpoints exist).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from importlib import metadata
 from typing import Sequence
 
 from .errors import ConfigError
-from .io import check_output_dir, read_table_file, write_json_atomic  # noqa: F401  (the commands' helpers)
+from .io import check_output_dir, claim_output_dir, read_table_file, write_json_atomic  # noqa: F401  (the commands' helpers)
 
 #: the entry-point group a package declares its ``fedlora`` subcommands in
 COMMANDS_GROUP = "fedlora.commands"

@@ -45,7 +45,7 @@ from fedlora.errors import ConfigError
 from fedlora.methods import create_method, get_method
 from fedlora.methods.base import Method
 from fedlora.payload import Payload
-from fedlora.io import check_output_dir, write_bytes_atomic, write_json_atomic
+from fedlora.io import OutputDir, claim_output_dir, write_bytes_atomic, write_json_atomic
 from fedlora.simulator import DownloadLedger, Federation
 from fedlora.state import ClientStore, record_nbytes
 
@@ -53,9 +53,13 @@ from .config import RunConfig
 from .dropout import install_client_dropout
 from .inject import SlotLoRALinear, head_linear_names, inject_adapters, make_head_trainable, match_targets, set_slots
 
-__all__ = ["FederatedRun", "ClientSampler", "run"]
+__all__ = ["FederatedRun", "ClientSampler", "run", "RUN_WRITES"]
 
 _RNG = "sampler:"  # record entries of the runtime's own (the data sampler of the client)
+
+#: every entry a run writes into its output folder: ``--overwrite`` clears a folder only when it holds
+#: nothing else (``fedlora.io.claim_output_dir``). A new output file or folder must be added here.
+RUN_WRITES = ("config.json", "rounds.jsonl", "summary.json", "rounds.png", "adapters", "clients")
 
 
 def _seed_of(*parts: Any) -> int:
@@ -108,14 +112,25 @@ class FederatedRun:
 
     ``prepare()`` loads the model, data and method and creates every client's initial state record;
     ``run()`` does the rounds, evaluates and writes the outputs. Tests may pass a ready ``model``
-    and ``tokenizer`` (the model is modified in place: adapters are injected)."""
+    and ``tokenizer`` (the model is modified in place: adapters are injected).
+
+    ``write``: the run's output folder (``cfg.output_dir``) is claimed before any work
+    (``fedlora.io.claim_output_dir``: a folder that is not empty is refused unless ``overwrite``,
+    which clears it) — or ``output``, a folder the caller has claimed (the command line)."""
 
     def __init__(self, cfg: RunConfig, *, progress: bool = False, model=None, tokenizer=None,
-                 write: bool = True) -> None:
+                 write: bool = True, overwrite: bool = False, output: OutputDir | None = None) -> None:
         self.cfg = cfg
         self.progress, self.write = progress, write
+        self.overwrite, self.output = overwrite, output
         self._given_model, self._given_tokenizer = model, tokenizer
         self.prepared = False
+
+    def _claim(self) -> None:
+        """Claim the output folder (once, before any work; ``prepare`` may write ``clients/`` there)."""
+        if self.write and self.output is None:
+            self.output = claim_output_dir(self.cfg.output_dir, "output_dir", writes=RUN_WRITES,
+                                           overwrite=self.overwrite, overwrite_flag="overwrite=True")
 
     # ------------------------------------------------------------------------------------------
     # preparation
@@ -124,6 +139,7 @@ class FederatedRun:
         from .model import torch_dtype
 
         cfg = self.cfg
+        self._claim()
         if cfg.train.threads is not None:
             torch.set_num_threads(cfg.train.threads)
         self.device = torch.device("cuda" if cfg.model.device == "auto" and torch.cuda.is_available()
@@ -544,10 +560,9 @@ class FederatedRun:
     # ------------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         """All rounds with evaluation; writes ``output_dir`` (see README "fedlora run")."""
+        self._claim()  # an unusable or occupied output folder is found before any work
         cfg = self.cfg
         out = Path(cfg.output_dir)
-        if self.write:  # an unusable output folder is found before any work, not after the last round
-            check_output_dir(out, "output_dir")
         if not self.prepared:
             self.prepare()
         if self.write:
@@ -689,9 +704,10 @@ def _progress(total: int, enabled: bool):
 
 
 def run(config: RunConfig | Mapping[str, Any] | str | os.PathLike, overrides: Sequence[str] = (),
-        progress: bool = False) -> dict[str, Any]:
+        progress: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """``fedlora run`` from Python: a RunConfig, a dict of sections, a YAML/TOML/JSON path or a
-    bundled config's name."""
+    bundled config's name. ``overwrite``: clear an output folder that holds an earlier run (else a
+    folder that is not empty is refused, as ``fedlora run`` without ``--overwrite``)."""
     from .config import apply_overrides, load_config
 
     if isinstance(config, (RunConfig, Mapping)):
@@ -699,7 +715,7 @@ def run(config: RunConfig | Mapping[str, Any] | str | os.PathLike, overrides: Se
         cfg = RunConfig.from_dict(apply_overrides(data, overrides))
     else:
         cfg = load_config(config, overrides)
-    return FederatedRun(cfg, progress=progress).run()
+    return FederatedRun(cfg, progress=progress, overwrite=overwrite).run()
 
 
 def auto_clients_per_pass(device: torch.device, participants: int, model=None, batch_size: int = 16,
