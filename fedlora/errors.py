@@ -3,3 +3,17 @@
 
 class ConfigError(ValueError):
     """A bad option or input: the message names the field and what is allowed."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM, raised in the main thread by the ``fedlora`` command's handlers: a
+    ``KeyboardInterrupt``, so whatever cleans up after Ctrl-C (a run marking its folder incomplete)
+    cleans up after SIGTERM too. ``signum`` / ``signal_name``: which signal; the command exits with
+    128 + signum (130, 143)."""
+
+    def __init__(self, signum: int) -> None:
+        import signal
+
+        self.signum = int(signum)
+        self.signal_name = signal.Signals(self.signum).name
+        super().__init__(self.signal_name)

@@ -76,7 +76,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if "final_global" in summary:
         print(f"global model test {m}: round 0 {summary['round0_global'][m]:.4f} → final {summary['final_global'][m]:.4f}")
     print(f"bytes up {summary['bytes_up_total']:,}, down {summary['bytes_down_total']:,}")
-    print(f"wrote {out}/config.json, rounds.jsonl, summary.json, rounds.png, adapters/")
+    print(f"wrote {out}/config.json, run.json, rounds.jsonl, summary.json, rounds.png, adapters/")
     return 0
 
 

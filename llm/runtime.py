@@ -59,7 +59,7 @@ _RNG = "sampler:"  # record entries of the runtime's own (the data sampler of th
 
 #: every entry a run writes into its output folder: ``--overwrite`` clears a folder only when it holds
 #: nothing else (``fedlora.io.claim_output_dir``). A new output file or folder must be added here.
-RUN_WRITES = ("config.json", "rounds.jsonl", "summary.json", "rounds.png", "adapters", "clients")
+RUN_WRITES = ("config.json", "run.json", "rounds.jsonl", "summary.json", "rounds.png", "adapters", "clients")
 
 
 def _seed_of(*parts: Any) -> int:
@@ -559,8 +559,18 @@ class FederatedRun:
 
     # ------------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
-        """All rounds with evaluation; writes ``output_dir`` (see README "fedlora run")."""
+        """All rounds with evaluation; writes ``output_dir`` (see README "fedlora run"), claimed before
+        any work (``_claim``). ``run.json`` says whether the run is running, complete, interrupted or
+        failed; a run that stops early (an error, SIGINT/SIGTERM) marks or removes it (``_abandon``)."""
         self._claim()  # an unusable or occupied output folder is found before any work
+        try:
+            return self._run()
+        except BaseException as e:
+            if self.write:
+                self._abandon(e)
+            raise
+
+    def _run(self) -> dict[str, Any]:
         cfg = self.cfg
         out = Path(cfg.output_dir)
         if not self.prepared:
@@ -568,8 +578,9 @@ class FederatedRun:
         if self.write:
             write_json_atomic(out / "config.json", {"config": cfg.to_dict(), "resolved": self.describe()})
             (out / "rounds.jsonl").write_text("")
+            self._write_status("running")
         main = self.task.main_metric
-        bar = _progress(cfg.train.rounds, self.progress)
+        bar = self._bar = _progress(cfg.train.rounds, self.progress)
         t0 = time.perf_counter()
         evals = [self.evaluate(-1)]
         self._append(out, {"round": 0, "eval": evals[0]})
@@ -601,7 +612,39 @@ class FederatedRun:
                 plot_run(self.history, evals, main, out / "rounds.png")
             except Exception as e:  # a figure must never lose a run's results
                 summary["plot_error"] = str(e)
+            self._write_status("complete")
         return summary
+
+    def _write_status(self, status: str, **extra: Any) -> None:
+        """``run.json`` (atomic): ``status`` — running, complete, interrupted or failed — the rounds
+        planned and the rounds finished (those in rounds.jsonl), and what stopped it (``signal`` or ``error``)."""
+        out = Path(self.cfg.output_dir)
+        write_json_atomic(out / "run.json", {"status": status, "rounds": self.cfg.train.rounds,
+                                             "rounds_done": _rounds_done(out / "rounds.jsonl"), **extra})
+
+    def _abandon(self, e: BaseException) -> None:
+        """The run stopped early with ``e``. With a finished round in rounds.jsonl the folder stays,
+        marked incomplete: run.json says ``interrupted`` (SIGINT/SIGTERM, ``signal``) or ``failed``
+        (``error``) and how many rounds finished (no adapters or summary are written). With none,
+        nothing of value was written: what the run wrote is removed, and the folder too if the run
+        created it. Adds a note saying which to ``e`` (the command line prints it)."""
+        out = Path(self.cfg.output_dir)
+        try:
+            if getattr(self, "_bar", None) is not None:
+                self._bar.close()  # the progress bar's line ends before the command's last line
+            done = _rounds_done(out / "rounds.jsonl")
+            if done == 0:
+                self.output.discard()
+                note = f"{'removed' if not out.exists() else 'emptied'} {out} (no round had finished)"
+            else:
+                stopped = isinstance(e, KeyboardInterrupt)
+                status = "interrupted" if stopped else "failed"
+                self._write_status(status, **({"signal": getattr(e, "signal_name", "SIGINT")} if stopped
+                                              else {"error": _first_line(e)}))
+                note = f"{out} is incomplete: run.json says {status} after round {done} of {self.cfg.train.rounds}"
+        except Exception as err:  # never hide why the run stopped
+            note = f"could not mark {out} incomplete: {_first_line(err)}"
+        _add_note(e, note)
 
     def _append(self, out: Path, rec: Mapping[str, Any]) -> None:
         if self.write:
@@ -687,6 +730,34 @@ def load_base(mc: Mapping[str, Any], seed: int, num_labels: int, *, model=None, 
     model = model or load_classifier(mc["name"], num_labels, from_config=mc.get("from_config"), dtype=mc["dtype"],
                                      pad_token_id=tok.pad_token_id)
     return model, tok
+
+
+def _rounds_done(path: Path) -> int:
+    """Rounds finished: the round records (round ≥ 1) in ``rounds.jsonl`` (line 0 is the evaluation before training)."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return 0
+    done = 0
+    for line in lines:
+        try:
+            done += int(json.loads(line).get("round", 0) >= 1)
+        except (ValueError, AttributeError):  # a line cut short by the interruption
+            pass
+    return done
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
+def _add_note(e: BaseException, note: str) -> None:
+    """``e.add_note(note)`` (Python ≥ 3.11 shows it under the traceback; the command line prints it)."""
+    if hasattr(e, "add_note"):
+        e.add_note(note)
+    else:
+        e.__notes__ = [*getattr(e, "__notes__", []), note]
 
 
 def _eager_attention(model) -> None:

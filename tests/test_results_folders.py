@@ -75,7 +75,7 @@ def test_overwrite_clears_the_commands_own_results_and_nothing_else(cmd, tmp_pat
     assert out.is_dir() and list(out.iterdir()) == []
 
 
-@pytest.mark.parametrize("cmd", COMMANDS[1:], ids=" ".join)
+@pytest.mark.parametrize("cmd", COMMANDS, ids=" ".join)
 def test_a_command_that_stops_before_writing_leaves_no_folder_behind(cmd, tmp_path, no_work):
     out = tmp_path / "new" / "out"
     with pytest.raises(AssertionError, match="the experiment started"):
@@ -97,6 +97,7 @@ def test_a_second_run_with_fewer_clients_keeps_none_of_the_first_runs_files(tmp_
     assert main(["run", "tiny-smoke", "--out", str(out), *TINY, "--set", "federation.clients=2", "--overwrite"]) == 0
     assert sorted(p.name for p in (out / "adapters").iterdir()) == ["client_0.safetensors", "client_1.safetensors"]
     assert json.loads((out / "summary.json").read_text())["clients"] == 2
+    assert json.loads((out / "run.json").read_text())["status"] == "complete"
 
 
 def test_the_python_entry_point_refuses_a_used_folder_unless_overwrite(tmp_path):
