@@ -70,7 +70,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     m = summary["main_metric"]
     print(f"{summary['method']} on {summary['task']}: {summary['clients']} clients, {summary['rounds']} rounds, "
           f"{summary['wall_s']:.1f} s")
-    print(f"test {m} (clients' mean): round 0 {summary['round0_test']['mean'][m]:.4f} → "
+    skipped = summary["n_clients_without_test"]
+    mean = "clients' mean" if not skipped else (f"mean of the {summary['clients'] - skipped} clients with test rows; "
+                                                f"{skipped} of {summary['clients']} have none and are left out")
+    print(f"test {m} ({mean}): round 0 {summary['round0_test']['mean'][m]:.4f} → "
           f"final {summary['final_test']['mean'][m]:.4f}  (min {summary['final_test']['min'][m]:.4f}, "
           f"max {summary['final_test']['max'][m]:.4f}, size-weighted {summary['final_test']['weighted_mean'][m]:.4f})")
     if "final_global" in summary:

@@ -163,6 +163,7 @@ class FederatedRun:
                                  seed=cfg.seed, val_fraction=fc.val_fraction)
         self.clients = [dataclasses.replace(s, test=s.test[:cfg.eval.max_samples]) for s in splits]  # None: all
         self.split_report = D.describe_split(splits, self.train_data, self.test_data)
+        self._check_test_rows()
 
         # model -----------------------------------------------------------------------------
         mc = cfg.model
@@ -231,6 +232,25 @@ class FederatedRun:
         self.history: list[dict[str, Any]] = []
         self.prepared = True
         return self
+
+    def _check_test_rows(self) -> None:
+        """Clients whose split gave them no test rows are left out of the clients' mean (``n_skipped``
+        in every evaluation; the summary says how many). Refused before training when that is most of
+        the clients (more than half) unless ``eval.allow_clients_without_test``, and always when none
+        has a test row."""
+        K = len(self.clients)
+        self.clients_without_test = [k for k, c in enumerate(self.clients) if len(c.test) == 0]
+        n = len(self.clients_without_test)
+        how = (f"the {len(self.test_data)} test rows go to the clients that hold their labels "
+               f"(partition {self.cfg.federation.partition!r})")
+        if n == K:
+            raise ConfigError(f"federation.clients: none of the {K} clients gets a test row ({how}); use fewer "
+                              f"clients or more test data (data.max_test_samples, data.test_fraction)")
+        if 2 * n > K and not self.cfg.eval.allow_clients_without_test:
+            raise ConfigError(f"federation.clients: {n} of {K} clients get no test rows ({how}), so the clients' "
+                              f"mean would score only {K - n}; use fewer clients or more test data "
+                              f"(data.max_test_samples, data.test_fraction), or set "
+                              f"eval.allow_clients_without_test: true to leave them out of the mean")
 
     def _build_method(self) -> Method:
         from .config import build_method, method_options
@@ -660,7 +680,9 @@ class FederatedRun:
              "rounds": self.cfg.train.rounds, "clients": self.cfg.federation.clients,
              "round0_test": first["test"], "final_test": last["test"],
              "final_clients": last["clients"], "bytes_up_total": up, "bytes_down_total": down,
-             "wall_s": wall, "record_bytes_per_client": record_nbytes(self.store.get(0))}
+             "wall_s": wall, "record_bytes_per_client": record_nbytes(self.store.get(0)),
+             "n_clients_without_test": len(self.clients_without_test),  # left out of every clients' mean
+             "clients_without_test": list(self.clients_without_test)}
         if "global" in last:
             s["round0_global"], s["final_global"] = first.get("global"), last["global"]
         # The round with the best clients' mean of the main metric — chosen ON THE TEST SPLIT, as

