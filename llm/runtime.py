@@ -169,6 +169,7 @@ class FederatedRun:
         mc = cfg.model
         self.model, self.tokenizer = load_base(dataclasses.asdict(mc), cfg.seed, self.num_labels,
                                                model=self._given_model, tokenizer=self._given_tokenizer)
+        check_max_length(self.model, mc.max_length)
         if self.method.needs_second_order:  # fused SDPA kernels have no double backward (CPU flash)
             _eager_attention(self.model)
         out_features = getattr(self.model.config, "num_labels", self.num_labels)
@@ -752,6 +753,24 @@ def load_base(mc: Mapping[str, Any], seed: int, num_labels: int, *, model=None, 
     model = model or load_classifier(mc["name"], num_labels, from_config=mc.get("from_config"), dtype=mc["dtype"],
                                      pad_token_id=tok.pad_token_id)
     return model, tok
+
+
+def check_max_length(model, max_length: int) -> None:
+    """``model.max_length`` must fit the model's learned positions: ``max_position_embeddings`` less
+    the ids before the first position (RoBERTa-style embeddings number positions from padding_idx + 1).
+    Beyond them the embedding lookup fails in the middle of a run; here it is one line before any work."""
+    n = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        return  # no table of positions (relative or rotary models without the field)
+    emb = getattr(getattr(model, "base_model", model), "embeddings", None)
+    table = getattr(emb, "position_embeddings", None)
+    pad = getattr(emb, "padding_idx", getattr(table, "padding_idx", None)) if table is not None else None
+    offset = pad + 1 if isinstance(pad, int) and pad >= 0 else 0
+    limit = n - offset
+    if max_length > limit:
+        why = f" minus {offset}: positions are numbered from padding_idx + 1 = {offset}" if offset else ""
+        raise ConfigError(f"model.max_length: {max_length} is more than the model's {limit} positions "
+                          f"(max_position_embeddings {n}{why}); use model.max_length ≤ {limit}")
 
 
 def _rounds_done(path: Path) -> int:

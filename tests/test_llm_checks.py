@@ -1,5 +1,6 @@
-"""Checks a run makes before any training (issue 18 §1): clients without test rows are said and, when
-they are most of the federation, refused unless eval.allow_clients_without_test."""
+"""Checks a run makes before any training (issue 18 §1, §4): clients without test rows are said and,
+when they are most of the federation, refused unless eval.allow_clients_without_test; model.max_length
+beyond the model's positions is one line, not a traceback in the middle of the evaluation."""
 import json
 from pathlib import Path
 
@@ -90,3 +91,47 @@ def test_clients_left_out_of_the_mean_are_said_in_the_printed_summary_and_summar
     s = json.loads((out / "summary.json").read_text())
     assert s["n_clients_without_test"] == K - 3 and s["clients_without_test"] == list(range(3, K))
     assert s["final_test"]["n_skipped"] == K - 3 and s["final_test"]["n_clients"] == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# model.max_length and the model's positions
+
+TINY = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32,
+        "max_position_embeddings": 40}
+
+
+def _model_config(tmp_path: Path, model_type: str, max_length: int) -> RunConfig:
+    return RunConfig.from_dict({
+        "output_dir": str(tmp_path / "o"),
+        "model": {"from_config": {"model_type": model_type, **TINY}, "max_length": max_length,
+                  "target_modules": ["query"]},
+        "data": {"task": "debian-sections", "max_train_samples": 40, "max_test_samples": 16},
+        "method": {"name": "fedavg", "rank": 2}, "federation": {"clients": 2, "partition": "iid"},
+        "train": {"rounds": 1, "local_steps": 1, "batch_size": 2}})
+
+
+@pytest.mark.parametrize("model_type, limit", [("roberta", 39), ("bert", 40)])
+def test_max_length_up_to_the_models_positions_runs_and_one_more_is_one_line_before_any_work(tmp_path, model_type, limit):
+    """RoBERTa numbers positions from padding_idx + 1 (the MiniLM tokenizer pads with 0: 40 − 1 = 39
+    positions); BERT from 0 (all 40). The longest sequences fill max_length, and are evaluated."""
+    run = FederatedRun(_model_config(tmp_path, model_type, limit), write=False).prepare()
+    assert run.enc_test["input_ids"].shape[1] == limit  # texts long enough to use every position
+    assert run.evaluate(-1)["test"]["n_clients"] == 2
+    with pytest.raises(ConfigError) as e:
+        FederatedRun(_model_config(tmp_path, model_type, limit + 1), write=False).prepare()
+    assert str(e.value).startswith(f"model.max_length: {limit + 1} is more than the model's {limit} positions")
+    assert f"use model.max_length ≤ {limit}" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_max_length_beyond_the_positions_fails_the_command_in_one_line_before_training(tmp_path, capsys, monkeypatch):
+    import llm.runtime
+
+    def boom(*a, **k):
+        raise AssertionError("training started")
+
+    monkeypatch.setattr(llm.runtime.FederatedRun, "run_round", boom)
+    out = tmp_path / "o"
+    assert main(["run", "tiny-smoke", "--out", str(out), "--no-progress", "--set", "model.max_length=64"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fedlora: error: model.max_length: 64 is more than the model's 39 positions")
+    assert err.count("\n") == 1 and not out.exists()
