@@ -21,17 +21,26 @@ unavailable, and running it prints one line naming the plugin and why (exit stat
 
 Bad input exits with status 2 and one line ``fedlora: error: --flag: what is allowed`` — no traceback:
 handlers raise ``ConfigError``. Every command checks its output folder with ``check_output_dir`` before
-any work (new commands too).
+any work (new commands too); a command that writes a results folder claims it with ``claim_output_dir``
+(a non-empty folder is refused unless ``--overwrite``; ``--resume`` is refused until checkpoints exist).
+
+SIGINT and SIGTERM raise ``fedlora.errors.Interrupted`` (a ``KeyboardInterrupt``) in the command, which
+cleans up (``fedlora run`` marks its folder incomplete or removes it) and exits with one line
+``fedlora: interrupted by SIGINT; …`` and status 130 (SIGINT) or 143 (SIGTERM) — no traceback. A
+signal the parent process ignores (a background job's SIGINT) stays ignored.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+import threading
 from importlib import metadata
-from typing import Sequence
+from typing import Iterator, Sequence
 
-from .errors import ConfigError
-from .io import check_output_dir, read_table_file, write_json_atomic  # noqa: F401  (the commands' helpers)
+from .errors import ConfigError, Interrupted
+from .io import check_output_dir, claim_output_dir, read_table_file, write_json_atomic  # noqa: F401  (the commands' helpers)
 
 #: the entry-point group a package declares its ``fedlora`` subcommands in
 COMMANDS_GROUP = "fedlora.commands"
@@ -126,17 +135,52 @@ def _build_parser(command: str | None = None) -> _Parser:
     return p
 
 
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def _signals_raise() -> Iterator[None]:
+    """While the command runs, SIGINT and SIGTERM raise ``Interrupted`` in the main thread (SIGTERM's
+    default would end the process with no cleanup at all). Once one has arrived, further ones are
+    ignored, so the clean-up it triggers runs to its end. The previous handlers come back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame) -> None:
+        for s in _SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+        raise Interrupted(signum)
+
+    old = {s: signal.getsignal(s) for s in _SIGNALS}
+    for s, h in old.items():
+        if h is not signal.SIG_IGN:
+            signal.signal(s, handler)
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    try:
-        parser = _build_parser(argv[0] if argv else None)
-        if argv and argv[0] in parser.unavailable:
-            raise ConfigError(parser.unavailable[argv[0]])
-        args = parser.parse_args(argv)
-        return args.handler(args)
-    except ConfigError as e:
-        print(f"fedlora: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+    with _signals_raise():
+        try:
+            parser = _build_parser(argv[0] if argv else None)
+            if argv and argv[0] in parser.unavailable:
+                raise ConfigError(parser.unavailable[argv[0]])
+            args = parser.parse_args(argv)
+            return args.handler(args)
+        except ConfigError as e:
+            print(f"fedlora: error: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        except KeyboardInterrupt as e:  # SIGINT/SIGTERM (Interrupted) or a plain Ctrl-C: one line
+            signum = getattr(e, "signum", signal.SIGINT)
+            notes = "; ".join(str(n) for n in getattr(e, "__notes__", ()))
+            print(f"fedlora: interrupted by {signal.Signals(signum).name}" + (f"; {notes}" if notes else ""),
+                  file=sys.stderr)
+            return 128 + int(signum)
 
 
 if __name__ == "__main__":

@@ -12,3 +12,17 @@ def did_you_mean(key: str, allowed, cutoff: float = 0.6) -> str:
 
     close = difflib.get_close_matches(str(key), [str(a) for a in allowed], n=1, cutoff=cutoff)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM, raised in the main thread by the ``fedlora`` command's handlers: a
+    ``KeyboardInterrupt``, so whatever cleans up after Ctrl-C (a run marking its folder incomplete)
+    cleans up after SIGTERM too. ``signum`` / ``signal_name``: which signal; the command exits with
+    128 + signum (130, 143)."""
+
+    def __init__(self, signum: int) -> None:
+        import signal
+
+        self.signum = int(signum)
+        self.signal_name = signal.Signals(self.signum).name
+        super().__init__(self.signal_name)

@@ -1,15 +1,20 @@
-"""Files: atomic writes, config-file reading, and the output-folder check every command runs before any work."""
+"""Files: atomic writes, config-file reading, and the output-folder checks every command runs before any
+work (``check_output_dir``; ``claim_output_dir`` for a command that writes a results folder)."""
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
+import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from .errors import ConfigError
 
-__all__ = ["write_bytes_atomic", "write_json_atomic", "check_output_dir", "read_table_file", "yaml_load"]
+__all__ = ["write_bytes_atomic", "write_json_atomic", "check_output_dir", "claim_output_dir", "OutputDir",
+           "RESUME_LATER", "read_table_file", "yaml_load"]
 
 
 def _yaml12_loader():
@@ -51,14 +56,31 @@ def yaml_load(text: str) -> Any:
     return yaml.load(text, Loader=_LOADER)
 
 
+def _umask() -> int:
+    """The process's umask. Linux reports it in /proc/self/status (read-only); elsewhere it is read
+    by setting and restoring it (``os.umask`` has no getter)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to a temp file in the same folder, fsync, then rename: readers never see half a
-    file, and a crash leaves the previous version in place."""
+    file, and a crash leaves the previous version in place. The file gets the mode of any file the
+    user creates (0666 less the umask, as ``open`` gives), not the temp file's private 0600."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o666 & ~_umask())
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -129,3 +151,125 @@ def check_output_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
     except OSError as e:
         raise ConfigError(f"{flag}: the output folder {str(p)!r} is not writable: {e.strerror or e}") from None
     return p
+
+
+#: what ``--resume`` says until runs write checkpoints (the server issue brings them)
+RESUME_LATER = ("--resume: resuming an interrupted run comes with the server issue (runs do not write "
+                "checkpoints yet); start afresh with --overwrite or in another folder")
+
+_CHECK_PREFIX = ".fedlora-write-check-"
+
+
+def _ours(name: str, writes: Iterable[str]) -> bool:
+    """Whether a folder entry is one a command that ``writes`` these names leaves: one of them, an
+    atomic writer's temp file of one (``.NAME.*.tmp``, left by a killed process), or a write check's."""
+    return name.startswith(_CHECK_PREFIX) or any(
+        name == w or fnmatch.fnmatchcase(name, f".{_glob_escape(w)}.*.tmp") for w in writes)
+
+
+def _glob_escape(name: str) -> str:
+    """``name`` as a literal fnmatch pattern."""
+    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
+
+
+def _listing(names: list[str], most: int = 4) -> str:
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class OutputDir:
+    """A results folder a command has claimed (``claim_output_dir``): ``path``; ``created``, the
+    topmost folder the claim created (``path`` or a parent of it; None when ``path`` existed);
+    ``writes``, every entry name the command may write there."""
+
+    path: Path
+    created: Path | None
+    writes: tuple[str, ...]
+
+    def _remove_created(self) -> None:
+        """``path`` and the parents the claim created, as far as they are empty (never anything else)."""
+        if self.created is None:
+            return
+        p = self.path
+        while True:
+            try:
+                p.rmdir()
+            except OSError:
+                return
+            if p == self.created:
+                return
+            p = p.parent
+
+    def discard(self) -> None:
+        """Remove what the command wrote — the entries of ``writes`` (never another file) — and the
+        folder itself (with the parents) where the claim created it."""
+        if self.path.is_dir():
+            for entry in list(self.path.iterdir()):
+                if _ours(entry.name, self.writes):
+                    _remove(entry)
+        self._remove_created()
+
+    def remove_if_empty(self) -> None:
+        """Remove the folder (and the parents the claim created) if the claim created it and it is
+        still empty: a command that stops before writing anything leaves no trace."""
+        self._remove_created()
+
+
+def claim_output_dir(path: str | os.PathLike, flag: str = "--out", *, writes: Iterable[str],
+                     overwrite: bool = False, resume: bool = False,
+                     overwrite_flag: str = "--overwrite") -> OutputDir:
+    """Claim ``path`` as the results folder of a command that writes the entries ``writes`` (file and
+    folder names): refuse a folder that already holds anything, so that two experiments never mix in
+    one folder (a second run with fewer clients would keep the first run's ``adapters/client_2…``).
+
+    * ``path`` missing or empty: created (with parents) and proved writable (``check_output_dir``).
+    * not empty: a one-line ``ConfigError`` naming the folder, some of what it holds and the two ways
+      out — ``overwrite_flag`` (``--overwrite``) or another folder;
+    * ``overwrite``: every entry of the folder is removed before any work — but only when every entry
+      is one the command writes (``writes``, the atomic writer's leftover temp files). A folder holding
+      anything else (your own files, another command's results), the filesystem root or the home folder
+      is never cleared: refused in one line naming what is foreign.
+    * ``resume``: refused in one line (``RESUME_LATER``) until runs write checkpoints.
+
+    Call it BEFORE any work, as ``check_output_dir``. Returns an ``OutputDir`` (its ``discard`` /
+    ``remove_if_empty`` undo the claim when the command fails or is interrupted).
+    """
+    writes = tuple(writes)
+    if resume:
+        raise ConfigError(RESUME_LATER)
+    p = Path(path)
+    if str(path) == "":
+        raise ConfigError(f"{flag}: must name an output folder, got ''")
+    if p.is_dir():
+        entries = sorted(e.name for e in p.iterdir())
+        if entries and not overwrite:
+            raise ConfigError(f"{flag}: the output folder {str(p)!r} is not empty (it holds {_listing(entries)}); "
+                              f"give {overwrite_flag} to clear it and start afresh, or choose another folder")
+        if entries:
+            real = p.resolve()
+            if real == Path(real.anchor) or real == Path.home().resolve():
+                where = "the filesystem root" if real == Path(real.anchor) else "your home folder"
+                raise ConfigError(f"{flag}: {overwrite_flag} never clears {str(p)!r}: it is {where}")
+            foreign = [e for e in entries if not _ours(e, writes)]
+            if foreign:
+                raise ConfigError(f"{flag}: {overwrite_flag} clears only a folder of this command's results, and "
+                                  f"{str(p)!r} also holds {_listing(foreign)}; move those away or choose another folder")
+    created = None
+    for a in (p, *p.parents):  # the topmost folder that does not exist yet: what this claim creates
+        if a.exists() or a.is_symlink():
+            break
+        created = a
+    out = check_output_dir(p, flag)
+    if overwrite:
+        for entry in list(out.iterdir()):
+            if _ours(entry.name, writes):
+                _remove(entry)
+    return OutputDir(out, created, writes)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from fedlora.cli import check_output_dir
+from fedlora.cli import check_output_dir, claim_output_dir
 from fedlora.errors import ConfigError
 
 
@@ -20,7 +20,11 @@ def register_run(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("config", nargs="?", help="config file, or a bundled config's name (e.g. minilm-debian)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override a field, e.g. --set train.rounds=5 --set method.name=rolora (repeatable)")
-    run.add_argument("--out", default=None, help="output folder (overrides output_dir)")
+    run.add_argument("--out", default=None, help="output folder (overrides output_dir); must be new or empty")
+    run.add_argument("--overwrite", action="store_true",
+                     help="clear the output folder first (only a folder that holds nothing but a run's files)")
+    run.add_argument("--resume", action="store_true",
+                     help="continue an interrupted run (comes with the server issue; refused for now)")
     run.add_argument("--dry-run", action="store_true", help="validate and print the resolved config; train nothing")
     run.add_argument("--list-configs", action="store_true", help="list the bundled configs and exit")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -56,27 +60,31 @@ def _cmd_run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, overrides)
     if args.dry_run:  # the config and the method as the run would build it (bad options fail here)
         from .config import describe_method
-
         from .runtime import FederatedRun
 
         method = describe_method(cfg)
         data = FederatedRun(cfg, write=False).check_data()  # columns, labels, the split: what needs no model
         print(json.dumps({**cfg.to_dict(), "resolved": {"method": method, "data": data}}, indent=1))
         return 0
-    out = check_output_dir(cfg.output_dir, "--out" if args.out is not None else "output_dir")
-    from fedlora.llm.runtime import FederatedRun
+    from fedlora.llm.runtime import RUN_WRITES, FederatedRun
 
-    summary = FederatedRun(cfg, progress=not args.no_progress).run()
+    folder = claim_output_dir(cfg.output_dir, "--out" if args.out is not None else "output_dir", writes=RUN_WRITES,
+                              overwrite=args.overwrite, resume=args.resume)
+    out = folder.path
+    summary = FederatedRun(cfg, progress=not args.no_progress, output=folder).run()
     m = summary["main_metric"]
     print(f"{summary['method']} on {summary['task']}: {summary['clients']} clients, {summary['rounds']} rounds, "
           f"{summary['wall_s']:.1f} s")
-    print(f"test {m} (clients' mean): round 0 {summary['round0_test']['mean'][m]:.4f} → "
+    skipped = summary["n_clients_without_test"]
+    mean = "clients' mean" if not skipped else (f"mean of the {summary['clients'] - skipped} clients with test rows; "
+                                                f"{skipped} of {summary['clients']} have none and are left out")
+    print(f"test {m} ({mean}): round 0 {summary['round0_test']['mean'][m]:.4f} → "
           f"final {summary['final_test']['mean'][m]:.4f}  (min {summary['final_test']['min'][m]:.4f}, "
           f"max {summary['final_test']['max'][m]:.4f}, size-weighted {summary['final_test']['weighted_mean'][m]:.4f})")
     if "final_global" in summary:
         print(f"global model test {m}: round 0 {summary['round0_global'][m]:.4f} → final {summary['final_global'][m]:.4f}")
     print(f"bytes up {summary['bytes_up_total']:,}, down {summary['bytes_down_total']:,}")
-    print(f"wrote {out}/config.json, rounds.jsonl, summary.json, rounds.png, adapters/")
+    print(f"wrote {out}/config.json, run.json, rounds.jsonl, summary.json, rounds.png, adapters/")
     return 0
 
 

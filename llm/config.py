@@ -155,12 +155,20 @@ class EvalConfig:
     """When and how to evaluate: every ``every`` rounds (and before round 1, and after the last),
     each client's personalised model on its own test and validation split, and the global model (where
     the method has one) on the whole test split. ``batch_size`` rows per client per forward;
-    ``max_samples`` caps each client's test split (deterministic)."""
+    ``max_samples`` caps each client's test split (deterministic).
+
+    A client whose split gives it no test rows (more clients than a class's test rows, a partition
+    that leaves it only rare labels) has nothing to be scored on: it is left out of the clients' mean,
+    min and max (``n_skipped`` in each evaluation; ``n_clients_without_test`` and their ids in
+    summary.json; the command line's summary says so). A split where more than half of the clients have
+    no test rows is refused before training unless ``allow_clients_without_test: true`` (default
+    false): the mean would then describe a minority of the federation."""
 
     every: int = 1
     batch_size: int = 64
     max_samples: int | None = None
     global_model: bool = True
+    allow_clients_without_test: bool = False
 
 
 @dataclass
@@ -306,6 +314,7 @@ class RunConfig:
         if e.max_samples is not None:
             _int(e.max_samples, "eval.max_samples", 1)
         _bool(e.global_model, "eval.global_model")
+        _bool(e.allow_clients_without_test, "eval.allow_clients_without_test")
         return self
 
 

@@ -45,7 +45,7 @@ from fedlora.errors import ConfigError
 from fedlora.methods import create_method, get_method
 from fedlora.methods.base import Method
 from fedlora.payload import Payload
-from fedlora.io import check_output_dir, write_bytes_atomic, write_json_atomic
+from fedlora.io import OutputDir, claim_output_dir, write_bytes_atomic, write_json_atomic
 from fedlora.simulator import DownloadLedger, Federation
 from fedlora.state import ClientStore, record_nbytes
 
@@ -54,9 +54,13 @@ from .dropout import install_client_dropout
 from .manifest import data_files, environment, file_hashes, split_indices
 from .inject import SlotLoRALinear, head_linear_names, inject_adapters, make_head_trainable, match_targets, set_slots
 
-__all__ = ["FederatedRun", "ClientSampler", "run"]
+__all__ = ["FederatedRun", "ClientSampler", "run", "RUN_WRITES"]
 
 _RNG = "sampler:"  # record entries of the runtime's own (the data sampler of the client)
+
+#: every entry a run writes into its output folder: ``--overwrite`` clears a folder only when it holds
+#: nothing else (``fedlora.io.claim_output_dir``). A new output file or folder must be added here.
+RUN_WRITES = ("config.json", "run.json", "rounds.jsonl", "summary.json", "rounds.png", "adapters", "clients")
 
 
 def _seed_of(*parts: Any) -> int:
@@ -109,14 +113,25 @@ class FederatedRun:
 
     ``prepare()`` loads the model, data and method and creates every client's initial state record;
     ``run()`` does the rounds, evaluates and writes the outputs. Tests may pass a ready ``model``
-    and ``tokenizer`` (the model is modified in place: adapters are injected)."""
+    and ``tokenizer`` (the model is modified in place: adapters are injected).
+
+    ``write``: the run's output folder (``cfg.output_dir``) is claimed before any work
+    (``fedlora.io.claim_output_dir``: a folder that is not empty is refused unless ``overwrite``,
+    which clears it) — or ``output``, a folder the caller has claimed (the command line)."""
 
     def __init__(self, cfg: RunConfig, *, progress: bool = False, model=None, tokenizer=None,
-                 write: bool = True) -> None:
+                 write: bool = True, overwrite: bool = False, output: OutputDir | None = None) -> None:
         self.cfg = cfg
         self.progress, self.write = progress, write
+        self.overwrite, self.output = overwrite, output
         self._given_model, self._given_tokenizer = model, tokenizer
         self.prepared = False
+
+    def _claim(self) -> None:
+        """Claim the output folder (once, before any work; ``prepare`` may write ``clients/`` there)."""
+        if self.write and self.output is None:
+            self.output = claim_output_dir(self.cfg.output_dir, "output_dir", writes=RUN_WRITES,
+                                           overwrite=self.overwrite, overwrite_flag="overwrite=True")
 
     # ------------------------------------------------------------------------------------------
     # preparation
@@ -125,6 +140,7 @@ class FederatedRun:
         from .model import torch_dtype
 
         cfg = self.cfg
+        self._claim()
         if cfg.train.threads is not None:
             torch.set_num_threads(cfg.train.threads)
         self.device = torch.device("cuda" if cfg.model.device == "auto" and torch.cuda.is_available()
@@ -141,6 +157,7 @@ class FederatedRun:
         mc = cfg.model
         self.model, self.tokenizer = load_base(dataclasses.asdict(mc), cfg.seed, self.num_labels,
                                                model=self._given_model, tokenizer=self._given_tokenizer)
+        check_max_length(self.model, mc.max_length)
         if self.method.needs_second_order:  # fused SDPA kernels have no double backward (CPU flash)
             _eager_attention(self.model)
         out_features = getattr(self.model.config, "num_labels", self.num_labels)
@@ -205,6 +222,25 @@ class FederatedRun:
         self.prepared = True
         return self
 
+    def _check_test_rows(self) -> None:
+        """Clients whose split gave them no test rows are left out of the clients' mean (``n_skipped``
+        in every evaluation; the summary says how many). Refused before training when that is most of
+        the clients (more than half) unless ``eval.allow_clients_without_test``, and always when none
+        has a test row."""
+        K = len(self.clients)
+        self.clients_without_test = [k for k, c in enumerate(self.clients) if len(c.test) == 0]
+        n = len(self.clients_without_test)
+        how = (f"the {len(self.test_data)} test rows go to the clients that hold their labels "
+               f"(partition {self.cfg.federation.partition!r})")
+        if n == K:
+            raise ConfigError(f"federation.clients: none of the {K} clients gets a test row ({how}); use fewer "
+                              f"clients or more test data (data.max_test_samples, data.test_fraction)")
+        if 2 * n > K and not self.cfg.eval.allow_clients_without_test:
+            raise ConfigError(f"federation.clients: {n} of {K} clients get no test rows ({how}), so the clients' "
+                              f"mean would score only {K - n}; use fewer clients or more test data "
+                              f"(data.max_test_samples, data.test_fraction), or set "
+                              f"eval.allow_clients_without_test: true to leave them out of the mean")
+
     def _load_data(self) -> None:
         """The labelled text, the clients' split and its report (``train_data``, ``test_data``,
         ``task``, ``num_labels``, ``clients``, ``split_report``): every check of the data and the
@@ -232,6 +268,7 @@ class FederatedRun:
                                  seed=cfg.seed, val_fraction=fc.val_fraction)
         self.clients = [dataclasses.replace(s, test=s.test[:cfg.eval.max_samples]) for s in splits]  # None: all
         self.split_report = D.describe_split(splits, self.train_data, self.test_data)
+        self._check_test_rows()
 
     def check_data(self) -> dict[str, Any]:
         """A dry run's data check: read the local or bundled data (columns, labels), split it among the
@@ -573,18 +610,28 @@ class FederatedRun:
 
     # ------------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
-        """All rounds with evaluation; writes ``output_dir`` (see README "fedlora run")."""
+        """All rounds with evaluation; writes ``output_dir`` (see README "fedlora run"), claimed before
+        any work (``_claim``). ``run.json`` says whether the run is running, complete, interrupted or
+        failed; a run that stops early (an error, SIGINT/SIGTERM) marks or removes it (``_abandon``)."""
+        self._claim()  # an unusable or occupied output folder is found before any work
+        try:
+            return self._run()
+        except BaseException as e:
+            if self.write:
+                self._abandon(e)
+            raise
+
+    def _run(self) -> dict[str, Any]:
         cfg = self.cfg
         out = Path(cfg.output_dir)
-        if self.write:  # an unusable output folder is found before any work, not after the last round
-            check_output_dir(out, "output_dir")
         if not self.prepared:
             self.prepare()
         if self.write:
             write_json_atomic(out / "config.json", {"config": cfg.to_dict(), "resolved": self.describe()})
             (out / "rounds.jsonl").write_text("")
+            self._write_status("running")
         main = self.task.main_metric
-        bar = _progress(cfg.train.rounds, self.progress)
+        bar = self._bar = _progress(cfg.train.rounds, self.progress)
         t0 = time.perf_counter()
         evals = [self.evaluate(-1)]
         self._append(out, {"round": 0, "eval": evals[0]})
@@ -617,7 +664,39 @@ class FederatedRun:
                          task=self.task.name, clients=cfg.federation.clients)
             except Exception as e:  # a figure must never lose a run's results
                 summary["plot_error"] = str(e)
+            self._write_status("complete")
         return summary
+
+    def _write_status(self, status: str, **extra: Any) -> None:
+        """``run.json`` (atomic): ``status`` — running, complete, interrupted or failed — the rounds
+        planned and the rounds finished (those in rounds.jsonl), and what stopped it (``signal`` or ``error``)."""
+        out = Path(self.cfg.output_dir)
+        write_json_atomic(out / "run.json", {"status": status, "rounds": self.cfg.train.rounds,
+                                             "rounds_done": _rounds_done(out / "rounds.jsonl"), **extra})
+
+    def _abandon(self, e: BaseException) -> None:
+        """The run stopped early with ``e``. With a finished round in rounds.jsonl the folder stays,
+        marked incomplete: run.json says ``interrupted`` (SIGINT/SIGTERM, ``signal``) or ``failed``
+        (``error``) and how many rounds finished (no adapters or summary are written). With none,
+        nothing of value was written: what the run wrote is removed, and the folder too if the run
+        created it. Adds a note saying which to ``e`` (the command line prints it)."""
+        out = Path(self.cfg.output_dir)
+        try:
+            if getattr(self, "_bar", None) is not None:
+                self._bar.close()  # the progress bar's line ends before the command's last line
+            done = _rounds_done(out / "rounds.jsonl")
+            if done == 0:
+                self.output.discard()
+                note = f"{'removed' if not out.exists() else 'emptied'} {out} (no round had finished)"
+            else:
+                stopped = isinstance(e, KeyboardInterrupt)
+                status = "interrupted" if stopped else "failed"
+                self._write_status(status, **({"signal": getattr(e, "signal_name", "SIGINT")} if stopped
+                                              else {"error": _first_line(e)}))
+                note = f"{out} is incomplete: run.json says {status} after round {done} of {self.cfg.train.rounds}"
+        except Exception as err:  # never hide why the run stopped
+            note = f"could not mark {out} incomplete: {_first_line(err)}"
+        _add_note(e, note)
 
     def _append(self, out: Path, rec: Mapping[str, Any]) -> None:
         if self.write:
@@ -633,7 +712,9 @@ class FederatedRun:
              "rounds": self.cfg.train.rounds, "clients": self.cfg.federation.clients,
              "round0_test": first["test"], "final_test": last["test"],
              "final_clients": last["clients"], "bytes_up_total": up, "bytes_down_total": down,
-             "wall_s": wall, "record_bytes_per_client": record_nbytes(self.store.get(0))}
+             "wall_s": wall, "record_bytes_per_client": record_nbytes(self.store.get(0)),
+             "n_clients_without_test": len(self.clients_without_test),  # left out of every clients' mean
+             "clients_without_test": list(self.clients_without_test)}
         if "global" in last:
             s["round0_global"], s["final_global"] = first.get("global"), last["global"]
         # The round with the best clients' mean of the main metric — chosen ON THE TEST SPLIT, as
@@ -749,6 +830,52 @@ def load_base(mc: Mapping[str, Any], seed: int, num_labels: int, *, model=None, 
     return model, tok
 
 
+def check_max_length(model, max_length: int) -> None:
+    """``model.max_length`` must fit the model's learned positions: ``max_position_embeddings`` less
+    the ids before the first position (RoBERTa-style embeddings number positions from padding_idx + 1).
+    Beyond them the embedding lookup fails in the middle of a run; here it is one line before any work."""
+    n = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        return  # no table of positions (relative or rotary models without the field)
+    emb = getattr(getattr(model, "base_model", model), "embeddings", None)
+    table = getattr(emb, "position_embeddings", None)
+    pad = getattr(emb, "padding_idx", getattr(table, "padding_idx", None)) if table is not None else None
+    offset = pad + 1 if isinstance(pad, int) and pad >= 0 else 0
+    limit = n - offset
+    if max_length > limit:
+        why = f" minus {offset}: positions are numbered from padding_idx + 1 = {offset}" if offset else ""
+        raise ConfigError(f"model.max_length: {max_length} is more than the model's {limit} positions "
+                          f"(max_position_embeddings {n}{why}); use model.max_length ≤ {limit}")
+
+
+def _rounds_done(path: Path) -> int:
+    """Rounds finished: the round records (round ≥ 1) in ``rounds.jsonl`` (line 0 is the evaluation before training)."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return 0
+    done = 0
+    for line in lines:
+        try:
+            done += int(json.loads(line).get("round", 0) >= 1)
+        except (ValueError, AttributeError):  # a line cut short by the interruption
+            pass
+    return done
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
+def _add_note(e: BaseException, note: str) -> None:
+    """``e.add_note(note)`` (Python ≥ 3.11 shows it under the traceback; the command line prints it)."""
+    if hasattr(e, "add_note"):
+        e.add_note(note)
+    else:
+        e.__notes__ = [*getattr(e, "__notes__", []), note]
+
+
 def _eager_attention(model) -> None:
     """Switch a HF model to the plain softmax(QKᵀ)V attention, which has second derivatives."""
     if hasattr(model, "set_attn_implementation"):
@@ -764,9 +891,10 @@ def _progress(total: int, enabled: bool):
 
 
 def run(config: RunConfig | Mapping[str, Any] | str | os.PathLike, overrides: Sequence[str] = (),
-        progress: bool = False) -> dict[str, Any]:
+        progress: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """``fedlora run`` from Python: a RunConfig, a dict of sections, a YAML/TOML/JSON path or a
-    bundled config's name."""
+    bundled config's name. ``overwrite``: clear an output folder that holds an earlier run (else a
+    folder that is not empty is refused, as ``fedlora run`` without ``--overwrite``)."""
     from .config import apply_overrides, load_config
 
     if isinstance(config, (RunConfig, Mapping)):
@@ -774,7 +902,7 @@ def run(config: RunConfig | Mapping[str, Any] | str | os.PathLike, overrides: Se
         cfg = RunConfig.from_dict(apply_overrides(data, overrides))
     else:
         cfg = load_config(config, overrides)
-    return FederatedRun(cfg, progress=progress).run()
+    return FederatedRun(cfg, progress=progress, overwrite=overwrite).run()
 
 
 def auto_clients_per_pass(device: torch.device, participants: int, model=None, batch_size: int = 16,

@@ -4,9 +4,10 @@ group ``fedlora.commands`` (fedlora/cli.py says how)."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any, Callable
 
-from fedlora.cli import check_output_dir, read_table_file, write_json_atomic
+from fedlora.cli import claim_output_dir, read_table_file, write_json_atomic
 from fedlora.errors import ConfigError
 
 
@@ -124,6 +125,21 @@ _BC_FLAGS: dict[str, tuple[str, Any, str]] = {
 }
 
 
+#: what each experiment writes into its --out folder (--overwrite clears a folder of these only)
+_WRITES = {"rank-recovery": ("metrics.json", "rank_recovery.png"),
+           "bilevel-convergence": ("metrics.json", "bilevel_convergence.png"),
+           "tune": ("tune.json",), "compare": ("compare.json", "compare.md", "compare.png")}
+
+
+def _claim(args: argparse.Namespace) -> Path:
+    """Claim ``--out`` before any work (``claim_output_dir``: new or empty, or ``--overwrite`` of a folder
+    of this experiment's results; ``--resume`` refused); the handler removes it again if the command
+    stops before writing anything into it."""
+    args.claimed = claim_output_dir(args.out, writes=_WRITES[args.experiment], overwrite=args.overwrite,
+                                    resume=args.resume)
+    return args.claimed.path
+
+
 def _single_threaded(cmd: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     def handler(args: argparse.Namespace) -> int:
         # The synthetic problems are tiny: one intra-op thread avoids spin-wait overhead, and keeps
@@ -131,7 +147,12 @@ def _single_threaded(cmd: Callable[[argparse.Namespace], int]) -> Callable[[argp
         import torch
 
         torch.set_num_threads(1)
-        return cmd(args)
+        try:
+            return cmd(args)
+        except BaseException:  # an error or SIGINT/SIGTERM before any result: no empty folder left behind
+            if getattr(args, "claimed", None) is not None:
+                args.claimed.remove_if_empty()
+            raise
 
     return handler
 
@@ -173,6 +194,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         cm.add_argument(f"--{flag}", type=typ, default=None, help=help_)
 
     for parser, cmd in ((rr, _cmd_rank_recovery), (bc, _cmd_bilevel), (tu, _cmd_tune), (cm, _cmd_compare)):
+        parser.add_argument("--overwrite", action="store_true",
+                            help="clear --out first (only a folder that holds nothing but this experiment's results)")
+        parser.add_argument("--resume", action="store_true", help="continue an interrupted run (not yet: refused)")
         parser.set_defaults(handler=_single_threaded(cmd))
 
 
@@ -196,7 +220,7 @@ def _cmd_rank_recovery(args: argparse.Namespace) -> int:
         preset = args.preset
     options.update(_given(args, _RR_FLAGS))
     cfg = RankRecoveryConfig.from_preset(preset, **options)
-    out = check_output_dir(args.out)
+    out = _claim(args)
     result = run_rank_recovery(cfg)
     write_json_atomic(out / "metrics.json", result)
     _print_rank_recovery(result)
@@ -212,7 +236,7 @@ def _cmd_bilevel(args: argparse.Namespace) -> int:
     kw = {field: getattr(args, flag.replace("-", "_")) for flag, (field, _, _) in _BC_FLAGS.items()}
     cfg = BilevelConfig(**{k: v for k, v in kw.items() if v is not None})
     cfg.validate()
-    out = check_output_dir(args.out)
+    out = _claim(args)
     result = run_bilevel_convergence(cfg)
     write_json_atomic(out / "metrics.json", result)
     fit, checks = result["fit"], result["checks"]
@@ -250,7 +274,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
     testbed = _given(args, _TESTBED_FLAGS)
     validate_testbed(args.seeds, args.seed_offset, **testbed)  # every option checked before any work
-    out = check_output_dir(args.out)
+    out = _claim(args)
     result = tune_rank_recovery(seeds=args.seeds, seed_offset=args.seed_offset, **testbed)
     write_json_atomic(out / "tune.json", result)
     for method, t in result["choice"].items():
@@ -277,7 +301,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     if isinstance(options.get("methods"), str):
         options["methods"] = tuple(m for m in options["methods"].split(",") if m)
     cfg = CompareConfig.from_options(**options)
-    out = check_output_dir(args.out)
+    out = _claim(args)
     result = run_compare(cfg)
     write_json_atomic(out / "compare.json", result)
     md = to_markdown(result)
