@@ -163,7 +163,13 @@ def export_peft(run_dir: str | Path, client: int, out: str | Path, dtype: torch.
     """Write client ``client``'s model of the run in ``run_dir`` as a PEFT LoRA adapter folder
     (``adapter_config.json`` + ``adapter_model.safetensors``) that ``PeftModel.from_pretrained`` loads
     on top of the run's base model (FLoRA: rank r + M, its merged update appended). ``out`` must be
-    empty unless ``overwrite``. Returns ``out``."""
+    empty unless ``overwrite``. Returns ``out``.
+
+    Self-contained as far as a PEFT adapter can be: ``base_model_name_or_path`` is a name or folder
+    ``from_pretrained`` resolves (the MiniLM package's folder, not its package name), the run's
+    tokenizer is saved beside it, and ``fedlora_export.json`` carries the labels (``num_labels``,
+    ``id2label``, ``label2id``) to pass when loading — the base model's own config does not have them:
+    ``AutoPeftModelForSequenceClassification.from_pretrained(out, **labels)`` (README)."""
     import peft
     from safetensors.torch import save_file
 
@@ -193,13 +199,33 @@ def export_peft(run_dir: str | Path, client: int, out: str | Path, dtype: torch.
     conv = {bool(v.get("conv1d")) for v in layers.values()}
     if len(conv) != 1:
         raise ConfigError("export: a mix of Conv1D and Linear layers cannot share one PEFT fan_in_fan_out setting")
+    from .model import load_tokenizer, resolve_model_path
+
+    mc = info["config"]["model"]
     cfg = peft.LoraConfig(r=R, lora_alpha=R, target_modules=sorted(layers), lora_dropout=0.0,
                           fan_in_fan_out=conv.pop(), modules_to_save=head_top or None, task_type="SEQ_CLS",
-                          base_model_name_or_path=info["config"]["model"]["name"])
+                          base_model_name_or_path=resolve_model_path(mc["name"]))
+    tok = load_tokenizer(mc.get("tokenizer") or mc["name"], "model.tokenizer" if mc.get("tokenizer") else "model.name")
     _clear(out, overwrite)
     cfg.save_pretrained(str(out))
     save_file(state, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    tok.save_pretrained(str(out))
+    (out / EXPORT_INFO).write_text(json.dumps(peft_load_kwargs(res) | {
+        "method": info["config"]["method"]["name"], "client": client,
+        "base_built_from_config": mc.get("from_config") is not None}, indent=1))
     return out
+
+
+#: the file of a PEFT export that says how to load it (labels, method, client)
+EXPORT_INFO = "fedlora_export.json"
+
+
+def peft_load_kwargs(resolved: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword arguments the base classifier needs to take a run's head: ``num_labels``,
+    ``id2label``, ``label2id`` (from config.json's ``resolved`` section)."""
+    names = list(resolved["label_names"])
+    return {"num_labels": len(names), "id2label": {i: n for i, n in enumerate(names)},
+            "label2id": {n: i for i, n in enumerate(names)}}
 
 
 @torch.no_grad()
