@@ -165,7 +165,9 @@ def test_export_refuses_a_non_empty_out_unless_overwrite_which_clears_it(tmp_pat
     (out / "sub").mkdir()
     (out / "sub" / "x").write_text("old")
     assert main(["export", str(run_dir), "--overwrite", "--out", str(out)]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    names = sorted(p.name for p in out.iterdir())
+    assert "keep.txt" not in names and {"adapter_config.json", "adapter_model.safetensors", "fedlora_export.json",
+                                        "tokenizer_config.json"} <= set(names)
     assert main(["export", str(run_dir), "--format", "merged", "--overwrite", "--out", str(out)]) == 0
     assert "adapter_config.json" not in {p.name for p in out.iterdir()} and (out / "config.json").is_file()
     capsys.readouterr()
