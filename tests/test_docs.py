@@ -144,8 +144,8 @@ def test_every_cited_section_of_the_design_exists():
 # --- the readers themselves catch what they must (planted citations) -------------------------------
 @pytest.mark.parametrize("line,what", [
     (f"the mean ({_SPEC} §4)", "a section of the outside specification"),
-    (f"see ../shared/{_SPEC}.md §8", "the outside specification's file"),
-    ("Papers: ../shared/" + "papers/ (INDEX.md)", "the outside papers' folder"),
+    (f"see ../" + f"shared/{_SPEC}.md §8", "the outside specification's file"),
+    ("Papers: ../" + "shared/" + "papers/ (INDEX.md)", "the outside papers' folder"),
     ("as in 000_c6c65d73352e5f2c" + ".txt §5", "a paper's file name"),
     ("PF2LoRA (004_789ff67d7c59950b" + ".txt, Table 3)", "a paper's file name"),
     ("(001_" + _ELLIPSIS + " Algorithm 1)", "a paper's elided file name"),
@@ -155,7 +155,7 @@ def test_each_forbidden_form_is_caught(line, what):
 
 
 def test_lookalikes_are_not_citations():
-    assert forbidden_citations(f"{_SPEC}IAL_TOKENS; a spec string; 005_c6c65d73352e5f2c.txt; x000_1") == []
+    assert forbidden_citations(f"{_SPEC}IAL_TOKENS; a spec string; 005_" + "c6c65d73352e5f2c.txt; x000_1") == []
 
 
 def test_the_section_reader_reads_every_form():
