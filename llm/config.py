@@ -245,22 +245,12 @@ class RunConfig:
                 _int(getattr(d, name), f"data.{name}", 1)
         me = self.method
         _str(me.name, "method.name")
-        from fedlora.methods import available_methods, get_method
+        from fedlora.methods import get_method
 
-        if ":" in me.name:  # a method of your own, "package.module:Class"
-            try:
-                get_method(me.name)
-            except ConfigError as e:
-                raise ConfigError(f"method.name: {e}") from None
-        elif me.name not in available_methods():
-            try:
-                get_method(me.name)  # a plugin that failed to load says why
-            except ConfigError as e:
-                if "unavailable" in str(e):
-                    raise ConfigError(f"method.name: {e}") from None
-            raise ConfigError(f"method.name: unknown method {me.name!r}{_suggest(me.name, available_methods())}; "
-                              f"available: {', '.join(available_methods())} (or 'package.module:Class' for a "
-                              f"method of your own)")
+        try:  # a registered name, a plugin's (one that failed to load says why) or "package.module:Class"
+            get_method(me.name)
+        except ConfigError as e:
+            raise ConfigError(f"method.name: {e}") from None
         if me.rank is not None:
             _int(me.rank, "method.rank", 1)
         if isinstance(me.lr, dict):
@@ -394,10 +384,6 @@ def build_method(cfg: RunConfig):
 
 # --------------------------------------------------------------------------------------------------
 # building from plain data
-def _suggest(key: str, allowed: Sequence[str]) -> str:
-    return did_you_mean(key, allowed)
-
-
 def _build(cls, data: Mapping[str, Any], prefix: str):
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
@@ -405,7 +391,7 @@ def _build(cls, data: Mapping[str, Any], prefix: str):
         key = str(key).replace("-", "_")
         where = f"{prefix}{key}"
         if key not in fields:
-            raise ConfigError(f"config: unknown key {where!r}{_suggest(key, list(fields))}; allowed in "
+            raise ConfigError(f"config: unknown key {where!r}{did_you_mean(key, list(fields))}; allowed in "
                               f"{prefix.rstrip('.') or 'the top level'}: {', '.join(fields)}")
         sub = _SECTIONS.get(key) if not prefix else None
         if sub is not None:
@@ -486,7 +472,7 @@ def resolve_config(name_or_path: str | Path) -> Path:
     if str(name_or_path) in bundled:
         return bundled[str(name_or_path)]
     raise ConfigError(f"config: no file {str(name_or_path)!r} and no bundled config of that name"
-                      f"{_suggest(str(name_or_path), list(bundled))}; bundled: {', '.join(bundled)}")
+                      f"{did_you_mean(str(name_or_path), list(bundled))}; bundled: {', '.join(bundled)}")
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:
@@ -530,4 +516,4 @@ def _bool(v, name: str) -> None:
 
 def _choice(v, name: str, allowed: Sequence[str]) -> None:
     if v not in allowed:
-        raise ConfigError(f"{name}: must be one of {', '.join(allowed)}, got {v!r}{_suggest(str(v), allowed)}")
+        raise ConfigError(f"{name}: must be one of {', '.join(allowed)}, got {v!r}{did_you_mean(str(v), allowed)}")

@@ -122,8 +122,10 @@ def get_method(name: str) -> type["Method"]:
         return _REGISTRY[name]
     if name in _PLUGIN_ERRORS:
         raise ConfigError(f"method {name!r} is unavailable: {_PLUGIN_ERRORS[name]}")
-    raise ConfigError(f"unknown method {name!r}; available: {', '.join(available_methods())} "
-                      f"(or 'package.module:Class' for a method of your own)") from None
+    from ..errors import did_you_mean
+
+    raise ConfigError(f"unknown method {name!r}{did_you_mean(name, available_methods())}; available: "
+                      f"{', '.join(available_methods())} (or 'package.module:Class' for a method of your own)") from None
 
 
 def broadcast_initial_factors(model: torch.nn.Module, groups: Sequence[Sequence[int]],
