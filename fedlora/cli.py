@@ -39,7 +39,7 @@ import threading
 from importlib import metadata
 from typing import Iterator, Sequence
 
-from .errors import ConfigError, Interrupted
+from .errors import ConfigError, Interrupted, RoundFailed
 from .io import check_output_dir, claim_output_dir, read_table_file, write_json_atomic  # noqa: F401  (the commands' helpers)
 
 #: the entry-point group a package declares its ``fedlora`` subcommands in
@@ -175,6 +175,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ConfigError as e:
             print(f"fedlora: error: {e}", file=sys.stderr)
             return EXIT_USAGE
+        except RoundFailed as e:  # too few clients delivered: the run stopped, its last checkpoint kept
+            notes = "; ".join(str(n) for n in getattr(e, "__notes__", ()))
+            print(f"fedlora: error: {e}" + (f"; {notes}" if notes else ""), file=sys.stderr)
+            return 1
         except KeyboardInterrupt as e:  # SIGINT/SIGTERM (Interrupted) or a plain Ctrl-C: one line
             signum = getattr(e, "signum", signal.SIGINT)
             notes = "; ".join(str(n) for n in getattr(e, "__notes__", ()))

@@ -26,3 +26,8 @@ class Interrupted(KeyboardInterrupt):
         self.signum = int(signum)
         self.signal_name = signal.Signals(self.signum).name
         super().__init__(self.signal_name)
+
+
+class RoundFailed(RuntimeError):
+    """A round without enough accepted uploads (fewer than ``federation.min_clients``): the run stops,
+    its last checkpoint kept (``fedlora.server``). The command prints it as one line."""

@@ -23,8 +23,9 @@ def register_run(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--out", default=None, help="output folder (overrides output_dir); must be new or empty")
     run.add_argument("--overwrite", action="store_true",
                      help="clear the output folder first (only a folder that holds nothing but a run's files)")
-    run.add_argument("--resume", action="store_true",
-                     help="continue an interrupted run (comes with the server issue; refused for now)")
+    run.add_argument("--resume", metavar="RUN_DIR", default=None,
+                     help="continue the interrupted run in RUN_DIR from its newest intact checkpoint (CONFIG and "
+                          "--set may be left out; if given they must equal the run's config)")
     run.add_argument("--dry-run", action="store_true", help="validate and print the resolved config; train nothing")
     run.add_argument("--list-configs", action="store_true", help="list the bundled configs and exit")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -53,6 +54,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
             first = next((ln[1:].strip() for ln in path.read_text().splitlines() if ln.startswith("#")), "")
             print(f"{name:22} {first}")
         return 0
+    if args.resume is not None:
+        return _resume(args)
     if not args.config:
         raise ConfigError("run: give a config file or a bundled config's name (fedlora run --list-configs)")
     # --out is a path, never YAML: quoted, so "123", "yes" or "null" stay folder names
@@ -69,9 +72,28 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from fedlora.llm.runtime import RUN_WRITES, FederatedRun
 
     folder = claim_output_dir(cfg.output_dir, "--out" if args.out is not None else "output_dir", writes=RUN_WRITES,
-                              overwrite=args.overwrite, resume=args.resume)
-    out = folder.path
-    summary = FederatedRun(cfg, progress=not args.no_progress, output=folder).run()
+                              overwrite=args.overwrite)
+    _report(FederatedRun(cfg, progress=not args.no_progress, output=folder).run(), folder.path)
+    return 0
+
+
+def _resume(args: argparse.Namespace) -> int:
+    """``fedlora run [CONFIG] --resume RUN_DIR``: finish an interrupted run from its newest intact checkpoint."""
+    from fedlora.llm.runtime import FederatedRun
+
+    for flag, bad in (("--out", args.out is not None), ("--overwrite", args.overwrite), ("--dry-run", args.dry_run)):
+        if bad:
+            raise ConfigError(f"{flag}: not with --resume (a resumed run continues in its own folder)")
+    run = FederatedRun.resume(args.resume, args.config, args.set, progress=not args.no_progress)
+    ck = run._resume_from
+    for path, why in ck.skipped:
+        print(f"fedlora: skipped checkpoint {path}: {why}")
+    print(f"resuming {args.resume} after round {ck.round} of {run.cfg.train.rounds} ({ck.path.name})")
+    _report(run.run(), run.output.path)
+    return 0
+
+
+def _report(summary, out) -> None:
     m = summary["main_metric"]
     print(f"{summary['method']} on {summary['task']}: {summary['clients']} clients, {summary['rounds']} rounds, "
           f"{summary['wall_s']:.1f} s")
@@ -84,8 +106,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if "final_global" in summary:
         print(f"global model test {m}: round 0 {summary['round0_global'][m]:.4f} → final {summary['final_global'][m]:.4f}")
     print(f"bytes up {summary['bytes_up_total']:,}, down {summary['bytes_down_total']:,}")
-    print(f"wrote {out}/config.json, run.json, rounds.jsonl, summary.json, rounds.png, adapters/")
-    return 0
+    print(f"wrote {out}/config.json, run.json, rounds.jsonl, summary.json, rounds.png, adapters/, checkpoints/")
 
 
 def _cmd_export(args: argparse.Namespace) -> int:

@@ -123,6 +123,10 @@ class FederationConfig:
     (``fedlora.llm.runtime.auto_clients_per_pass``); config.json records the value chosen. store: where client state records
     live between rounds, ``memory`` or ``disk`` (safetensors files under ``output_dir/clients``).
     val_fraction: each client's held-out validation share of its training data.
+    min_clients: accepted uploads a round needs to stand (default 1). A client that raises, reports
+    a non-finite training loss or sends an upload the server rejects (``fedlora.server.UploadSpec``)
+    is recorded in the round's ``failures`` and left out of the average; with fewer than
+    ``min_clients`` accepted uploads the run stops, its last checkpoint kept.
     """
 
     clients: int = 4
@@ -131,6 +135,7 @@ class FederationConfig:
     clients_per_pass: int | str = "auto"
     store: str = "memory"
     val_fraction: float = 0.1
+    min_clients: int = 1
 
 
 @dataclass
@@ -140,7 +145,9 @@ class TrainConfig:
     20; give one of the two); batch size per client; and a schedule multiplying every step size of
     the method (PF2LoRA's lower level and Per-FedAvg's inner step included) by f(t), t = the run's
     share done — rounds plus the pass's steps: ``constant``, ``linear`` (to 0 at the end) or
-    ``cosine`` (to 0). threads: torch CPU threads (default: torch's)."""
+    ``cosine`` (to 0). threads: torch CPU threads (default: torch's). checkpoint_every: write a
+    checkpoint (``output_dir/checkpoints``, the last two kept) every N rounds (default 1; 0: never);
+    ``fedlora run --resume RUN_DIR`` continues from the newest intact one."""
 
     rounds: int = 10
     local_steps: int | None = None
@@ -148,6 +155,7 @@ class TrainConfig:
     batch_size: int = 16
     lr_schedule: str = "constant"
     threads: int | None = None
+    checkpoint_every: int = 1
 
 
 @dataclass
@@ -282,6 +290,12 @@ class RunConfig:
                                   f"got {f.clients_per_pass!r}")
             _int(f.clients_per_pass, "federation.clients_per_pass", 1)
         _choice(f.store, "federation.store", ("memory", "disk"))
+        _int(f.min_clients, "federation.min_clients", 1)
+        drawn = max(1, math.ceil(f.sample_fraction * f.clients - 1e-9))
+        if f.min_clients > drawn:
+            raise ConfigError(f"federation.min_clients: {f.min_clients} is more than the {drawn} clients drawn per "
+                              f"round (sample_fraction {f.sample_fraction} of {f.clients} clients); use "
+                              f"min_clients ≤ {drawn}")
         _num(f.val_fraction, "federation.val_fraction", 0.0, strict=False)
         if f.val_fraction >= 1:
             raise ConfigError(f"federation.val_fraction: must be in [0, 1), got {f.val_fraction!r}")
@@ -298,6 +312,7 @@ class RunConfig:
         _choice(t.lr_schedule, "train.lr_schedule", ("constant", "linear", "cosine"))
         if t.threads is not None:
             _int(t.threads, "train.threads", 1)
+        _int(t.checkpoint_every, "train.checkpoint_every", 0)
         e = self.eval
         _int(e.every, "eval.every", 1)
         _int(e.batch_size, "eval.batch_size", 1)

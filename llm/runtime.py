@@ -26,6 +26,7 @@ model (methods that have one) is scored on the whole test split.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -46,7 +47,7 @@ from fedlora.methods import create_method, get_method
 from fedlora.methods.base import Method
 from fedlora.payload import Payload
 from fedlora.io import OutputDir, claim_output_dir, write_bytes_atomic, write_json_atomic
-from fedlora.simulator import DownloadLedger, Federation
+from fedlora.server import ClientFailure, ClientUpdate, Download, Federation, Server, UploadSpec
 from fedlora.state import ClientStore, record_nbytes
 
 from .config import RunConfig
@@ -60,7 +61,9 @@ _RNG = "sampler:"  # record entries of the runtime's own (the data sampler of th
 
 #: every entry a run writes into its output folder: ``--overwrite`` clears a folder only when it holds
 #: nothing else (``fedlora.io.claim_output_dir``). A new output file or folder must be added here.
-RUN_WRITES = ("config.json", "run.json", "rounds.jsonl", "summary.json", "rounds.png", "adapters", "clients")
+RUN_WRITES = ("config.json", "run.json", "rounds.jsonl", "summary.json", "rounds.png", "adapters", "clients",
+              "checkpoints")
+CHECKPOINTS = "checkpoints"  # output_dir/checkpoints/round_<r>/ (fedlora.checkpoint), the last two kept
 
 
 def _seed_of(*parts: Any) -> int:
@@ -126,6 +129,59 @@ class FederatedRun:
         self.overwrite, self.output = overwrite, output
         self._given_model, self._given_tokenizer = model, tokenizer
         self.prepared = False
+        self.client_hook: Callable[[int, int], None] | None = None
+        self._resume_from = None  # a verified checkpoint (``FederatedRun.resume``)
+        self._lines: list[str] = []  # rounds.jsonl as written
+
+    @classmethod
+    def resume(cls, run_dir: str | os.PathLike, config: RunConfig | str | os.PathLike | None = None,
+               overrides: Sequence[str] = (), progress: bool = False) -> "FederatedRun":
+        """A run that continues the interrupted run in ``run_dir`` from its newest intact checkpoint
+        (``fedlora run --resume RUN_DIR``); ``.run()`` finishes it, bit for bit as if it had never
+        stopped (CPU). ``config`` / ``overrides``: optional, and must then equal the run's own config
+        (every field but ``output_dir``): a one-line ``ConfigError`` names the fields that differ. Also
+        refused in one line: a folder that is not a run, a complete run, a run without an intact checkpoint."""
+        from fedlora.checkpoint import load_checkpoint
+
+        from .config import apply_overrides, load_config
+        from .export import config_digest
+
+        folder = Path(run_dir)
+        if not folder.is_dir():
+            raise ConfigError(f"--resume: {str(folder)!r} is not a folder")
+        try:
+            saved = json.loads((folder / "config.json").read_text())["config"]
+            if not isinstance(saved, dict):
+                raise TypeError
+        except FileNotFoundError:
+            raise ConfigError(f"--resume: {str(folder)!r} is not a fedlora run folder (it has no config.json)") from None
+        except (OSError, ValueError, KeyError, TypeError):
+            raise ConfigError(f"--resume: {str(folder / 'config.json')!r} is not a fedlora run's config.json") from None
+        try:
+            status = json.loads((folder / "run.json").read_text()).get("status")
+        except (OSError, ValueError, AttributeError):
+            status = None
+        if status == "complete":
+            raise ConfigError(f"--resume: the run in {str(folder)!r} is complete (run.json); nothing to resume")
+        if config is None:
+            given = RunConfig.from_dict(apply_overrides(saved, overrides))
+        elif isinstance(config, RunConfig):
+            given = config
+        else:
+            given = load_config(config, overrides)
+        diff = config_differences(_comparable(saved), _comparable(given.to_dict()))
+        if diff:
+            raise ConfigError(f"--resume: the config differs from the run's in {', '.join(diff[:8])}"
+                              f"{' …' if len(diff) > 8 else ''}; a resumed run continues the same run — start a "
+                              f"new one (another --out) to change them")
+        ckpt = load_checkpoint(folder / CHECKPOINTS)
+        if ckpt.meta.get("config_sha256") != config_digest(_comparable(saved)):
+            raise ConfigError(f"--resume: the checkpoint {str(ckpt.path)!r} belongs to another config than "
+                              f"{str(folder / 'config.json')!r}")
+        cfg = RunConfig.from_dict({**given.to_dict(), "output_dir": str(folder)})
+        run = cls(cfg, progress=progress, output=OutputDir(folder, None, RUN_WRITES))
+        run._resume_from = ckpt
+        return run
 
     def _claim(self) -> None:
         """Claim the output folder (once, before any work; ``prepare`` may write ``clients/`` there)."""
@@ -204,20 +260,22 @@ class FederatedRun:
         self.federation = Federation(n_groups=1, n_clients=self.K_train, client_weights=self.sizes,
                                      sample_fraction=1.0 if self.centralized else fc.sample_fraction,
                                      sample_seed=cfg.seed)
-        self.server: dict[str, torch.Tensor] | None = None
+        initial: dict[str, torch.Tensor] | None = None
         for chunk in _chunks(list(range(self.K_train)), self.P):
             self._bind(chunk)
             self._init_slots(chunk)
             self.method.init_state()
-            if self.server is None:
-                self.server = {k: v.detach().cpu().clone() for k, v in self.method.initial_server_state(0).items()}
+            if initial is None:
+                initial = {k: v.detach().cpu().clone() for k, v in self.method.initial_server_state(0).items()}
             for i, k in enumerate(chunk):
                 sampler = ClientSampler(self.sizes[k], _seed_of(cfg.seed, "sampler", k))
                 self.store.put(k, {**self.method.replica_state(i), **sampler.state(),
                                    **self.dropout.initial_state(_seed_of(cfg.seed, "dropout", k))}, copy=False)
         self.initial_record = self.store.get(0)
-        self.ledger = DownloadLedger(self.K_train, self.server)
-        self.increments: dict[int, int] = {}  # FLoRA: round → bytes of the stack every client must merge
+        # the round protocol (fedlora.server): this run is its client executor (train / deliver / merge_into_base)
+        self.server = Server(self.method, self.federation, [initial], cfg.train.rounds,
+                             min_clients=1 if self.centralized else fc.min_clients,
+                             spec=UploadSpec.of(self.method))
         self.history: list[dict[str, Any]] = []
         self.prepared = True
         return self
@@ -424,37 +482,92 @@ class FederatedRun:
         self.store.put(client, {**self.method.replica_state(slot), **sampler.state(), **self.dropout.state(slot)},
                        copy=False)
 
+    @property
+    def ledger(self):
+        """The server's ledger of what each client lacks (``fedlora.server.DownloadLedger``)."""
+        return self.server.ledgers[0]
+
+    @property
+    def server_state(self) -> dict[str, torch.Tensor]:
+        """The server's current state (``Method.server_update`` after the last round)."""
+        return self.server.states[0]
+
+    def _apply(self, slot: int, download: Download) -> int:
+        """Write ``download`` into ``slot`` (``Method.download``); returns the bytes it counts."""
+        if not download.state:
+            return download.nbytes or 0
+        sent = self.method.download(slot, download.state)
+        return sent.nbytes if download.nbytes is None else download.nbytes
+
     def _sync(self, slot: int, client: int, rnd: int, count: bool) -> int:
-        """Download into ``slot`` what ``client`` lacks of the server's state; returns the bytes."""
-        if self.method.incremental_download:  # FLoRA: the base already holds every merge
-            missed = sum(v for r, v in self.increments.items() if r > self.ledger.synced[client])
-            if missed:  # restart from the merged base (and take the averaged head)
-                self.method.download(slot, dict(self.server))
-            sent = missed
-        else:
-            stale = self.ledger.stale(client)
-            sent = self.method.download(slot, {n: self.server[n] for n in stale}).nbytes if stale else 0
+        """Download into ``slot`` what ``client`` lacks of the server's state (``Server.download_for``;
+        the base already holds every merge of FLoRA); ``count``: mark it synchronised up to ``rnd``.
+        Returns the bytes."""
+        sent = self._apply(slot, self.server.download_for(client, shared_base=True))
         if count:
             self.ledger.sync(client, rnd)
         return sent
 
-    def _refresh(self, clients: Sequence[int], rnd: int) -> dict[int, int]:
-        """Send each of ``clients`` what it lacks of the server's state after round ``rnd`` and store
-        it, ``clients_per_pass`` at a time; returns the bytes each received."""
+    # the client executor of fedlora.server ---------------------------------------------------------
+    live = False        # clients receive what they lack with their next round's instructions
+    shared_base = True  # one base model: FLoRA's increments are merged into it once per round
+
+    def deliver(self, rnd: int, downloads: Mapping[int, Download]) -> dict[int, int]:
+        """Apply ``downloads`` outside training (the final broadcast) and store the records,
+        ``clients_per_pass`` at a time; returns the bytes each received."""
         sent = {}
-        for chunk in _chunks(clients, self.P):
+        for chunk in _chunks(list(downloads), self.P):
             self._bind(chunk)
             samplers = self._load(chunk)
             for i, k in enumerate(chunk):
-                sent[k] = self._sync(i, k, rnd, count=True)
+                sent[k] = self._apply(i, downloads[k]) if downloads[k].counted else (self._apply(i, downloads[k]), 0)[1]
                 self._store(i, k, samplers[i])
         return sent
+
+    def merge_into_base(self, state: Mapping[str, torch.Tensor]) -> None:
+        """FLoRA: the server merges the round's stack into the one shared base."""
+        self._bind([0])
+        self.method.apply_to_base(state)
+
+    def train(self, rnd: int, clients: Sequence[int], downloads: Mapping[int, Download]
+              ) -> dict[int, ClientUpdate | ClientFailure]:
+        """Round ``rnd`` for ``clients``, in passes (``_passes``); each client's download applied
+        after its record is loaded. A pass that raises is run again one client at a time, so a
+        failing client is isolated from its pass-mates; a client whose pass fails on its own is a
+        ``ClientFailure`` (its record is not stored: it stays as before the round)."""
+        payloads: dict[int, Payload] = {}
+        bytes_down: dict[int, int] = {}
+        train_loss: dict[int, float] = {}
+        ranks: dict[int, Any] = {}
+        failed: dict[int, ClientFailure] = {}
+        for chunk in self._passes(clients):
+            try:
+                self.train_pass(chunk, rnd, payloads, bytes_down, train_loss, ranks, downloads=downloads)
+            except Exception as e:
+                alone = [k for k in chunk if k not in payloads]  # (a client already stored keeps its result)
+                if len(chunk) == 1:
+                    failed[chunk[0]] = ClientFailure(_first_line(e), "error")
+                    continue
+                for k in alone:  # isolate the failing client from its pass-mates
+                    try:
+                        self.train_pass([k], rnd, payloads, bytes_down, train_loss, ranks, downloads=downloads)
+                    except Exception as e1:
+                        failed[k] = ClientFailure(_first_line(e1), "error")
+        out: dict[int, ClientUpdate | ClientFailure] = {}
+        for k in clients:
+            if k in failed:
+                out[k] = failed[k]
+            elif not math.isfinite(train_loss[k]):  # its record was not stored: it stays as before the round
+                out[k] = ClientFailure(f"non-finite training loss {train_loss[k]}", "nonfinite_loss", bytes_down[k])
+            else:
+                out[k] = ClientUpdate(payloads[k], train_loss[k], ranks.get(k), bytes_down[k])
+        return out
 
     # ------------------------------------------------------------------------------------------
     # a round
     def train_pass(self, clients: Sequence[int], rnd: int, payloads: dict[int, Payload],
                    bytes_down: dict[int, int], train_loss: dict[int, float],
-                   ranks: dict[int, Any] | None = None) -> None:
+                   ranks: dict[int, Any] | None = None, downloads: Mapping[int, Download] | None = None) -> None:
         """One pass of round ``rnd``: ``clients[p]`` in slot p — load, synchronise, the round's local
         steps, upload, store. Fills ``payloads``, ``bytes_down``, ``train_loss`` (and ``ranks``) per client.
 
@@ -463,14 +576,23 @@ class FederatedRun:
         slot is put back to the state it had after its own last step (parameters, optimizer moments and
         step counts, data sampler) before the round ends, the upload is taken and the record stored —
         so each client's record is the one of training its own steps, whatever its pass-mates do
-        (its dropout generator included)."""
+        (its dropout generator included). ``downloads``: what each client receives (the server's);
+        default what it lacks now, marked synchronised. A client whose mean training loss is not
+        finite is not stored back (``train`` reports it as failed).
+
+        ``client_hook(client, rnd)``, when set on the run, is called for each client before the pass
+        trains (fault injection: a hook that raises is a client that fails)."""
         steps = [self.steps[k] for k in clients]
         I = max(steps)
         self.model.train(self.cfg.model.dropout)  # each client's own masks (fedlora.llm.dropout)
         self._bind(clients)
+        if self.client_hook is not None:
+            for k in clients:
+                self.client_hook(k, rnd)
         samplers = self._load(clients)
         for i, k in enumerate(clients):
-            bytes_down[k] = self._sync(i, k, rnd - 1, count=True)
+            bytes_down[k] = (self._apply(i, downloads[k]) if downloads is not None
+                             else self._sync(i, k, rnd - 1, count=True))
         sample = self._sampler_fn(samplers, clients)
         self.method.begin_round(rnd)
         finished: dict[int, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
@@ -494,7 +616,8 @@ class FederatedRun:
             train_loss[k] = mean_loss[i]
             if ranks is not None:
                 ranks[k] = self.method.describe_replica(i)
-            self._store(i, k, samplers[i])
+            if math.isfinite(mean_loss[i]):
+                self._store(i, k, samplers[i])
 
     def _passes(self, participants: Sequence[int]) -> list[list[int]]:
         """The round's passes: ``clients_per_pass`` participants at a time, in order; for a method
@@ -508,30 +631,9 @@ class FederatedRun:
         return [c for group in by_steps.values() for c in _chunks(group, self.P)]
 
     def run_round(self, rnd: int) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        participants = self.federation.participants(rnd, 0)
-        payloads: dict[int, Payload] = {}
-        bytes_down: dict[int, int] = {}
-        train_loss: dict[int, float] = {}
-        ranks: dict[int, Any] = {}
-        for chunk in self._passes(participants):
-            self.train_pass(chunk, rnd, payloads, bytes_down, train_loss, ranks)
-        weights = normalise_weights([self.sizes[k] for k in participants])
-        aggregated = self.method.aggregate([payloads[k] for k in participants], weights)
-        new = self.method.server_update(self.server, aggregated)
-        self.ledger.update(rnd, self.server, new)
-        self.server = {k: v.detach().cpu() for k, v in new.items()}
-        if self.method.incremental_download:  # FLoRA: the server merges into the one shared base
-            self._bind([0])
-            self.method.apply_to_base(self.server)
-            self.increments[rnd] = Payload(dict(self.server)).nbytes
-        record = {"round": rnd + 1, "participants": participants,
-                  "train_loss": {str(k): train_loss[k] for k in participants},
-                  "bytes_up": {str(k): payloads[k].nbytes for k in participants},
-                  "bytes_down": {str(k): bytes_down[k] for k in participants},
-                  "ranks": {str(k): ranks[k] for k in participants},
-                  "wall_s": time.perf_counter() - t0}
-        return record
+        """Round ``rnd`` of the server's protocol (``fedlora.server.Server.run_round``) with this run as
+        its client executor; returns the round's record."""
+        return self.server.run_round(self, rnd)
 
     # ------------------------------------------------------------------------------------------
     # evaluation (read-only: records are not stored back)
@@ -603,7 +705,7 @@ class FederatedRun:
             else:  # the server's state in a fresh replica
                 self._load_record(0, self.initial_record)
                 m.global_replica(0)
-                m.download(0, dict(self.server))
+                m.download(0, dict(self.server_state))
             everything = np.arange(len(y_test))
             out["global"] = self._score(self._predict(self.enc_test, [everything], None)[0], y_test)
         return out
@@ -626,32 +728,43 @@ class FederatedRun:
         out = Path(cfg.output_dir)
         if not self.prepared:
             self.prepare()
-        if self.write:
-            write_json_atomic(out / "config.json", {"config": cfg.to_dict(), "resolved": self.describe()})
-            (out / "rounds.jsonl").write_text("")
-            self._write_status("running")
         main = self.task.main_metric
+        if self._resume_from is not None:  # rounds.jsonl, the server, every client: as the checkpoint left them
+            start, evals = self._restore(self._resume_from)
+        else:
+            start, self._lines = 0, []
+            if self.write:
+                write_json_atomic(out / "config.json", {"config": cfg.to_dict(), "resolved": self.describe()})
+                (out / "rounds.jsonl").write_text("")
+            evals = [self.evaluate(-1)]
+            self._append(out, {"round": 0, "eval": evals[0]})
+        if self.write:
+            self._write_status("running")
         bar = self._bar = _progress(cfg.train.rounds, self.progress)
+        bar.update(start)
         t0 = time.perf_counter()
-        evals = [self.evaluate(-1)]
-        self._append(out, {"round": 0, "eval": evals[0]})
-        for rnd in range(cfg.train.rounds):
-            rec = self.run_round(rnd)
-            last = rnd == cfg.train.rounds - 1
-            if last:  # the final global state goes to every client (counted)
-                for k, sent in self._refresh(range(self.K_train), rnd).items():
-                    rec["bytes_down"][str(k)] = rec["bytes_down"].get(str(k), 0) + sent
-            if last or (rnd + 1) % cfg.eval.every == 0:
-                ev = self.evaluate(rnd)
-                rec["eval"] = ev
-                evals.append(ev)
-            self.history.append(rec)
-            self._append(out, rec)
-            bar.update(1)
-            ev = rec.get("eval")
-            if ev is not None:
-                bar.set_postfix({f"test_{main}": f"{ev['test']['mean'][main]:.3f}",
-                                 "loss": f"{np.mean(list(rec['train_loss'].values())):.3f}"})
+        with _deferred_signals() as pending:
+            for rnd in range(start, cfg.train.rounds):
+                rec = self.run_round(rnd)  # after the last round: the final global state to every client (counted)
+                last = rnd == cfg.train.rounds - 1
+                if last or (rnd + 1) % cfg.eval.every == 0:
+                    ev = self.evaluate(rnd)
+                    rec["eval"] = ev
+                    evals.append(ev)
+                self.history.append(rec)
+                self._append(out, rec)
+                every = cfg.train.checkpoint_every
+                if self.write and ((every and (rnd + 1) % every == 0) or (pending and not last)):
+                    self.save_checkpoint(rnd + 1)
+                bar.update(1)
+                ev = rec.get("eval")
+                if ev is not None and rec["train_loss"]:
+                    bar.set_postfix({f"test_{main}": f"{ev['test']['mean'][main]:.3f}",
+                                     "loss": f"{np.mean(list(rec['train_loss'].values())):.3f}"})
+                if pending and not last:  # SIGINT/SIGTERM during the round: it finished and is checkpointed
+                    from fedlora.errors import Interrupted
+
+                    raise Interrupted(pending[0])
         bar.close()
         summary = self._summary(evals, time.perf_counter() - t0)
         if self.write:
@@ -666,6 +779,61 @@ class FederatedRun:
                 summary["plot_error"] = str(e)
             self._write_status("complete")
         return summary
+
+    # ------------------------------------------------------------------------------------------
+    # checkpoints and resume (fedlora.checkpoint)
+    def checkpoint_files(self) -> dict[str, bytes]:
+        """Everything a resumed run needs that ``prepare`` does not rebuild: the server's
+        ``state_dict`` (``server.safetensors``), every client's state record (``client_<k>.safetensors``),
+        the method's runtime state and the torch RNG (``runtime.safetensors``) and the records so far
+        (``rounds.jsonl``, exactly the lines written)."""
+        from safetensors.torch import save
+
+        from fedlora.state import record_to_bytes
+
+        st = self.server.state_dict()
+        files = {"server.safetensors": save({k: v.contiguous() for k, v in st["tensors"].items()},
+                                            metadata={"server": json.dumps(st["meta"])})}
+        for k in range(self.K_train):
+            files[f"client_{k}.safetensors"] = record_to_bytes(self.store.get(k))
+        runtime = {f"method:{n}": v.contiguous() for n, v in self.method.runtime_state().items()}
+        runtime["rng:torch"] = torch.get_rng_state()
+        files["runtime.safetensors"] = save(runtime)
+        files["rounds.jsonl"] = "".join(line + "\n" for line in self._lines).encode()
+        return files
+
+    def save_checkpoint(self, rounds_done: int) -> Path:
+        """``output_dir/checkpoints/round_<r>/`` (atomic, hashed, the last two kept)."""
+        from fedlora.checkpoint import write_checkpoint
+
+        from .export import config_digest
+
+        return write_checkpoint(Path(self.cfg.output_dir) / CHECKPOINTS, rounds_done, self.checkpoint_files(),
+                                meta={"config_sha256": config_digest(_comparable(self.cfg.to_dict())),
+                                      "rounds": self.cfg.train.rounds, "method": self.method.name})
+
+    def _restore(self, ckpt) -> tuple[int, list[dict[str, Any]]]:
+        """Put the run in the state of ``ckpt`` (a verified ``fedlora.checkpoint.Checkpoint``): server,
+        client records, method runtime state, torch RNG, the records (rounds.jsonl rewritten to the
+        checkpoint's lines). Returns (the next round, the evaluations so far)."""
+        from safetensors.torch import load
+
+        from fedlora.state import record_from_bytes
+
+        server = Payload.from_bytes(ckpt.files["server.safetensors"])
+        self.server.load_state_dict({"tensors": dict(server.tensors), "meta": json.loads(server.meta["server"])})
+        for k in range(self.K_train):
+            self.store.put(k, record_from_bytes(ckpt.files[f"client_{k}.safetensors"]), copy=False)
+        runtime = load(ckpt.files["runtime.safetensors"])
+        self.method.load_runtime_state({n[len("method:"):]: v for n, v in runtime.items() if n.startswith("method:")})
+        torch.set_rng_state(runtime["rng:torch"])
+        self._lines = [ln for ln in ckpt.files["rounds.jsonl"].decode().splitlines() if ln]
+        recs = [json.loads(ln) for ln in self._lines]
+        self.history = [r for r in recs if r.get("round", 0) >= 1]
+        evals = [r["eval"] for r in recs if "eval" in r]
+        if self.write:
+            write_bytes_atomic(Path(self.cfg.output_dir) / "rounds.jsonl", ckpt.files["rounds.jsonl"])
+        return self.server.round, evals
 
     def _write_status(self, status: str, **extra: Any) -> None:
         """``run.json`` (atomic): ``status`` — running, complete, interrupted or failed — the rounds
@@ -694,14 +862,21 @@ class FederatedRun:
                 self._write_status(status, **({"signal": getattr(e, "signal_name", "SIGINT")} if stopped
                                               else {"error": _first_line(e)}))
                 note = f"{out} is incomplete: run.json says {status} after round {done} of {self.cfg.train.rounds}"
+                from fedlora.checkpoint import list_checkpoints
+
+                ckpts = list_checkpoints(out / CHECKPOINTS)
+                if ckpts:
+                    note += f"; `fedlora run --resume {out}` continues from its checkpoint ({ckpts[0].name})"
         except Exception as err:  # never hide why the run stopped
             note = f"could not mark {out} incomplete: {_first_line(err)}"
         _add_note(e, note)
 
     def _append(self, out: Path, rec: Mapping[str, Any]) -> None:
+        line = json.dumps(rec, allow_nan=True)
+        self._lines.append(line)
         if self.write:
             with open(out / "rounds.jsonl", "a") as f:
-                f.write(json.dumps(rec, allow_nan=True) + "\n")
+                f.write(line + "\n")
 
     def _summary(self, evals: list[dict[str, Any]], wall: float) -> dict[str, Any]:
         main = self.task.main_metric
@@ -805,7 +980,7 @@ class FederatedRun:
         if merged is not None:
             tensors, form = merged
             write_bytes_atomic(folder / MERGED_UPDATE, save(tensors, metadata={
-                **meta, "form": form, "merges": str(len(self.increments))}))
+                **meta, "form": form, "merges": str(len(self.server.increments[0]))}))
             meta["merged_update"] = MERGED_UPDATE
         paths = []
         for k in range(self.cfg.federation.clients):
@@ -846,6 +1021,61 @@ def check_max_length(model, max_length: int) -> None:
         why = f" minus {offset}: positions are numbered from padding_idx + 1 = {offset}" if offset else ""
         raise ConfigError(f"model.max_length: {max_length} is more than the model's {limit} positions "
                           f"(max_position_embeddings {n}{why}); use model.max_length ≤ {limit}")
+
+
+def _comparable(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A run's config without ``output_dir`` (a run folder may move; the run stays the same)."""
+    return {k: v for k, v in json.loads(json.dumps(config)).items() if k != "output_dir"}
+
+
+def config_differences(a: Mapping[str, Any], b: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """Dotted names of the fields where two configs (``RunConfig.to_dict()``) differ."""
+    out = []
+    for k in sorted(set(a) | set(b)):
+        name = f"{prefix}{k}"
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, Mapping) and isinstance(vb, Mapping) and prefix.count(".") < 1:
+            out += config_differences(va, vb, name + ".")
+        elif va != vb:
+            out.append(f"{name} ({json.dumps(va)} → {json.dumps(vb)})")
+    return out
+
+
+@contextlib.contextmanager
+def _deferred_signals():
+    """During the rounds, the first SIGINT/SIGTERM lets the round finish and be checkpointed (the list
+    yielded holds the signal; the loop raises ``Interrupted`` after it); a second stops at once."""
+    import signal
+    import sys
+    import threading
+
+    from fedlora.errors import Interrupted
+
+    pending: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield pending
+        return
+    sigs = (signal.SIGINT, signal.SIGTERM)
+
+    def handler(signum: int, frame) -> None:
+        if pending:
+            for s_ in sigs:
+                signal.signal(s_, signal.SIG_IGN)
+            raise Interrupted(signum)
+        pending.append(signum)
+        print(f"fedlora: {signal.Signals(signum).name}: finishing this round to checkpoint it "
+              f"(send it again to stop now)", file=sys.stderr, flush=True)
+
+    old = {s_: signal.getsignal(s_) for s_ in sigs}
+    for s_, h in old.items():
+        if h is not signal.SIG_IGN:
+            signal.signal(s_, handler)
+    try:
+        yield pending
+    finally:
+        for s_, h in old.items():
+            if signal.getsignal(s_) is not signal.SIG_IGN or h is signal.SIG_IGN:
+                signal.signal(s_, h if h is not None else signal.SIG_DFL)
 
 
 def _rounds_done(path: Path) -> int:

@@ -56,13 +56,19 @@ def test_a_signal_after_the_first_round_gives_one_line_its_exit_status_and_a_fol
     name = signal.Signals(sig).name
     stderr = err_file.read_text()
     assert rc == 128 + sig, stderr
-    assert stderr.count("\n") == 1 and "Traceback" not in stderr, stderr
-    assert stderr.startswith(f"fedlora: interrupted by {name}; {out} is incomplete: run.json says interrupted "
-                             f"after round "), stderr
+    # the signal lets the round in progress finish and be checkpointed: one line says so, one says how it ended
+    notice, last = stderr.splitlines()
+    assert stderr.count("\n") == 2 and "Traceback" not in stderr, stderr
+    assert notice == f"fedlora: {name}: finishing this round to checkpoint it (send it again to stop now)"
+    assert last.startswith(f"fedlora: interrupted by {name}; {out} is incomplete: run.json says interrupted "
+                           f"after round "), stderr
     state = json.loads((out / "run.json").read_text())
     done = sum(r["round"] >= 1 for r in _rounds(out))
     assert state == {"status": "interrupted", "rounds": 500, "rounds_done": done, "signal": name}
     assert 1 <= done < 500 and f"after round {done} of 500" in stderr
+    ckpt = f"round_{done:06d}"
+    assert last.endswith(f"; `fedlora run --resume {out}` continues from its checkpoint ({ckpt})"), last
+    assert (out / "checkpoints" / ckpt / "manifest.json").is_file()  # the round it finished is checkpointed
     assert not (out / "summary.json").exists() and not (out / "adapters").exists()
 
 
@@ -117,7 +123,8 @@ def test_an_error_after_a_finished_round_marks_the_folder_failed(tmp_path, monke
               "--set", "train.local_steps=1"])
     assert json.loads((out / "run.json").read_text()) == {"status": "failed", "rounds": 3, "rounds_done": 1,
                                                           "error": "RuntimeError: disk on fire"}
-    assert e.value.__notes__ == [f"{out} is incomplete: run.json says failed after round 1 of 3"]
+    assert e.value.__notes__ == [f"{out} is incomplete: run.json says failed after round 1 of 3; "
+                                 f"`fedlora run --resume {out}` continues from its checkpoint (round_000001)"]
     assert [r["round"] for r in _rounds(out)] == [0, 1] and not (out / "summary.json").exists()
 
 
@@ -135,7 +142,8 @@ def test_ctrl_c_in_process_is_one_line_and_exit_130(tmp_path, monkeypatch, capsy
     assert main(["run", "tiny-smoke", "--out", str(out), "--no-progress", "--set", "train.rounds=4",
                  "--set", "train.local_steps=1"]) == 130
     assert capsys.readouterr().err == (f"fedlora: interrupted by SIGINT; {out} is incomplete: run.json says "
-                                       f"interrupted after round 2 of 4\n")
+                                       f"interrupted after round 2 of 4; `fedlora run --resume {out}` continues "
+                                       f"from its checkpoint (round_000002)\n")
     assert json.loads((out / "run.json").read_text()) == {"status": "interrupted", "rounds": 4, "rounds_done": 2,
                                                           "signal": "SIGINT"}
 

@@ -50,7 +50,7 @@ def _spy(run):
     −1: the initial state) and the entries the server's update replaced (``Method.server_update``
     returns the old tensor object for what it leaves alone). Wraps the instance's methods; the
     runtime's code is unchanged."""
-    payloads, servers, replaced = {}, {-1: _clone(run.server)}, {}
+    payloads, servers, replaced = {}, {-1: _clone(run.server_state)}, {}
     train_pass, run_round, server_update = run.train_pass, run.run_round, run.method.server_update
     updates = []
 
@@ -66,7 +66,7 @@ def _spy(run):
     def spy_round(rnd):
         rec = run_round(rnd)
         assert len(updates) == 1, "one server update per round"
-        servers[rnd], replaced[rnd] = _clone(run.server), updates.pop()
+        servers[rnd], replaced[rnd] = _clone(run.server_state), updates.pop()
         return rec
 
     run.train_pass, run.run_round, run.method.server_update = spy_pass, spy_round, spy_update
@@ -157,7 +157,7 @@ def test_every_client_is_scored_on_the_current_global_state(tmp_path):
     def spy_evaluate(rnd):
         records = {k: _clone(run.store.get(k)) for k in range(4)}
         ev = evaluate(rnd)
-        seen.append((rnd, _clone(run.server), records, ev))
+        seen.append((rnd, _clone(run.server_state), records, ev))
         return ev
 
     run.evaluate = spy_evaluate

@@ -153,7 +153,7 @@ def _epochs_config(tmp_path, name, **train):
     return tiny_config(tmp_path, name, method={"name": name, "lr": 5e-3, "options": {"rank": 4}} if name == "lora-a2"
                        else tiny_config(tmp_path, name).to_dict()["method"], federation={"clients": 2, "partition": "dirichlet(0.3)", "sample_fraction": 1.0,
                                                    "clients_per_pass": 2},
-                       train={"rounds": 1, "batch_size": 8, **train})
+                       train={"rounds": 2, "batch_size": 8, **train})  # round 0 is not the last (no final broadcast)
 
 
 def test_local_epochs_give_each_client_its_own_step_count(tmp_path):

@@ -1,7 +1,8 @@
 """Run folders must not mix experiments (issue 18 §1): `fedlora run`, its Python entry point and every
 `fedlora synthetic` experiment refuse an output folder that is not empty — in one line naming the folder
 and the ways out, before any work — unless told --overwrite (which clears a folder of their own results
-only); --resume is accepted and refused in one line until checkpoints exist."""
+only); the synthetic experiments' --resume is refused in one line (they write no checkpoints), and
+`fedlora run --resume RUN_DIR` refuses --out (a resumed run continues in its own folder)."""
 import json
 
 import pytest
@@ -50,8 +51,8 @@ def test_every_command_refuses_a_folder_that_is_not_empty_before_any_work(cmd, t
     out.mkdir()
     (out / _result_file(cmd)).write_text('{"an": "earlier experiment"}')
     before = _tree(tmp_path)
-    for extra, says in (([], ["is not empty", "--overwrite", "another folder", _result_file(cmd)]),
-                        (["--resume"], [RESUME_LATER])):
+    resume = (["--resume", str(out)], ["--out: not with --resume"]) if cmd[0] == "run" else (["--resume"], [RESUME_LATER])
+    for extra, says in (([], ["is not empty", "--overwrite", "another folder", _result_file(cmd)]), resume):
         assert main([*cmd, "--out", str(out), *extra]) == 2
         err = capsys.readouterr().err
         assert err.startswith("fedlora: error: ") and err.count("\n") == 1, err

@@ -318,6 +318,24 @@ class Method(abc.ABC):
         ``state`` into the shared base model once, on the server side (LLM runtime)."""
         raise NotImplementedError(f"{self.name} does not merge into the base model")
 
+    def upload_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Every tensor a client of this method may upload: name → (full shape, dtype), what the server
+        checks uploads against (``fedlora.server.UploadSpec``). Default: the trainable parameters
+        (without the replica dimension) — truncated ranks and index sets are slices of them. A method
+        that uploads something else (H²Tune's per-type R) extends it."""
+        return {n: (tuple(p.shape[1:]), p.dtype) for n, p in self.params.items()}
+
+    def runtime_state(self) -> dict[str, torch.Tensor]:
+        """State the method keeps across rounds outside every client record and the server's state —
+        what a checkpoint must hold besides them (FLoRA: the merged shared base and its merge history).
+        Default: none."""
+        return {}
+
+    def load_runtime_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Put back ``runtime_state`` (a resumed run)."""
+        if state:
+            raise ConfigError(f"{self.name}: unexpected runtime state {sorted(state)[:3]}")
+
     # client state records (docs/design.md §8): everything replica i keeps between rounds -----------------
     def _stacked_buffers(self) -> dict[str, torch.Tensor]:
         """Buffers with a replica dimension (TriLoRA supports, a per-replica merged W0), by name."""

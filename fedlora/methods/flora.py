@@ -194,6 +194,31 @@ class FLoRA(FactorLoRA):
         else:
             self.merged_stacks.clear()
 
+    def runtime_state(self) -> dict[str, torch.Tensor]:
+        """Shared base: the merged base weights of the adapted layers and the stacks merged so far
+        (``merged_update``), by round — what a checkpoint must hold to resume bit for bit."""
+        if not self.shared_base:
+            return {}
+        out = {f"base:{j}": layer.weight.detach().cpu().clone() for j, layer in enumerate(self.layers)}
+        out["merged_exact"] = torch.tensor([int(self.merged_exact)])
+        for t, stack in enumerate(self.merged_stacks):
+            out.update({f"stack:{t}:{n}": v for n, v in stack.items()})
+        return out
+
+    def load_runtime_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        if not self.shared_base:
+            return super().load_runtime_state(state)
+        with torch.no_grad():
+            for j, layer in enumerate(self.layers):
+                layer.weight.copy_(state[f"base:{j}"].to(layer.weight.device))
+        self.merged_exact = bool(int(state["merged_exact"][0]))
+        stacks: dict[int, dict[str, torch.Tensor]] = {}
+        for key, v in state.items():
+            if key.startswith("stack:"):
+                _, t, n = key.split(":", 2)
+                stacks.setdefault(int(t), {})[n] = v.clone()
+        self.merged_stacks = [stacks[t] for t in sorted(stacks)]
+
     def merged_update(self) -> dict[str, torch.Tensor] | None:
         """Shared base: everything ``apply_to_base`` merged so far as ONE LoRA per adapted layer —
         {A name: A_cat (M, d_in), B name: B_cat (d_out, M)}, every round's stack concatenated in

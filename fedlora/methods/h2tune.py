@@ -410,6 +410,10 @@ class H2Tune(Method):
                 v[idx] = extra[f"global_R:{t}"][idx]
 
     # communication ---------------------------------------------------------------------------
+    def upload_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The per-type aligned R_{k→g} (L_g, r_g, r_g) of eq. 4 — the only upload."""
+        return {_pname(t, "lora_R"): (tuple(v.shape[1:]), v.dtype) for t, v in self.global_R.items()}
+
     def upload(self, replica: int) -> Payload:
         """R_{k→g} = R_k[:L_k] ×_layer Ω_k (eq. 4): one (L_g, r_g, r_g) tensor per module type."""
         Lk = self.layers[replica]

@@ -1,0 +1,419 @@
+"""The server: ONE round protocol for every runtime (docs/design.md §9).
+
+A round — draw the participants (seeded), send each what it lacks of the server's state
+(``DownloadLedger``), collect the uploads, validate them (``UploadSpec``: a federated server's bad
+input is a client's upload), aggregate with the method's pure ``aggregate`` over the accepted
+uploads, ``server_update``, count the bytes from the serialised payloads and write the round's
+record — lives here and nowhere else. Runtimes differ only in how clients execute a round: a
+``ClientExecutor`` takes (round, clients, downloads) and returns each client's ``ClientUpdate`` or
+``ClientFailure``:
+
+- the stacked executor of the synthetic testbed (``fedlora.simulator``): every client of every
+  federation is a live replica of one stacked layer (``live = True``: it receives the server's
+  changes at the end of every round, so each client is always evaluated on the current state);
+- the slot executor of real models (``fedlora.llm.runtime``): participants in passes over one frozen
+  base model, their state records in a store (``live = False``: a client receives what it lacks
+  with its next round's instructions, as a real deployment sends it);
+- a Flower ClientApp (one client per message) — planned on the same interface.
+
+Bytes are counted when a client receives them: ``bytes_down`` of round r holds what each client took
+in that round (its download for round r with the round's instructions; a live executor's clients at
+the end of round r; everybody's final synchronisation in the last round).
+
+The server's state is ``state_dict()``: per federation the method's server state, the ledger, the
+increments merged into a shared base (FLoRA) and the round reached. Client sampling is a pure function
+of (seed, round, federation), so it needs no saved generator.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Protocol, Sequence
+
+import torch
+
+from .aggregation import normalise_weights
+from .errors import ConfigError, RoundFailed
+from .methods.base import Method
+from .payload import Payload
+
+__all__ = ["Federation", "DownloadLedger", "Download", "ClientUpdate", "ClientFailure", "ClientExecutor",
+           "UploadSpec", "Server", "RoundFailed"]
+
+
+@dataclass(frozen=True)
+class Federation:
+    """``n_groups`` independent federations of ``n_clients`` clients each, with client weights.
+
+    ``client_weights``: w_k ∝ n_k, the clients' data sizes (docs/design.md §3); default uniform.
+    ``sample_fraction``: each round every federation draws ⌈fraction·K⌉ distinct clients (at least
+    one) with a generator seeded by ``sample_seed``; the others neither train nor communicate that
+    round and the participants' weights are renormalised (McMahan et al.'s FedAvg).
+    """
+
+    n_groups: int
+    n_clients: int
+    client_weights: Sequence[float] | None = None  # default: uniform
+    sample_fraction: float = 1.0
+    sample_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.n_groups < 1 or self.n_clients < 1:
+            raise ConfigError(f"federation needs ≥ 1 group and ≥ 1 client, got {self.n_groups}, {self.n_clients}")
+        if not (isinstance(self.sample_fraction, (int, float)) and 0 < self.sample_fraction <= 1):
+            raise ConfigError(f"sample_fraction must be in (0, 1], got {self.sample_fraction!r}")
+        normalise_weights(self.weights, self.n_clients)
+
+    def participants(self, round_idx: int, group: int) -> list[int]:
+        """Clients (0..K-1) of federation ``group`` that take part in round ``round_idx``; deterministic."""
+        m = max(1, math.ceil(self.sample_fraction * self.n_clients - 1e-9))
+        if m >= self.n_clients:
+            return list(range(self.n_clients))
+        g = torch.Generator().manual_seed((self.sample_seed * 1_000_003 + round_idx) * 7_919 + group)
+        return sorted(torch.randperm(self.n_clients, generator=g)[:m].tolist())
+
+    def round_weights(self, clients: Sequence[int]) -> torch.Tensor:
+        """The weights of a round's accepted clients, renormalised: w_k / Σ_{j ∈ clients} w_j from the
+        clients' own weights (one division, so the same numbers whichever runtime asks)."""
+        w = self.client_weights if self.client_weights is not None else [1.0] * self.n_clients
+        return normalise_weights([float(w[k]) for k in clients], len(clients))
+
+    @property
+    def weights(self) -> torch.Tensor:
+        w = self.client_weights if self.client_weights is not None else [1.0] * self.n_clients
+        return normalise_weights(w, self.n_clients)
+
+    @property
+    def n_replicas(self) -> int:
+        return self.n_groups * self.n_clients
+
+    @property
+    def replica_clients(self) -> list[int]:
+        return [k for _ in range(self.n_groups) for k in range(self.n_clients)]
+
+    def replicas_of(self, group: int) -> range:
+        return range(group * self.n_clients, (group + 1) * self.n_clients)
+
+
+class DownloadLedger:
+    """What each client lacks of the server's state.
+
+    The server's state is a name → tensor dict (``Method.initial_server_state``, then
+    ``Method.server_update`` after every round). Each entry carries the round that last changed it
+    (−1: the initial state, which every client holds from the one-time broadcast); each client, the
+    round up to which it is synchronised. A client about to train downloads the entries newer than
+    its synchronisation — for FedAvg-style methods the whole adapter, for RoLoRA only the factors
+    averaged since it last took part (one factor when it took part in the previous round).
+    """
+
+    def __init__(self, n_clients: int, state: Mapping[str, torch.Tensor]) -> None:
+        self.version = {k: -1 for k in state}
+        self.synced = [-1] * n_clients
+
+    def update(self, round_idx: int, old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> list[str]:
+        """Record the server's step ``old`` → ``new`` at ``round_idx``; return the changed entries
+        (new names, or a different tensor object — ``server_update`` replaces what it changes)."""
+        for k in [k for k in self.version if k not in new]:
+            del self.version[k]
+        changed = [k for k, v in new.items() if k not in old or v is not old[k]]
+        for k in changed:
+            self.version[k] = round_idx
+        return changed
+
+    def stale(self, client: int) -> list[str]:
+        """Entries ``client`` has not received yet."""
+        return [k for k, v in self.version.items() if v > self.synced[client]]
+
+    def sync(self, client: int, round_idx: int) -> None:
+        self.synced[client] = round_idx
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": dict(self.version), "synced": list(self.synced)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.version = {str(k): int(v) for k, v in state["version"].items()}
+        self.synced = [int(v) for v in state["synced"]]
+
+
+# ---------------------------------------------------------------------------------------------------
+# what crosses between the server and a client executor
+@dataclass
+class Download:
+    """What the server sends one client: ``state`` (server entries, written by ``Method.download``).
+    ``counted``: part of the traffic (False: a live executor's evaluation copy, sent again when the
+    client next synchronises). ``nbytes``: bytes the server counts itself — the merges of a shared
+    base a client missed (FLoRA); ``None``: measured from ``Method.download``'s payload."""
+
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
+    counted: bool = True
+    nbytes: int | None = None
+
+
+@dataclass
+class ClientUpdate:
+    """One client's result of a round: its upload, mean training loss, ranks (``Method.describe_replica``)
+    and the bytes of the download it applied this round."""
+
+    upload: Payload
+    train_loss: float | None = None
+    ranks: Any = None
+    bytes_down: int = 0
+
+
+@dataclass
+class ClientFailure:
+    """A client that did not deliver: it raised, timed out, disconnected, reported a non-finite
+    training loss, or its upload was rejected. ``why`` is one line; ``kind`` one of
+    ``error``, ``timeout``, ``disconnected``, ``nonfinite_loss``, ``rejected``."""
+
+    why: str
+    kind: str = "error"
+    bytes_down: int = 0
+
+
+class ClientExecutor(Protocol):
+    """How clients execute a round (docs/design.md §9). ``live``: the executor holds every client's
+    model and keeps it current (it receives the server's changes at the end of every round);
+    ``shared_base``: it holds one base model for all clients, into which a method's increments are
+    merged once per round (``merge_into_base``)."""
+
+    live: bool
+    shared_base: bool
+
+    def train(self, round_idx: int, clients: Sequence[int],
+              downloads: Mapping[int, Download]) -> Mapping[int, "ClientUpdate | ClientFailure"]:
+        """Apply each client's download, run its local steps of round ``round_idx``, return its result."""
+
+    def deliver(self, round_idx: int, downloads: Mapping[int, Download]) -> dict[int, int]:
+        """Apply downloads outside training (a live executor's end of round, everyone's final
+        synchronisation); returns the bytes each client received (0 for uncounted ones)."""
+
+    def merge_into_base(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Merge the server's increment into the shared base (``shared_base`` executors)."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# uploads are untrusted input
+_INDEX_SUFFIX, _VALUE_SUFFIX = ".indices", ".values"
+
+
+@dataclass(frozen=True)
+class UploadSpec:
+    """What a client may upload: per trainable tensor name its full shape and dtype (no upload of a
+    method is larger: truncated ranks and index sets are slices of it). ``check`` returns why an
+    upload is refused, or ``None``: a name the model does not train, a different number of
+    dimensions, a dimension beyond the full one (a rank beyond what the method allows), another
+    dtype, a non-finite value, an index outside its factor, or more serialised bytes than the
+    client declared or than the full tensors take (``max_nbytes``)."""
+
+    tensors: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+
+    @classmethod
+    def of(cls, method: Method) -> "UploadSpec":
+        """The spec of a bound method (``Method.upload_spec``)."""
+        return cls(dict(method.upload_spec()))
+
+    @property
+    def max_nbytes(self) -> int:
+        """Serialised bytes of an upload of every tensor at its full size, with index sets, plus 4 KiB
+        of metadata: no honest upload is larger."""
+        full = {n: torch.empty(s, dtype=d) for n, (s, d) in self.tensors.items()}
+        idx = {n + _INDEX_SUFFIX: torch.empty(max(s) if s else 1, dtype=torch.int64) for n, (s, d) in self.tensors.items()}
+        return Payload({**full, **idx}).nbytes + 4096
+
+    def check(self, payload: Payload, declared_nbytes: int | None = None) -> str | None:
+        for name, t in payload.tensors.items():
+            base, kind = name, "dense"
+            for suffix, k in ((_INDEX_SUFFIX, "index"), (_VALUE_SUFFIX, "values")):
+                if name.endswith(suffix) and name[: -len(suffix)] in self.tensors:
+                    base, kind = name[: -len(suffix)], k
+            if base not in self.tensors:
+                return f"unexpected tensor {name!r} (not a trainable tensor of this method)"
+            if not isinstance(t, torch.Tensor):
+                return f"{name!r} is not a tensor"
+            shape, dtype = self.tensors[base]
+            if kind == "index":
+                if t.dtype != torch.int64 or t.dim() != 1:
+                    return f"{name!r}: an index set must be 1-D int64, got {tuple(t.shape)} {t.dtype}"
+                if t.numel() and (int(t.min()) < 0 or int(t.max()) >= max(shape)):
+                    return f"{name!r}: indices outside 0..{max(shape) - 1}"
+                continue
+            if t.dtype != dtype:
+                return f"{name!r}: dtype {str(t.dtype).replace('torch.', '')}, expected {str(dtype).replace('torch.', '')}"
+            if t.dim() != len(shape):
+                return f"{name!r}: {t.dim()} dimensions, expected {len(shape)} (shape {tuple(shape)})"
+            if any(a > b for a, b in zip(t.shape, shape)):
+                return f"{name!r}: shape {tuple(t.shape)} exceeds {tuple(shape)} (a rank beyond what the method allows)"
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                return f"{name!r}: non-finite values"
+        n = payload.nbytes
+        if declared_nbytes is not None and n > declared_nbytes:
+            return f"upload of {n} bytes is larger than the {declared_nbytes} bytes declared"
+        if n > self.max_nbytes:
+            return f"upload of {n} bytes is larger than any this method sends ({self.max_nbytes})"
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------
+class Server:
+    """The round protocol over ``federation.n_groups`` independent federations (one per seed in the
+    testbed; one for real models). Client ids are replica ids ``g·K + k`` (client k of federation g).
+
+    ``initial_states``: each federation's server state before round 0 (``Method.initial_server_state``
+    of a replica holding the broadcast adapter). ``min_clients``: the accepted uploads a federation
+    needs for its round to stand (else ``RoundFailed``). ``spec``: uploads are checked against it
+    (``None``: not checked — the testbed's own replicas)."""
+
+    def __init__(self, method: Method, federation: Federation, initial_states: Sequence[Mapping[str, torch.Tensor]],
+                 rounds: int, *, min_clients: int = 1, spec: UploadSpec | None = None) -> None:
+        if len(initial_states) != federation.n_groups:
+            raise ConfigError(f"server: {len(initial_states)} initial states for {federation.n_groups} federations")
+        if not isinstance(min_clients, int) or isinstance(min_clients, bool) or min_clients < 1:
+            raise ConfigError(f"federation.min_clients: must be an integer ≥ 1, got {min_clients!r}")
+        drawn = max(1, math.ceil(federation.sample_fraction * federation.n_clients - 1e-9))
+        if min_clients > drawn:
+            raise ConfigError(f"federation.min_clients: {min_clients} is more than the {drawn} clients drawn per round "
+                              f"(sample_fraction {federation.sample_fraction} of {federation.n_clients}); "
+                              f"use min_clients ≤ {drawn}")
+        self.method, self.federation, self.rounds = method, federation, rounds
+        self.min_clients, self.spec = min_clients, spec
+        K = federation.n_clients
+        self.states = [{k: v.detach().cpu() for k, v in s.items()} for s in initial_states]
+        self.ledgers = [DownloadLedger(K, s) for s in self.states]
+        self.increments: list[dict[int, int]] = [{} for _ in self.states]  # round → bytes every client must merge
+        self.round = 0  # the next round to run
+
+    # -- who, what ------------------------------------------------------------------------------
+    def participants(self, round_idx: int) -> list[int]:
+        """Client ids of every federation that take part in round ``round_idx`` (federation-major)."""
+        K = self.federation.n_clients
+        return [g * K + k for g in range(self.federation.n_groups) for k in self.federation.participants(round_idx, g)]
+
+    def download_for(self, client: int, shared_base: bool = False) -> Download:
+        """What ``client`` lacks of its federation's current state (a pure query; see ``DownloadLedger``).
+        With a shared base holding every merge (FLoRA on one base model): if it missed a merge, the
+        whole state (it restarts its adapters), counted as the increments it missed."""
+        g, k = divmod(client, self.federation.n_clients)
+        state, ledger = self.states[g], self.ledgers[g]
+        if self.method.incremental_download and shared_base:
+            missed = sum(v for r, v in self.increments[g].items() if r > ledger.synced[k])
+            return Download(dict(state) if missed else {}, nbytes=missed)
+        return Download({n: state[n] for n in ledger.stale(k)})
+
+    def synced(self, client: int) -> int:
+        g, k = divmod(client, self.federation.n_clients)
+        return self.ledgers[g].synced[k]
+
+    # -- the round ----------------------------------------------------------------------------------
+    def run_round(self, executor: ClientExecutor, round_idx: int | None = None) -> dict[str, Any]:
+        """Run round ``round_idx`` (default: the next) with ``executor``; return its record:
+        ``round`` (1-based), ``participants``, per client id ``train_loss``, ``bytes_up``,
+        ``bytes_down``, ``ranks``, ``failures`` (client → ``{"kind", "why"}``, when any) and ``wall_s``."""
+        rnd = self.round if round_idx is None else round_idx
+        t0 = time.perf_counter()
+        K, m = self.federation.n_clients, self.method
+        participants = self.participants(rnd)
+        downloads = {} if executor.live else {i: self.download_for(i, executor.shared_base) for i in participants}
+        results = executor.train(rnd, participants, downloads)
+        accepted: dict[int, ClientUpdate] = {}
+        failures: dict[int, ClientFailure] = {}
+        for i in participants:
+            res = results.get(i)
+            if res is None:
+                res = ClientFailure("no result", "disconnected")
+            if isinstance(res, ClientUpdate):
+                why = None
+                if res.train_loss is not None and not math.isfinite(res.train_loss):
+                    why = ClientFailure(f"non-finite training loss {res.train_loss}", "nonfinite_loss", res.bytes_down)
+                elif self.spec is not None:
+                    bad = self.spec.check(res.upload)
+                    if bad is not None:
+                        why = ClientFailure(f"upload rejected: {bad}", "rejected", res.bytes_down)
+                if why is None:
+                    accepted[i] = res
+                else:
+                    failures[i] = why
+            else:
+                failures[i] = res
+        for i in accepted:  # it applied its download: synchronised up to the last round
+            if i in downloads:
+                self.ledgers[i // K].sync(i % K, rnd - 1)
+        changed_by_group: list[list[str]] = []
+        for g in range(self.federation.n_groups):
+            ok = [i for i in participants if i // K == g and i in accepted]
+            if len(ok) < self.min_clients:
+                lost = ", ".join(f"client {i % K}: {failures[i].why}" for i in participants if i in failures)
+                raise RoundFailed(f"round {rnd + 1}: {len(ok)} accepted upload(s), federation.min_clients is "
+                                  f"{self.min_clients} ({lost})")
+            weights = self.federation.round_weights([i % K for i in ok])
+            aggregated = m.aggregate([accepted[i].upload for i in ok], weights)
+            old = self.states[g]
+            new = m.server_update(old, aggregated)
+            changed_by_group.append(self.ledgers[g].update(rnd, old, new))
+            self.states[g] = {k: v.detach().cpu() for k, v in new.items()}
+            if m.incremental_download and executor.shared_base:  # FLoRA: merged once into the one base
+                executor.merge_into_base(self.states[g])
+                self.increments[g][rnd] = Payload(dict(self.states[g])).nbytes
+        bytes_down = {i: (accepted[i].bytes_down if i in accepted else failures[i].bytes_down) for i in participants}
+        last = rnd == self.rounds - 1
+        if executor.live or last:
+            received = executor.deliver(rnd, self._deliveries(rnd, changed_by_group, executor, last))
+            for i, n in received.items():
+                bytes_down[i] = bytes_down.get(i, 0) + n
+        record: dict[str, Any] = {
+            "round": rnd + 1, "participants": participants,
+            "train_loss": {str(i): accepted[i].train_loss for i in participants if i in accepted},
+            "bytes_up": {str(i): accepted[i].upload.nbytes for i in participants if i in accepted},
+            "bytes_down": {str(i): n for i, n in bytes_down.items()},
+            "ranks": {str(i): accepted[i].ranks for i in participants if i in accepted}}
+        if failures:
+            record["failures"] = {str(i): {"kind": f.kind, "why": f.why} for i, f in failures.items()}
+        record["wall_s"] = time.perf_counter() - t0
+        self.round = rnd + 1
+        return record
+
+    def _deliveries(self, rnd: int, changed: Sequence[Sequence[str]], executor: ClientExecutor,
+                    last: bool) -> dict[int, Download]:
+        """The downloads sent outside training at the end of round ``rnd``: after the last round,
+        every client synchronises (the final broadcast); a live executor's clients drawn for the next
+        round synchronise now (counted) and the others take this round's changes uncounted (kept
+        current for evaluation); an increment every client must merge (FLoRA without a shared base)
+        goes to everyone, counted. Synchronised clients are marked in the ledger."""
+        K = self.federation.n_clients
+        out: dict[int, Download] = {}
+        incremental = self.method.incremental_download and not executor.shared_base
+        for g in range(self.federation.n_groups):
+            state = self.states[g]
+            receivers = (range(K) if (incremental or last)
+                         else self.federation.participants(rnd + 1, g))
+            for k in range(K):
+                i = g * K + k
+                if k in receivers:
+                    out[i] = (Download({n: state[n] for n in changed[g]}) if incremental
+                              else self.download_for(i, executor.shared_base))
+                    self.ledgers[g].sync(k, rnd)
+                elif executor.live:
+                    out[i] = Download({n: state[n] for n in changed[g]}, counted=False)
+        return out
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the server holds: ``tensors`` (name → tensor, ``g<g>/<entry>``) and ``meta``
+        (JSON: the round reached, each federation's ledger and increments)."""
+        tensors = {f"g{g}/{n}": v for g, s in enumerate(self.states) for n, v in s.items()}
+        meta = {"round": self.round, "n_groups": len(self.states),
+                "entries": [list(s) for s in self.states],
+                "ledgers": [lg.state_dict() for lg in self.ledgers],
+                "increments": [{str(r): n for r, n in inc.items()} for inc in self.increments]}
+        return {"tensors": tensors, "meta": meta}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        meta, tensors = state["meta"], state["tensors"]
+        if meta["n_groups"] != len(self.states):
+            raise ConfigError(f"server checkpoint: {meta['n_groups']} federations, this run has {len(self.states)}")
+        self.states = [{n: tensors[f"g{g}/{n}"] for n in names} for g, names in enumerate(meta["entries"])]
+        for lg, s in zip(self.ledgers, meta["ledgers"]):
+            lg.load_state_dict(s)
+        self.increments = [{int(r): int(n) for r, n in inc.items()} for inc in meta["increments"]]
+        self.round = int(meta["round"])
