@@ -26,6 +26,9 @@ def register_run(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--resume", metavar="RUN_DIR", default=None,
                      help="continue the interrupted run in RUN_DIR from its newest intact checkpoint (CONFIG and "
                           "--set may be left out; if given they must equal the run's config)")
+    run.add_argument("--runtime", default="embedded", choices=("embedded", "flower"),
+                     help="embedded (clients in this process, default) or flower (Flower's simulation engine: "
+                          "one SuperNode per client; needs flwr — README 'Flower')")
     run.add_argument("--dry-run", action="store_true", help="validate and print the resolved config; train nothing")
     run.add_argument("--list-configs", action="store_true", help="list the bundled configs and exit")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -73,7 +76,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     folder = claim_output_dir(cfg.output_dir, "--out" if args.out is not None else "output_dir", writes=RUN_WRITES,
                               overwrite=args.overwrite)
-    _report(FederatedRun(cfg, progress=not args.no_progress, output=folder).run(), folder.path)
+    _report(FederatedRun(cfg, progress=not args.no_progress, output=folder, runtime=args.runtime).run(), folder.path)
     return 0
 
 

@@ -126,7 +126,8 @@ class FederationConfig:
     min_clients: accepted uploads a round needs to stand (default 1). A client that raises, reports
     a non-finite training loss or sends an upload the server rejects (``fedlora.server.UploadSpec``)
     is recorded in the round's ``failures`` and left out of the average; with fewer than
-    ``min_clients`` accepted uploads the run stops, its last checkpoint kept.
+    ``min_clients`` accepted uploads the run stops, its last checkpoint kept. timeout_s: on Flower,
+    the seconds a round waits for a client's reply (then it is a ``timeout`` failure).
     """
 
     clients: int = 4
@@ -136,6 +137,7 @@ class FederationConfig:
     store: str = "memory"
     val_fraction: float = 0.1
     min_clients: int = 1
+    timeout_s: float = 600.0
 
 
 @dataclass
@@ -291,6 +293,7 @@ class RunConfig:
             _int(f.clients_per_pass, "federation.clients_per_pass", 1)
         _choice(f.store, "federation.store", ("memory", "disk"))
         _int(f.min_clients, "federation.min_clients", 1)
+        _num(f.timeout_s, "federation.timeout_s", 0.0, strict=True)
         drawn = max(1, math.ceil(f.sample_fraction * f.clients - 1e-9))
         if f.min_clients > drawn:
             raise ConfigError(f"federation.min_clients: {f.min_clients} is more than the {drawn} clients drawn per "

@@ -61,6 +61,7 @@ _RNG = "sampler:"  # record entries of the runtime's own (the data sampler of th
 
 #: every entry a run writes into its output folder: ``--overwrite`` clears a folder only when it holds
 #: nothing else (``fedlora.io.claim_output_dir``). A new output file or folder must be added here.
+RUNTIMES = ("embedded", "flower")  # fedlora run --runtime: this process, or Flower (fedlora.llm.flower)
 RUN_WRITES = ("config.json", "run.json", "rounds.jsonl", "summary.json", "rounds.png", "adapters", "clients",
               "checkpoints")
 CHECKPOINTS = "checkpoints"  # output_dir/checkpoints/round_<r>/ (fedlora.checkpoint), the last two kept
@@ -123,14 +124,22 @@ class FederatedRun:
     which clears it) — or ``output``, a folder the caller has claimed (the command line)."""
 
     def __init__(self, cfg: RunConfig, *, progress: bool = False, model=None, tokenizer=None,
-                 write: bool = True, overwrite: bool = False, output: OutputDir | None = None) -> None:
-        self.cfg = cfg
+                 write: bool = True, overwrite: bool = False, output: OutputDir | None = None,
+                 runtime: str = "embedded") -> None:
+        if runtime not in RUNTIMES:
+            raise ConfigError(f"--runtime: one of {', '.join(RUNTIMES)}, got {runtime!r}")
+        self.cfg, self.runtime = cfg, runtime
         self.progress, self.write = progress, write
         self.overwrite, self.output = overwrite, output
         self._given_model, self._given_tokenizer = model, tokenizer
         self.prepared = False
         self.client_hook: Callable[[int, int], None] | None = None
         self._resume_from = None  # a verified checkpoint (``FederatedRun.resume``)
+        #: who executes the clients' rounds (fedlora.server.ClientExecutor): this run itself (the slot
+        #: executor), or e.g. the Flower runtime's executor, which sends each client's round to its node;
+        #: ``executor_factory(run)`` builds it once the run is prepared
+        self.executor = self
+        self.executor_factory: Callable[["FederatedRun"], Any] | None = None
         self._lines: list[str] = []  # rounds.jsonl as written
 
     @classmethod
@@ -633,7 +642,7 @@ class FederatedRun:
     def run_round(self, rnd: int) -> dict[str, Any]:
         """Round ``rnd`` of the server's protocol (``fedlora.server.Server.run_round``) with this run as
         its client executor; returns the round's record."""
-        return self.server.run_round(self, rnd)
+        return self.server.run_round(self.executor, rnd)
 
     # ------------------------------------------------------------------------------------------
     # evaluation (read-only: records are not stored back)
@@ -675,30 +684,49 @@ class FederatedRun:
         out["loss"] = float(losses.mean())
         return out
 
-    def evaluate(self, rnd: int) -> dict[str, Any]:
-        from .metrics import aggregate_client_metrics
-
-        K, m = self.cfg.federation.clients, self.method
+    def evaluate_clients(self, clients: Sequence[int], rnd: int, downloads: Mapping[int, Download] | None = None
+                         ) -> dict[int, dict[str, dict[str, float]]]:
+        """Each of ``clients`` scored on its own test and validation rows: its record with what it lacks
+        of the current global state (read-only: nothing is stored back) — ``downloads``, where the
+        server sent it (Flower), else this run's server's — its personalised model where the method
+        has one. Client k → {"test": metrics, "val": metrics}."""
+        m = self.method
         self.model.eval()  # no dropout
         per_client: dict[int, dict[str, dict[str, float]]] = {}
         y_train = np.asarray(self.train_data.labels)
         y_test = np.asarray(self.test_data.labels)
-        for chunk in _chunks(list(range(K)), self.P):
+        for chunk in _chunks(list(clients), self.P):
             owners = [0] * len(chunk) if self.centralized else chunk  # Centralized: the one model
             self._bind(owners)
             samplers = self._load(owners)
             for i, k in enumerate(owners):
-                self._sync(i, k, rnd, count=False)
+                if downloads is not None:
+                    self._apply(i, downloads[k])
+                else:
+                    self._sync(i, k, rnd, count=False)
             params = m.personalised_params(self._objective, self._sampler_fn(samplers, owners))
             tests = self._predict(self.enc_test, [self.clients[k].test for k in chunk], params)
             vals = self._predict(self.enc_train, [self.clients[k].val for k in chunk], params)
             for i, k in enumerate(chunk):
                 per_client[k] = {"test": self._score(tests[i], y_test[self.clients[k].test]),
                                  "val": self._score(vals[i], y_train[self.clients[k].val])}
-        out: dict[str, Any] = {"round": rnd + 1, "clients": {str(k): v for k, v in per_client.items()}}
+        return per_client
+
+    def evaluate(self, rnd: int) -> dict[str, Any]:
+        """The evaluation after round ``rnd`` (−1: before training): every client's scores
+        (``evaluate_clients``, run by the executor — here, or on the clients' machines), their
+        unweighted and size-weighted means, and the global model's where the method has one."""
+        from .metrics import aggregate_client_metrics
+
+        K, m = self.cfg.federation.clients, self.method
+        y_test = np.asarray(self.test_data.labels)
+        runner = getattr(self.executor, "evaluate_clients", None) if self.executor is not self else None
+        per_client = (runner or self.evaluate_clients)(list(range(K)), rnd)
+        out: dict[str, Any] = {"round": rnd + 1, "clients": {str(k): per_client[k] for k in range(K)}}
         sizes = [len(self.clients[k].test) for k in range(K)]
         out["test"] = aggregate_client_metrics([per_client[k]["test"] for k in range(K)], sizes)  # size 0: skipped
         if self.cfg.eval.global_model and m.has_global_model:
+            self.model.eval()
             self._bind([0])
             if self.centralized:  # the one model on the pooled data is the global model
                 self._load_record(0, self.store.get(0))
@@ -717,6 +745,12 @@ class FederatedRun:
         failed; a run that stops early (an error, SIGINT/SIGTERM) marks or removes it (``_abandon``)."""
         self._claim()  # an unusable or occupied output folder is found before any work
         try:
+            if self.runtime == "flower":
+                from .flower import check_flower_method, run_simulation
+
+                check_flower_method(get_method(self.cfg.method.name))
+                if self.executor_factory is None:  # no Flower deployment given: Flower's simulation engine
+                    return run_simulation(self)
             return self._run()
         except BaseException as e:
             if self.write:
@@ -728,6 +762,8 @@ class FederatedRun:
         out = Path(cfg.output_dir)
         if not self.prepared:
             self.prepare()
+        if self.executor_factory is not None:
+            self.executor = self.executor_factory(self)
         main = self.task.main_metric
         if self._resume_from is not None:  # rounds.jsonl, the server, every client: as the checkpoint left them
             start, evals = self._restore(self._resume_from)
@@ -915,7 +951,7 @@ class FederatedRun:
                 "test_sizes": [len(c.test) for c in self.clients], "clients_per_pass": self.P,
                 "local_steps": self.steps, "method_options": self.method_options,
                 "step_sizes": self.method.step_sizes(), "lr_schedule": self.cfg.train.lr_schedule,
-                "device": str(self.device), "split": self.split_report, "manifest": self.manifest(),
+                "device": str(self.device), "runtime": self.runtime, "split": self.split_report, "manifest": self.manifest(),
                 "split_indices": split_indices(self.clients, self.train_data.keys)}
 
     def manifest(self) -> dict[str, Any]:

@@ -87,6 +87,7 @@ BOUNDS = {
     "federation.clients_per_pass": (1, 0),
     "federation.val_fraction": (0.0, -0.01),
     "federation.min_clients": (1, 0),
+    "federation.timeout_s": (1e-9, 0.0),
     "train.rounds": (1, 0),
     "train.local_steps": (1, 0),
     "train.batch_size": (1, 0),

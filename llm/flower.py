@@ -1,0 +1,463 @@
+"""The Flower runtime (docs/design.md §9): the one server protocol over Flower 1.42 messages.
+
+The round loop stays ``fedlora.server.Server.run_round``; Flower is its transport. The ServerApp builds
+the run as ``fedlora run`` does (model, data, split, the server's initial state, the run folder) and
+hands the server a ``FlowerExecutor``: each client's round is one ``train`` message to the SuperNode
+that holds its partition, carrying its download (an ``ArrayRecord`` of the server entries it lacks)
+and the run's config; the reply carries its upload (``ArrayRecord`` + the payload's string metadata),
+its training loss, ranks and the bytes of the download it applied — or an error. Evaluations are
+``evaluate`` messages (each client scores its own model on its own rows; the server scores the global
+model itself), downloads outside training (the final broadcast) are ``query`` messages.
+
+The ClientApp is the slot executor of ``fedlora run`` with one client per message
+(``clients_per_pass = 1``): it rebuilds the same run from the config in the message (cached per
+process), takes its partition from the SuperNode's node config (``partition-id``), and keeps its
+client state record in the node's ``context.state`` between rounds. Same config and seed give the
+same numbers as the embedded runtime.
+
+Deployment: ``write_app_dir(path)`` writes the Flower app folder ``flwr run`` submits; the SuperLink,
+the SuperNodes (one per client, ``--node-config 'partition-id=K num-partitions=N'``) and TLS are
+described in the README ("Flower").
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from fedlora.errors import ConfigError
+from fedlora.payload import Payload
+from fedlora.server import ClientFailure, ClientUpdate, Download
+
+__all__ = ["FlowerExecutor", "server_app", "client_app", "make_server_app", "run_simulation", "write_app_dir",
+           "tensors_to_record", "record_to_tensors", "check_flower_method"]
+
+#: torch dtypes numpy lacks travel as raw bytes under this stype (flwr's own helpers go through numpy)
+_RAW_STYPE = "torch.raw"
+_RAW = {"bfloat16": (torch.bfloat16, torch.int16)}
+
+
+def _flwr():
+    try:
+        import flwr  # noqa: F401
+    except ImportError:
+        raise ConfigError("the Flower runtime needs flwr: pip install 'fedlora[flower]' (flwr 1.42)") from None
+    from flwr import app
+
+    return app
+
+
+# ------------------------------------------------------------------------------------------------------
+# tensors ↔ Flower arrays, bit for bit (float64, int64, uint8 generator states, bfloat16 …)
+def tensors_to_record(tensors: Mapping[str, torch.Tensor]):
+    app = _flwr()
+    rec = app.ArrayRecord()
+    for name, t in tensors.items():
+        t = t.detach().cpu().contiguous()
+        dtype = str(t.dtype).replace("torch.", "")
+        if dtype in _RAW:
+            rec[name] = app.Array(dtype=dtype, shape=tuple(t.shape), stype=_RAW_STYPE,
+                                  data=t.view(_RAW[dtype][1]).numpy().tobytes())
+        else:
+            rec[name] = app.Array.from_numpy_ndarray(t.numpy())
+    return rec
+
+
+def record_to_tensors(rec) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, a in rec.items():
+        if a.stype == _RAW_STYPE:
+            dtype, view = _RAW[a.dtype]
+            out[name] = torch.frombuffer(bytearray(a.data), dtype=view).view(dtype).reshape(tuple(a.shape)).clone()
+        else:
+            out[name] = torch.from_numpy(np.array(a.numpy(), copy=True))
+    return out
+
+
+def check_flower_method(method) -> None:
+    """Methods the Flower runtime runs: not those that merge into one shared base (FLoRA) or train one
+    model on pooled data (Centralized) — both assume the clients share a process."""
+    if method.incremental_download or method.pooled_data:
+        raise ConfigError(f"--runtime flower: {method.name} is not supported on Flower (it needs "
+                          f"{'one base model shared by every client' if method.incremental_download else 'the clients pooled in one process'}); "
+                          f"run it embedded")
+
+
+# ------------------------------------------------------------------------------------------------------
+# client side
+_RUNS: dict[str, Any] = {}  # per process: the config's digest → its prepared run (model, data, split)
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _local_run(config_json: str):
+    """This process's copy of the run (write nothing; one client per pass), built once per config."""
+    key = _digest(config_json)
+    if key not in _RUNS:
+        from .config import RunConfig
+        from .runtime import FederatedRun
+
+        cfg = json.loads(config_json)
+        cfg["federation"] = {**cfg.get("federation", {}), "clients_per_pass": 1, "store": "memory"}
+        _RUNS.clear()  # one run per process at a time
+        run = FederatedRun(RunConfig.from_dict(cfg), write=False).prepare()
+        run._initial_records = {k: run.store.get(k) for k in range(run.K_train)}  # a node's first message
+        _RUNS[key] = run
+    return _RUNS[key]
+
+
+def _partition(context, run) -> int:
+    pid = context.node_config.get("partition-id")
+    if pid is None:
+        raise ConfigError("this SuperNode has no partition: start it with --node-config "
+                          "'partition-id=K num-partitions=N' (K = the client it holds, 0..N-1)")
+    try:
+        k = int(pid)
+    except (TypeError, ValueError):
+        raise ConfigError(f"node config partition-id: must be an integer, got {pid!r}") from None
+    if not 0 <= k < run.K_train:
+        raise ConfigError(f"node config partition-id: {k} is not a client of this run (0..{run.K_train - 1})")
+    return k
+
+
+_STATE = "fedlora-record"
+
+
+def _load_state(run, k: int, context) -> None:
+    """The client's record from the node's state (its initial record the first time)."""
+    if _STATE in context.state:
+        run.store.put(k, record_to_tensors(context.state[_STATE]), copy=False)
+    else:
+        run.store.put(k, run._initial_records[k], copy=True)
+
+
+def _save_state(run, k: int, context) -> None:
+    context.state[_STATE] = tensors_to_record(run.store.get(k))
+
+
+def _download(content) -> Download:
+    conf = content["config"]
+    nbytes = int(conf["download-nbytes"])
+    return Download(record_to_tensors(content["download"]), bool(conf["download-counted"]),
+                    None if nbytes < 0 else nbytes)
+
+
+def _reply(msg, **records):
+    app = _flwr()
+    return app.Message(app.RecordDict(records), reply_to=msg)
+
+
+def _client_train(msg, context):
+    app = _flwr()
+    conf = msg.content["config"]
+    run = _local_run(str(conf["fedlora-config"]))
+    k = _partition(context, run)
+    if int(conf["client"]) != k:
+        raise ConfigError(f"misrouted: the message is for client {int(conf['client'])}, this node holds {k}")
+    rnd = int(conf["round"])
+    _load_state(run, k, context)
+    res = run.train(rnd, [k], {k: _download(msg.content)})[k]
+    if isinstance(res, ClientFailure):  # its record was not stored: the node keeps the one before the round
+        return _reply(msg, result=app.ConfigRecord({"failure-kind": res.kind, "failure-why": res.why,
+                                                     "bytes-down": int(res.bytes_down)}))
+    _save_state(run, k, context)
+    return _reply(msg, upload=tensors_to_record(res.upload.tensors),
+                  meta=app.ConfigRecord(dict(res.upload.meta)),
+                  result=app.ConfigRecord({"train-loss": float(res.train_loss), "bytes-down": int(res.bytes_down),
+                                           "ranks": json.dumps(res.ranks)}))
+
+
+def _client_query(msg, context):
+    """``hello``: which partition this node holds; ``deliver``: apply a download outside training."""
+    app = _flwr()
+    conf = msg.content["config"]
+    run = _local_run(str(conf["fedlora-config"]))
+    k = _partition(context, run)
+    if str(conf["op"]) == "hello":
+        return _reply(msg, result=app.ConfigRecord({"partition-id": k}))
+    _load_state(run, k, context)
+    sent = run.deliver(int(conf["round"]), {k: _download(msg.content)})
+    _save_state(run, k, context)
+    return _reply(msg, result=app.ConfigRecord({"bytes-down": int(sent[k])}))
+
+
+def _client_evaluate(msg, context):
+    app = _flwr()
+    conf = msg.content["config"]
+    run = _local_run(str(conf["fedlora-config"]))
+    k = _partition(context, run)
+    _load_state(run, k, context)
+    scores = run.evaluate_clients([k], int(conf["round"]), downloads={k: _download(msg.content)})[k]
+    return _reply(msg, result=app.ConfigRecord({"scores": json.dumps(scores, allow_nan=True)}))
+
+
+def _make_client_app():
+    from flwr.clientapp import ClientApp
+
+    capp = ClientApp()
+    capp.train()(_client_train)
+    capp.query()(_client_query)
+    capp.evaluate()(_client_evaluate)
+    return capp
+
+
+# ------------------------------------------------------------------------------------------------------
+# server side
+class FlowerExecutor:
+    """``fedlora.server.ClientExecutor`` over a Flower ``Grid``: client k's round goes to the node of
+    partition k. ``timeout``: seconds a round waits for replies (a client that does not answer is a
+    ``timeout`` failure). ``poll``: seconds between pulls (flwr's own deployment grid sleeps 3 s)."""
+
+    live = False
+    shared_base = False  # every client has its own base model (FLoRA is refused: check_flower_method)
+
+    def __init__(self, grid, run, *, timeout: float = 600.0, poll: float = 0.05, node_wait: float = 120.0) -> None:
+        self.grid, self.run, self.timeout, self.poll = grid, run, float(timeout), float(poll)
+        self.config_json = json.dumps(run.cfg.to_dict(), sort_keys=True)
+        self.node_of = self._map_partitions(node_wait)
+        self.wire_bytes = {"down": 0, "up": 0}  # serialised Flower records, both ways
+
+    # -- messages --------------------------------------------------------------------------------------
+    def _message(self, kind: str, client: int, rnd: int, download: Download | None = None, **conf):
+        app = _flwr()
+        config = {"fedlora-config": self.config_json, "client": int(client), "round": int(rnd), **conf}
+        records = {}
+        if download is not None:
+            config.update({"download-counted": bool(download.counted),
+                           "download-nbytes": -1 if download.nbytes is None else int(download.nbytes)})
+            records["download"] = tensors_to_record(download.state)
+        records["config"] = app.ConfigRecord(config)
+        mtype = {"train": app.MessageType.TRAIN, "evaluate": app.MessageType.EVALUATE,
+                 "query": app.MessageType.QUERY}[kind]
+        node = self.node_of[client] if client >= 0 else conf.pop("node")
+        return app.Message(app.RecordDict(records), dst_node_id=node, message_type=mtype, group_id=str(rnd))
+
+    def _exchange(self, msgs, timeout: float) -> dict[int, Any]:
+        """Send ``msgs``; the replies by source node (a node that does not answer in time is absent)."""
+        ids = {i for i in self.grid.push_messages(msgs) if i}
+        deadline = time.monotonic() + timeout
+        out = {}
+        while ids:
+            got = list(self.grid.pull_messages(ids))
+            for m in got:
+                out[m.metadata.src_node_id] = m
+            ids.difference_update(m.metadata.reply_to_message_id for m in got)
+            if not ids or time.monotonic() >= deadline:
+                break
+            time.sleep(self.poll)
+        return out
+
+    def _map_partitions(self, node_wait: float) -> dict[int, int]:
+        K = self.run.K_train
+        deadline = time.monotonic() + node_wait
+        while True:
+            nodes = sorted(self.grid.get_node_ids())
+            if len(nodes) >= K:
+                break
+            if time.monotonic() > deadline:
+                raise ConfigError(f"flower: {len(nodes)} SuperNode(s) connected after {node_wait:.0f} s, the run "
+                                  f"has {K} clients (one SuperNode per client)")
+            time.sleep(0.2)
+        replies = self._exchange([self._message("query", -1, -1, op="hello", node=n) for n in nodes], node_wait)
+        node_of: dict[int, int] = {}
+        for n in nodes:
+            rep = replies.get(n)
+            if rep is None:
+                raise ConfigError(f"flower: SuperNode {n} did not answer within {node_wait:.0f} s")
+            if rep.has_error():
+                raise ConfigError(f"flower: SuperNode {n}: {_reason(rep)}")
+            k = int(rep.content["result"]["partition-id"])
+            if k in node_of:
+                raise ConfigError(f"flower: SuperNodes {node_of[k]} and {n} both hold partition {k}")
+            node_of[k] = n
+        missing = [k for k in range(K) if k not in node_of]
+        if missing:
+            raise ConfigError(f"flower: no SuperNode holds partition(s) {missing}")
+        return node_of
+
+    # -- the executor ----------------------------------------------------------------------------------
+    def train(self, rnd: int, clients: Sequence[int], downloads: Mapping[int, Download]):
+        msgs = [self._message("train", k, rnd, downloads.get(k, Download())) for k in clients]
+        self.wire_bytes["down"] += sum(_record_nbytes(m) for m in msgs)
+        replies = self._exchange(msgs, self.timeout)
+        out: dict[int, ClientUpdate | ClientFailure] = {}
+        for k in clients:
+            rep = replies.get(self.node_of[k])
+            if rep is None:
+                out[k] = ClientFailure(f"no reply within {self.timeout:g} s", "timeout")
+                continue
+            if rep.has_error():
+                out[k] = ClientFailure(_reason(rep), "error")
+                continue
+            self.wire_bytes["up"] += _record_nbytes(rep)
+            res = rep.content["result"]
+            if "failure-kind" in res:
+                out[k] = ClientFailure(str(res["failure-why"]), str(res["failure-kind"]), int(res["bytes-down"]))
+                continue
+            upload = Payload(record_to_tensors(rep.content["upload"]), {a: str(b) for a, b in rep.content["meta"].items()})
+            out[k] = ClientUpdate(upload, float(res["train-loss"]), json.loads(str(res["ranks"])), int(res["bytes-down"]))
+        return out
+
+    def deliver(self, rnd: int, downloads: Mapping[int, Download]) -> dict[int, int]:
+        msgs = [self._message("query", k, rnd, d, op="deliver") for k, d in downloads.items()]
+        replies = self._exchange(msgs, self.timeout)
+        out = {}
+        for k in downloads:
+            rep = replies.get(self.node_of[k])
+            if rep is None or rep.has_error():
+                why = _reason(rep) if rep is not None else f"no reply within {self.timeout:g} s"
+                raise RuntimeError(f"flower: client {k} did not take the final global state: {why}")
+            out[k] = int(rep.content["result"]["bytes-down"])
+        return out
+
+    def merge_into_base(self, state) -> None:  # refused up front (check_flower_method)
+        raise NotImplementedError
+
+    def evaluate_clients(self, clients: Sequence[int], rnd: int) -> dict[int, dict]:
+        server = self.run.server
+        msgs = [self._message("evaluate", k, rnd, server.download_for(k)) for k in clients]
+        replies = self._exchange(msgs, self.timeout)
+        out = {}
+        for k in clients:
+            rep = replies.get(self.node_of[k])
+            if rep is None or rep.has_error():
+                why = _reason(rep) if rep is not None else f"no reply within {self.timeout:g} s"
+                raise RuntimeError(f"flower: client {k} could not be evaluated: {why}")
+            out[k] = json.loads(str(rep.content["result"]["scores"]))
+        return out
+
+
+def _reason(rep) -> str:
+    """A failed reply's reason, one line (simulation wraps it in a traceback: its last line)."""
+    text = str(getattr(rep.error, "reason", "") or "")
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else f"error code {getattr(rep.error, 'code', '?')}"
+
+
+def _record_nbytes(msg) -> int:
+    """Bytes of a message's arrays and configs as Flower serialises them (the payload on the wire)."""
+    total = 0
+    for rec in msg.content.array_records.values():
+        total += sum(len(a.data) for a in rec.values())
+    for rec in msg.content.config_records.values():
+        total += sum(len(str(v)) for v in rec.values())
+    return total
+
+
+def _serve(grid, run) -> None:
+    run.executor_factory = lambda r: FlowerExecutor(grid, r, timeout=r.cfg.federation.timeout_s)
+    run._summary_out = run._run()
+
+
+def make_server_app(run):
+    """A ServerApp that runs ``run`` (a ``FederatedRun``) with the Flower executor (simulation: in this process)."""
+    from flwr.serverapp import ServerApp
+
+    sapp = ServerApp()
+
+    @sapp.main()
+    def main(grid, context) -> None:
+        try:
+            _serve(grid, run)
+        except BaseException as e:  # re-raised by run_simulation's caller (simulation swallows it)
+            run._flower_error = e
+
+    return sapp
+
+
+def run_simulation(run) -> dict[str, Any]:
+    """``fedlora run CONFIG --runtime flower``: Flower's simulation engine (Ray) with one SuperNode per
+    client; the ServerApp runs in this process and writes the run folder as ``fedlora run`` does."""
+    _flwr()
+    from flwr.simulation import run_simulation as flwr_run_simulation
+
+    run._flower_error = None
+    run._summary_out = None
+    K = run.cfg.federation.clients  # one SuperNode per client (pooled training is refused)
+    cpus = max(1, min(K, os.cpu_count() or 1))
+    flwr_run_simulation(server_app=make_server_app(run), client_app=client_app, num_supernodes=K,
+                        backend_name="ray",
+                        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                                        "init_args": {"num_cpus": cpus, "include_dashboard": False,
+                                                      "logging_level": 40}})
+    if run._flower_error is not None:
+        raise run._flower_error
+    if run._summary_out is None:
+        raise RuntimeError("flower: the simulation ended without running the ServerApp")
+    return run._summary_out
+
+
+# the deployment entry points ([tool.flwr.app.components] of write_app_dir's pyproject.toml)
+def _deployment_main(grid, context) -> None:
+    from .config import RunConfig
+    from .runtime import FederatedRun
+
+    path = str(context.run_config.get("fedlora-config", ""))
+    if not path:
+        raise ConfigError("flower: give the run's config: flwr run APP CONNECTION -c 'fedlora-config=\"/abs/run.json\"'")
+    cfg = RunConfig.from_dict(json.loads(Path(path).read_text()))
+    run = FederatedRun(cfg, runtime="flower", overwrite=bool(context.run_config.get("overwrite", False)))
+    run.executor_factory = lambda r: FlowerExecutor(grid, r, timeout=r.cfg.federation.timeout_s)
+    run.run()
+
+
+def _make_server_app():
+    from flwr.serverapp import ServerApp
+
+    sapp = ServerApp()
+    sapp.main()(_deployment_main)
+    return sapp
+
+
+try:  # importing this module without flwr still works (its functions say what to install)
+    client_app = _make_client_app()
+    server_app = _make_server_app()
+except ImportError:  # pragma: no cover - exercised where flwr is absent
+    client_app = server_app = None
+
+_PYPROJECT = """\
+# A Flower app that runs fedlora's Flower runtime (written by fedlora.llm.flower.write_app_dir).
+# The code is the installed fedlora package: nothing to build, no dependencies to install here
+# (start the SuperLink with --disable-runtime-dependency-installation).
+[build-system]
+requires = ["hatchling"]
+build-backend = "hatchling.build"
+
+[project]
+name = "fedlora-flower-app"
+version = "1.0.0"
+description = "fedlora on Flower: the run's config is the JSON file named by fedlora-config"
+license = "Apache-2.0"
+dependencies = ["flwr>=1.42.0"]
+
+[tool.hatch.build.targets.wheel]
+packages = ["."]
+
+[tool.flwr.app]
+publisher = "fedlora"
+
+[tool.flwr.app.components]
+serverapp = "fedlora.llm.flower:server_app"
+clientapp = "fedlora.llm.flower:client_app"
+
+[tool.flwr.app.config]
+fedlora-config = ""
+overwrite = false
+"""
+
+
+def write_app_dir(path: str | os.PathLike) -> Path:
+    """The Flower app folder ``flwr run PATH CONNECTION -c 'fedlora-config="/abs/config.json"'`` submits."""
+    p = Path(path)
+    p.mkdir(parents=True, exist_ok=True)
+    (p / "pyproject.toml").write_text(_PYPROJECT)
+    return p
