@@ -182,8 +182,15 @@ def _client_query(msg, context):
     conf = msg.content["config"]
     run = _local_run(str(conf["fedlora-config"]))
     k = _partition(context, run)
-    if str(conf["op"]) == "hello":
+    op = str(conf["op"])
+    if op == "hello":
         return _reply(msg, result=app.ConfigRecord({"partition-id": k}))
+    if op == "get-record":  # a checkpoint: the record this node keeps
+        _load_state(run, k, context)
+        return _reply(msg, record=tensors_to_record(run.store.get(k)))
+    if op == "put-record":  # a resumed run: the record of its checkpoint
+        context.state[_STATE] = msg.content["record"]
+        return _reply(msg, result=app.ConfigRecord({"ok": True}))
     _load_state(run, k, context)
     sent = run.deliver(int(conf["round"]), {k: _download(msg.content)})
     _save_state(run, k, context)
@@ -227,10 +234,12 @@ class FlowerExecutor:
         self.wire_bytes = {"down": 0, "up": 0}  # serialised Flower records, both ways
 
     # -- messages --------------------------------------------------------------------------------------
-    def _message(self, kind: str, client: int, rnd: int, download: Download | None = None, **conf):
+    def _message(self, kind: str, client: int, rnd: int, download: Download | None = None, *,
+                 record: Mapping[str, torch.Tensor] | None = None, node: int | None = None, **conf):
+        """A message to client ``client``'s node (``node``: to a node whose partition is not known yet)."""
         app = _flwr()
         config = {"fedlora-config": self.config_json, "client": int(client), "round": int(rnd), **conf}
-        records = {}
+        records = {} if record is None else {"record": tensors_to_record(record)}
         if download is not None:
             config.update({"download-counted": bool(download.counted),
                            "download-nbytes": -1 if download.nbytes is None else int(download.nbytes)})
@@ -238,7 +247,7 @@ class FlowerExecutor:
         records["config"] = app.ConfigRecord(config)
         mtype = {"train": app.MessageType.TRAIN, "evaluate": app.MessageType.EVALUATE,
                  "query": app.MessageType.QUERY}[kind]
-        node = self.node_of[client] if client >= 0 else conf.pop("node")
+        node = self.node_of[client] if node is None else node
         return app.Message(app.RecordDict(records), dst_node_id=node, message_type=mtype, group_id=str(rnd))
 
     def _exchange(self, msgs, timeout: float) -> dict[int, Any]:
@@ -318,6 +327,27 @@ class FlowerExecutor:
                 raise RuntimeError(f"flower: client {k} did not take the final global state: {why}")
             out[k] = int(rep.content["result"]["bytes-down"])
         return out
+
+    def _ask_all(self, op: str, per_client: Mapping[int, Any] | None = None) -> dict[int, Any]:
+        msgs = [self._message("query", k, -1, op=op, record=None if per_client is None else per_client[k])
+                for k in sorted(self.node_of)]
+        replies = self._exchange(msgs, self.timeout)
+        out = {}
+        for k in sorted(self.node_of):
+            rep = replies.get(self.node_of[k])
+            if rep is None or rep.has_error():
+                why = _reason(rep) if rep is not None else f"no reply within {self.timeout:g} s"
+                raise RuntimeError(f"flower: client {k} did not answer {op}: {why}")
+            out[k] = rep
+        return out
+
+    def client_records(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Every client's state record, as its node keeps it (what a checkpoint holds)."""
+        return {k: record_to_tensors(rep.content["record"]) for k, rep in self._ask_all("get-record").items()}
+
+    def restore_records(self, records: Mapping[int, Mapping[str, torch.Tensor]]) -> None:
+        """Give every node the record of a checkpoint (a resumed run)."""
+        self._ask_all("put-record", records)
 
     def merge_into_base(self, state) -> None:  # refused up front (check_flower_method)
         raise NotImplementedError

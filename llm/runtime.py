@@ -188,7 +188,11 @@ class FederatedRun:
             raise ConfigError(f"--resume: the checkpoint {str(ckpt.path)!r} belongs to another config than "
                               f"{str(folder / 'config.json')!r}")
         cfg = RunConfig.from_dict({**given.to_dict(), "output_dir": str(folder)})
-        run = cls(cfg, progress=progress, output=OutputDir(folder, None, RUN_WRITES))
+        try:
+            runtime = json.loads((folder / "config.json").read_text())["resolved"].get("runtime", "embedded")
+        except (KeyError, AttributeError, TypeError, ValueError):
+            runtime = "embedded"
+        run = cls(cfg, progress=progress, output=OutputDir(folder, None, RUN_WRITES), runtime=runtime)
         run._resume_from = ckpt
         return run
 
@@ -802,6 +806,10 @@ class FederatedRun:
 
                     raise Interrupted(pending[0])
         bar.close()
+        remote = getattr(self.executor, "client_records", None) if self.executor is not self else None
+        if remote is not None:  # on Flower the final records live on the clients' nodes: the adapters come from them
+            for k, rec in remote().items():
+                self.store.put(k, rec, copy=False)
         summary = self._summary(evals, time.perf_counter() - t0)
         if self.write:
             self.save_adapters(out / "adapters")
@@ -830,8 +838,10 @@ class FederatedRun:
         st = self.server.state_dict()
         files = {"server.safetensors": save({k: v.contiguous() for k, v in st["tensors"].items()},
                                             metadata={"server": json.dumps(st["meta"])})}
-        for k in range(self.K_train):
-            files[f"client_{k}.safetensors"] = record_to_bytes(self.store.get(k))
+        remote = getattr(self.executor, "client_records", None) if self.executor is not self else None
+        records = remote() if remote is not None else {k: self.store.get(k) for k in range(self.K_train)}
+        for k in range(self.K_train):  # (on Flower the records live on the clients' nodes: asked for)
+            files[f"client_{k}.safetensors"] = record_to_bytes(records[k])
         runtime = {f"method:{n}": v.contiguous() for n, v in self.method.runtime_state().items()}
         runtime["rng:torch"] = torch.get_rng_state()
         files["runtime.safetensors"] = save(runtime)
@@ -858,8 +868,11 @@ class FederatedRun:
 
         server = Payload.from_bytes(ckpt.files["server.safetensors"])
         self.server.load_state_dict({"tensors": dict(server.tensors), "meta": json.loads(server.meta["server"])})
-        for k in range(self.K_train):
-            self.store.put(k, record_from_bytes(ckpt.files[f"client_{k}.safetensors"]), copy=False)
+        records = {k: record_from_bytes(ckpt.files[f"client_{k}.safetensors"]) for k in range(self.K_train)}
+        for k, rec in records.items():
+            self.store.put(k, rec, copy=True)
+        if self.executor is not self and hasattr(self.executor, "restore_records"):
+            self.executor.restore_records(records)  # on Flower: every node takes its record back
         runtime = load(ckpt.files["runtime.safetensors"])
         self.method.load_runtime_state({n[len("method:"):]: v for n, v in runtime.items() if n.startswith("method:")})
         torch.set_rng_state(runtime["rng:torch"])

@@ -4,6 +4,12 @@ message per participant carrying its download, its upload coming back as an arra
 the embedded runtime's records: participants, per-client losses, bytes up and down, ranks and every
 evaluation, for FedAvg-LoRA, RoLoRA, LoRA-A², PF2LoRA and H²Tune with client sampling on."""
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,6 +50,20 @@ def _close(a, b, path=""):
         assert a == b, f"{path}: {a!r} != {b!r}"
 
 
+def _adapters(out):
+    from safetensors.torch import load_file
+
+    return {p.name: load_file(str(p)) for p in sorted((out / "adapters").glob("*.safetensors"))}
+
+
+def _same_adapters(a, b):
+    assert list(a) == list(b)
+    for f in a:
+        assert list(a[f]) == list(b[f]), f
+        for n in a[f]:
+            torch.testing.assert_close(a[f][n], b[f][n], rtol=1e-6, atol=1e-8, msg=f"{f}: {n}")
+
+
 def test_tensors_cross_flower_bit_for_bit():
     g = torch.Generator().manual_seed(0)
     ts = {"roberta.encoder.layer.0.attention.self.query.lora_A": torch.randn(4, 8, generator=g),
@@ -69,6 +89,8 @@ def test_flower_simulation_gives_the_embedded_records(method, tmp_path, monkeypa
     _close(emb, flw)
     cfg = json.loads((tmp_path / "flower" / "config.json").read_text())
     assert cfg["resolved"]["runtime"] == "flower"
+    # the adapters are the clients' final records (fetched from their nodes), not the server's copies
+    _same_adapters(_adapters(tmp_path / "embedded"), _adapters(tmp_path / "flower"))
     summary = json.loads((tmp_path / "flower" / "summary.json").read_text())
     assert summary["bytes_up_total"] == json.loads((tmp_path / "embedded" / "summary.json").read_text())["bytes_up_total"]
 
@@ -81,3 +103,36 @@ def test_methods_that_need_one_process_are_refused_in_one_line(method, tmp_path,
     err = capsys.readouterr().err
     assert err.startswith(f"fedlora: error: --runtime flower: {method} is not supported on Flower") and err.count("\n") == 1
     assert not out.exists()
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_flower_run_killed_after_round_2_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch, capsys):
+    """SIGKILL of a `--runtime flower` run (the process and its Ray clients) once round 2 is checkpointed —
+    the checkpoint holds every client's record, asked from its node — then `fedlora run --resume`: the
+    records and adapters of an uninterrupted run (embedded, which the Flower run equals)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    args = ["tiny-smoke", "--set", "method.name=fedavg", "--set", "train.rounds=4", "--no-progress"]
+    assert main(["run", *args, "--out", str(tmp_path / "full")]) == 0
+    out = tmp_path / "killed"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "fedlora", "run", *args, "--runtime", "flower", "--out", str(out)],
+                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)  # its own process group: Ray's workers die with it
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / "checkpoints" / "round_000002" / "manifest.json").is_file():
+            assert proc.poll() is None, "the run ended before round 2"
+            assert time.monotonic() < deadline, "round 2 was not checkpointed within 240 s"
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    assert json.loads((out / "run.json").read_text())["status"] == "running"  # killed: no clean-up ran
+    assert main(["run", "--resume", str(out), "--no-progress"]) == 0, capsys.readouterr().err
+    assert "resuming" in capsys.readouterr().out
+    assert json.loads((out / "config.json").read_text())["resolved"]["runtime"] == "flower"
+    _close(_records(tmp_path / "full"), _records(out))
+    _same_adapters(_adapters(tmp_path / "full"), _adapters(out))
