@@ -55,7 +55,7 @@ def run_simulation(tmp: Path, method: str, rounds: int) -> dict:
     t0 = time.perf_counter()
     run.run()
     return {"total_s": time.perf_counter() - t0, "round_s": [r["wall_s"] for r in _rounds(out)],
-            "payload_bytes": _payload_bytes(out), "flower_array_bytes_train": dict(run.executor.wire_bytes)}
+            "payload_bytes": _payload_bytes(out), "flower_array_bytes_train": dict(run.executor.wire_bytes)}  # train + deliver
 
 
 def run_deployment(tmp: Path, method: str, rounds: int) -> dict:
@@ -94,8 +94,8 @@ def main(argv=None) -> int:
         res["simulation"] = run_simulation(tmp, a.method, a.rounds)
         if a.deploy:
             res["deployment"] = run_deployment(tmp, a.method, a.rounds)
-    lines = ["| runtime | median s / round | total s (incl. start-up) | payload bytes up / down | Flower array bytes (train msgs) down / up |",
-             "|---|---|---|---|---|"]
+    lines = ["| runtime | median s / round | total s (incl. start-up) | payload bytes up / down (rounds.jsonl, `Payload.nbytes`) | Flower array bytes up / down | Flower config bytes down | messages |",
+             "|---|---|---|---|---|---|---|"]
     for name in ("embedded", "simulation", "deployment"):
         if name not in res:
             continue
@@ -103,7 +103,8 @@ def main(argv=None) -> int:
         pb = r["payload_bytes"]
         wire = r.get("flower_array_bytes_train")
         lines.append(f"| {name} | {statistics.median(r['round_s']):.3f} | {r['total_s']:.1f} | {pb['up']:,} / {pb['down']:,} | "
-                     + (f"{wire['down']:,} / {wire['up']:,}" if wire else "") + " |")
+                     + (f"{wire['arrays_up']:,} / {wire['arrays_down']:,} | {wire['config_down']:,} | {wire['messages']}"
+                        if wire else " | | ") + " |")
     table = "\n".join(lines)
     print(table)
     out = Path(a.out)

@@ -231,7 +231,9 @@ class FlowerExecutor:
         self.grid, self.run, self.timeout, self.poll = grid, run, float(timeout), float(poll)
         self.config_json = json.dumps(run.cfg.to_dict(), sort_keys=True)
         self.node_of = self._map_partitions(node_wait)
-        self.wire_bytes = {"down": 0, "up": 0}  # serialised Flower records, both ways
+        #: what Flower carried for training and synchronisation: array bytes (the tensors) and config bytes
+        #: (the run's config travels in every message, so that a node needs nothing but its data)
+        self.wire_bytes = {"arrays_down": 0, "arrays_up": 0, "config_down": 0, "messages": 0}
 
     # -- messages --------------------------------------------------------------------------------------
     def _message(self, kind: str, client: int, rnd: int, download: Download | None = None, *,
@@ -296,7 +298,7 @@ class FlowerExecutor:
     # -- the executor ----------------------------------------------------------------------------------
     def train(self, rnd: int, clients: Sequence[int], downloads: Mapping[int, Download]):
         msgs = [self._message("train", k, rnd, downloads.get(k, Download())) for k in clients]
-        self.wire_bytes["down"] += sum(_record_nbytes(m) for m in msgs)
+        self._count(msgs)
         replies = self._exchange(msgs, self.timeout)
         out: dict[int, ClientUpdate | ClientFailure] = {}
         for k in clients:
@@ -307,7 +309,7 @@ class FlowerExecutor:
             if rep.has_error():
                 out[k] = ClientFailure(_reason(rep), "error")
                 continue
-            self.wire_bytes["up"] += _record_nbytes(rep)
+            self.wire_bytes["arrays_up"] += _array_nbytes(rep)
             res = rep.content["result"]
             if "failure-kind" in res:
                 out[k] = ClientFailure(str(res["failure-why"]), str(res["failure-kind"]), int(res["bytes-down"]))
@@ -318,6 +320,7 @@ class FlowerExecutor:
 
     def deliver(self, rnd: int, downloads: Mapping[int, Download]) -> dict[int, int]:
         msgs = [self._message("query", k, rnd, d, op="deliver") for k, d in downloads.items()]
+        self._count(msgs)
         replies = self._exchange(msgs, self.timeout)
         out = {}
         for k in downloads:
@@ -349,6 +352,11 @@ class FlowerExecutor:
         """Give every node the record of a checkpoint (a resumed run)."""
         self._ask_all("put-record", records)
 
+    def _count(self, msgs) -> None:
+        self.wire_bytes["messages"] += len(msgs)
+        self.wire_bytes["arrays_down"] += sum(_array_nbytes(m) for m in msgs)
+        self.wire_bytes["config_down"] += sum(_config_nbytes(m) for m in msgs)
+
     def merge_into_base(self, state) -> None:  # refused up front (check_flower_method)
         raise NotImplementedError
 
@@ -373,14 +381,13 @@ def _reason(rep) -> str:
     return lines[-1] if lines else f"error code {getattr(rep.error, 'code', '?')}"
 
 
-def _record_nbytes(msg) -> int:
-    """Bytes of a message's arrays and configs as Flower serialises them (the payload on the wire)."""
-    total = 0
-    for rec in msg.content.array_records.values():
-        total += sum(len(a.data) for a in rec.values())
-    for rec in msg.content.config_records.values():
-        total += sum(len(str(v)) for v in rec.values())
-    return total
+def _array_nbytes(msg) -> int:
+    """Bytes of a message's arrays as Flower carries them (numpy's .npy serialisation of each tensor)."""
+    return sum(len(a.data) for rec in msg.content.array_records.values() for a in rec.values())
+
+
+def _config_nbytes(msg) -> int:
+    return sum(len(str(k)) + len(str(v)) for rec in msg.content.config_records.values() for k, v in rec.items())
 
 
 def _serve(grid, run) -> None:
