@@ -225,6 +225,13 @@ def curves_figure(rows: Sequence[Mapping[str, Any]], legend: Mapping[str, str], 
     a_bytes.legend(handles=[Line2D([], [], color="k", ls="-", label="up + down"),
                             Line2D([], [], color="k", ls=":", label="up")], fontsize=8)
     a_rank.set(xlabel="round", ylabel="rank (participants' mean)")
+    ranks = [y for (_, q), (_, ys) in series.items() if q.startswith("ranks.") for y in ys]
+    if ranks and min(ranks) > 0 and max(ranks) > 4 * min(ranks):  # e.g. LoRA-A²'s total selected beside r_k
+        from matplotlib.ticker import ScalarFormatter
+
+        a_rank.set_yscale("log", base=2)
+        a_rank.yaxis.set_major_formatter(ScalarFormatter())
+        a_rank.set_ylabel("rank (participants' mean; log scale)")
     if rank_keys:
         a_rank.legend(handles=[Line2D([], [], color="k", ls=styles[j % len(styles)], label=k)
                                for j, k in enumerate(rank_keys)], fontsize=8, title="ranks entry", title_fontsize=8)
@@ -243,30 +250,29 @@ def curves_figure(rows: Sequence[Mapping[str, Any]], legend: Mapping[str, str], 
 
 def split_figure(rows: Sequence[Mapping[str, Any]], title: str) -> bytes:
     """One run's per-client label histograms (``split_rows`` rows) as PNG bytes: a panel per part
-    (train, val, test; an empty part is left out), a stacked bar per client, a colour per class."""
+    (train, val, test; an empty part is left out), each drawn by ``fedlora.partition.draw_label_histograms``
+    (a stacked bar per client, a colour per class), one legend of the classes."""
     from matplotlib.ticker import MaxNLocator
+
+    from fedlora.partition import draw_label_histograms
 
     plt = _pyplot()
     parts = [p for p in _PARTS if any(r["part"] == p and r["count"] for r in rows)]
     labels = list(dict.fromkeys(r["label"] for r in rows))
     clients = sorted({r["client"] for r in rows})
     side = 1.3 if len(labels) <= 20 else 2.6  # inches for the legend of the classes
-    width = 4.2 * max(len(parts), 1) + side
+    width = max(4.2, 0.12 * len(clients) + 1.2) * max(len(parts), 1) + side
     fig, axes = plt.subplots(1, max(len(parts), 1), figsize=(width, 3.8), squeeze=False)
-    cmap = plt.get_cmap("tab20" if len(labels) > 10 else "tab10")
     for ax, part in zip(axes[0], parts):
         count = {(r["client"], r["label"]): r["count"] for r in rows if r["part"] == part}
-        bottom = [0] * len(clients)
-        for c, name in enumerate(labels):
-            h = [count.get((k, name), 0) for k in clients]
-            ax.bar(clients, h, bottom=bottom, color=cmap(c % cmap.N), label=name, width=0.8)
-            bottom = [b + x for b, x in zip(bottom, h)]
-        ax.set(xlabel="client", ylabel=f"{part} rows", title=part)
+        draw_label_histograms(ax, [[count.get((k, name), 0) for name in labels] for k in clients],
+                              class_names=labels, legend=False)
+        ax.set(ylabel=f"{part} rows", title=part)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     if parts:
         handles, names = axes[0][0].get_legend_handles_labels()
-        fig.legend(handles, names, loc="center right", fontsize=8, frameon=False,
+        fig.legend(handles, names, loc="center right", fontsize=8, frameon=False, title="class", title_fontsize=8,
                    ncol=1 if len(names) <= 20 else 2)
     fig.suptitle(title, fontsize=11)
     fig.tight_layout(rect=(0, 0, 1 - side / width, 1))
