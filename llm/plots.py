@@ -285,31 +285,13 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._") or "run"
 
 
-def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, *, labels: Sequence[str] | None = None,
-              metric: str | None = None, overwrite: bool = False) -> dict[str, Any]:
-    """``fedlora plot``: read the runs (``fedlora.llm.runfolder.read_run``), check them, then write into
-    ``out`` (claimed with ``fedlora.io.claim_output_dir``: new or empty unless ``overwrite``):
-
-    * ``curves.png`` (``curves_figure``) and ``curves.csv`` (``curve_rows`` of every run: run, round,
-      quantity, value);
-    * ``split/<label>.png`` (``split_figure``) per run and ``split.csv`` (``split_rows``: run, part,
-      client, label, count) — the per-client label histograms config.json records;
-    * ``plot.json``: the runs (folder, label, method, task, status, rounds done of planned) and the metric.
-
-    ``labels``: one per run (default: the folder's name, and the method when it differs); ``metric``:
-    one every run reports (default: the runs' main metric — runs of different tasks need it).
-    Refused in one ``ConfigError`` line before anything is written: a folder that is not a run, the same
-    run twice, labels that are not one per run or repeat, runs of different tasks without ``metric``, a
-    ``metric`` some run does not report. Incomplete runs are plotted as far as they got: the returned
-    ``notes`` say so (and their legend entries). Returns ``{"out", "files", "metric", "runs", "notes"}``;
-    on any failure while writing, what was written is removed."""
+def _check_runs(run_dirs, labels, metric):
+    """``plot_runs``'s checks of its input (no file written): the runs, their labels, the metric, the
+    legend entries, the notes on incomplete runs and the file names of the split figures."""
     from fedlora.errors import ConfigError, did_you_mean
-    from fedlora.io import claim_output_dir, write_bytes_atomic, write_json_atomic
 
     from .runfolder import read_run
 
-    if not run_dirs:
-        raise ConfigError("RUN_DIR: give at least one run folder")
     runs = [read_run(d) for d in run_dirs]
     seen: dict[Path, str] = {}
     for d, run in zip(run_dirs, runs):
@@ -358,7 +340,41 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, *, labels: Sequen
         s = _slug(lab)
         slugs.append(s if s not in slugs else f"{s}_{len(slugs)}")
 
-    folder = claim_output_dir(out, "--out", writes=PLOT_WRITES, overwrite=overwrite)
+    return runs, labels, metric, legend, notes, slugs
+
+
+def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, *, labels: Sequence[str] | None = None,
+              metric: str | None = None, overwrite: bool = False) -> dict[str, Any]:
+    """``fedlora plot``: read the runs (``fedlora.llm.runfolder.read_run``), check them, then write into
+    ``out`` (claimed with ``fedlora.io.claim_output_dir``: new or empty unless ``overwrite``):
+
+    * ``curves.png`` (``curves_figure``) and ``curves.csv`` (``curve_rows`` of every run: run, round,
+      quantity, value);
+    * ``split/<label>.png`` (``split_figure``) per run and ``split.csv`` (``split_rows``: run, part,
+      client, label, count) — the per-client label histograms config.json records;
+    * ``plot.json``: the runs (folder, label, method, task, status, rounds done of planned) and the metric.
+
+    ``labels``: one per run (default: the folder's name, and the method when it differs); ``metric``:
+    one every run reports (default: the runs' main metric — runs of different tasks need it).
+    Refused in one ``ConfigError`` line before anything is written: a folder that is not a run, the same
+    run twice, labels that are not one per run or repeat, runs of different tasks without ``metric``, a
+    ``metric`` some run does not report. Incomplete runs are plotted as far as they got: the returned
+    ``notes`` say so (and their legend entries). Returns ``{"out", "files", "metric", "runs", "notes"}``;
+    on any failure while writing, what was written is removed."""
+    from fedlora.errors import ConfigError
+    from fedlora.io import claim_output_dir, write_bytes_atomic, write_json_atomic
+
+    if not run_dirs:
+        raise ConfigError("RUN_DIR: give at least one run folder")
+    # --out first (as every command): refused before any work, cleared only once the runs have passed
+    folder = claim_output_dir(out, "--out", writes=PLOT_WRITES, overwrite=overwrite, clear=False)
+    try:
+        runs, labels, metric, legend, notes, slugs = _check_runs(run_dirs, labels, metric)
+    except BaseException:
+        folder.remove_if_empty()
+        raise
+    if overwrite:
+        folder.clear()
     try:
         rows = [row for lab, run in zip(labels, runs) for row in curve_rows(lab, run, metric)]
         tasks = ", ".join(dict.fromkeys(r.task for r in runs))

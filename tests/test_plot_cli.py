@@ -249,6 +249,16 @@ def test_overwrite_replaces_an_earlier_plot(runs, tmp_path):
     assert {k[0] for k in _curves(out)} == {"hetlora"}
 
 
+def test_overwrite_with_a_bad_run_keeps_the_earlier_plot(runs, tmp_path, capsys):
+    """--out is checked first (as every command's), but cleared only once the runs have passed."""
+    out = tmp_path / "p"
+    assert main(["plot", str(runs["fedavg"]), "--out", str(out)]) == 0
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert main(["plot", str(runs["fedavg"]), str(tmp_path / "nope"), "--out", str(out), "--overwrite"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
 # ---------------------------------------------------------------------------------------- bad input
 def _not_a_run(tmp_path, runs):
     (tmp_path / "empty").mkdir()
