@@ -6,6 +6,7 @@
     fedlora synthetic compare [--methods a,b] [--heterogeneity 0,0.5,1] [--task both] [--seeds N] [--out DIR]
     fedlora run CONFIG [--set key=value …] [--out DIR] [--dry-run] [--list-configs]
     fedlora export RUN_DIR --client K --out DIR [--format peft|merged]
+    fedlora plot RUN_DIR [RUN_DIR …] [--out DIR] [--labels A,B] [--metric M]
 
 The core imports nothing from the layers built on it (``fedlora.synthetic``, ``fedlora.llm``): each layer owns
 its commands (``synthetic/cli.py``, ``llm/cli.py``), and this module discovers them through the
@@ -51,6 +52,7 @@ BUILTIN_COMMANDS: dict[str, str] = {
     "synthetic": "fedlora.synthetic.cli:register",
     "run": "fedlora.llm.cli:register_run",
     "export": "fedlora.llm.cli:register_export",
+    "plot": "fedlora.llm.cli:register_plot",
 }
 
 #: the exit status of bad input (``ConfigError``) and of an unavailable command

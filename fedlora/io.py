@@ -217,6 +217,14 @@ class OutputDir:
                     _remove(entry)
         self._remove_created()
 
+    def clear(self) -> None:
+        """Remove every entry of the folder that the command writes (``writes``; never another file): the
+        clearing that ``claim_output_dir(…, overwrite=True, clear=False)`` left for after the checks."""
+        if self.path.is_dir():
+            for entry in list(self.path.iterdir()):
+                if _ours(entry.name, self.writes):
+                    _remove(entry)
+
     def remove_if_empty(self) -> None:
         """Remove the folder (and the parents the claim created) if the claim created it and it is
         still empty: a command that stops before writing anything leaves no trace."""
@@ -225,7 +233,7 @@ class OutputDir:
 
 def claim_output_dir(path: str | os.PathLike, flag: str = "--out", *, writes: Iterable[str],
                      overwrite: bool = False, resume: bool = False,
-                     overwrite_flag: str = "--overwrite") -> OutputDir:
+                     overwrite_flag: str = "--overwrite", clear: bool = True) -> OutputDir:
     """Claim ``path`` as the results folder of a command that writes the entries ``writes`` (file and
     folder names): refuse a folder that already holds anything, so that two experiments never mix in
     one folder (a second run with fewer clients would keep the first run's ``adapters/client_2…``).
@@ -238,6 +246,9 @@ def claim_output_dir(path: str | os.PathLike, flag: str = "--out", *, writes: It
       anything else (your own files, another command's results), the filesystem root or the home folder
       is never cleared: refused in one line naming what is foreign.
     * ``resume``: refused in one line (``RESUME_LATER``) until runs write checkpoints.
+    * ``clear=False`` (with ``overwrite``): every refusal above is made, but nothing is removed yet — the
+      command clears with ``OutputDir.clear()`` once its own checks have passed (``fedlora plot``: a bad
+      RUN_DIR never costs the earlier results).
 
     Call it BEFORE any work, as ``check_output_dir``. Returns an ``OutputDir`` (its ``discard`` /
     ``remove_if_empty`` undo the claim when the command fails or is interrupted).
@@ -267,9 +278,7 @@ def claim_output_dir(path: str | os.PathLike, flag: str = "--out", *, writes: It
         if a.exists() or a.is_symlink():
             break
         created = a
-    out = check_output_dir(p, flag)
-    if overwrite:
-        for entry in list(out.iterdir()):
-            if _ours(entry.name, writes):
-                _remove(entry)
-    return OutputDir(out, created, writes)
+    out = OutputDir(check_output_dir(p, flag), created, writes)
+    if overwrite and clear:
+        out.clear()
+    return out

@@ -23,7 +23,7 @@ Schemes (name in the registry → function):
 :func:`partition` dispatches a spec string such as ``"dirichlet(0.5)"`` or
 ``"dirichlet(alpha=0.1, min_size=10)"`` (parsed by :func:`parse_partition`); every bad name or
 parameter raises :class:`fedlora.errors.ConfigError` naming the parameter and its allowed range.
-:func:`label_histograms` / :func:`plot_label_histograms` report the per-client label mix.
+:func:`label_histograms` / :func:`plot_label_histograms` (:func:`draw_label_histograms` on given axes) report the per-client label mix.
 
 Labels may be any sortable 1-D values (ints, strings); classes are the sorted distinct values
 (``np.unique``), so "class c" below means the c-th smallest label.
@@ -52,6 +52,7 @@ __all__ = [
     "pathological_pairs",
     "label_histograms",
     "plot_label_histograms",
+    "draw_label_histograms",
     "check_partition",
     "parse_partition",
     "partition",
@@ -479,6 +480,35 @@ def label_histograms(labels: Any, parts: Sequence[np.ndarray], n_classes: int | 
     return hist
 
 
+def draw_label_histograms(ax: Any, hist: Any, *, class_names: Sequence[str] | None = None,
+                          normalize: bool = False, legend: bool = True) -> None:
+    """Draw the stacked bars of a (n_clients, n_classes) histogram on the matplotlib axes ``ax``: one bar
+    per client (x = 0 … n_clients − 1), one colour per class (tab10, tab20 beyond 10 classes), a legend
+    of the classes beside the axes (up to 20 classes) unless ``legend=False``. ``normalize=True`` draws
+    class shares. The one drawer of label histograms: ``plot_label_histograms`` and ``fedlora plot``'s
+    split figures (``fedlora.llm.plots``) use it."""
+    import matplotlib.pyplot as plt
+
+    h = np.asarray(hist, dtype=float)
+    if h.ndim != 2:
+        raise ConfigError(f"plot_label_histograms: hist must be 2-D (n_clients, n_classes), got shape {h.shape}")
+    if normalize:
+        h = h / np.maximum(h.sum(axis=1, keepdims=True), 1)
+    n_clients, n_classes = h.shape
+    cmap = plt.get_cmap("tab20" if n_classes > 10 else "tab10")
+    x = np.arange(n_clients)
+    bottom = np.zeros(n_clients)
+    for c in range(n_classes):
+        label = class_names[c] if class_names is not None else str(c)
+        ax.bar(x, h[:, c], bottom=bottom, width=0.85, color=cmap(c % cmap.N), label=label, linewidth=0)
+        bottom += h[:, c]
+    ax.set_xlabel("client")
+    ax.set_ylabel("share of samples" if normalize else "samples")
+    ax.set_xlim(-0.5, n_clients - 0.5)
+    if legend and n_classes <= 20:
+        ax.legend(title="class", fontsize=7, ncol=2, bbox_to_anchor=(1.01, 1), loc="upper left")
+
+
 def plot_label_histograms(
     hist: Any,
     path: str,
@@ -497,26 +527,14 @@ def plot_label_histograms(
     import matplotlib.pyplot as plt
 
     h = np.asarray(hist, dtype=float)
-    if h.ndim != 2:
-        raise ConfigError(f"plot_label_histograms: hist must be 2-D (n_clients, n_classes), got shape {h.shape}")
-    if normalize:
-        h = h / np.maximum(h.sum(axis=1, keepdims=True), 1)
-    n_clients, n_classes = h.shape
-    cmap = plt.get_cmap("tab20" if n_classes > 10 else "tab10")
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.25 * n_clients + 2), 4.0))
-    x = np.arange(n_clients)
-    bottom = np.zeros(n_clients)
-    for c in range(n_classes):
-        label = class_names[c] if class_names is not None else str(c)
-        ax.bar(x, h[:, c], bottom=bottom, width=0.85, color=cmap(c % cmap.N), label=label, linewidth=0)
-        bottom += h[:, c]
-    ax.set_xlabel("client")
-    ax.set_ylabel("share of samples" if normalize else "samples")
-    ax.set_xlim(-0.5, n_clients - 0.5)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.25 * (h.shape[0] if h.ndim == 2 else 1) + 2), 4.0))
+    try:
+        draw_label_histograms(ax, h, class_names=class_names, normalize=normalize)
+    except ConfigError:
+        plt.close(fig)
+        raise
     if title:
         ax.set_title(title)
-    if n_classes <= 20:
-        ax.legend(title="class", fontsize=7, ncol=2, bbox_to_anchor=(1.01, 1), loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -1,6 +1,6 @@
-"""``fedlora run`` and ``fedlora export``: the LLM layer's commands. The ``fedlora`` dispatcher finds
-``register_run`` and ``register_export`` through the entry points ``run`` and ``export`` of the group
-``fedlora.commands`` (fedlora/cli.py says how)."""
+"""``fedlora run``, ``fedlora export`` and ``fedlora plot``: the LLM layer's commands. The ``fedlora``
+dispatcher finds ``register_run``, ``register_export`` and ``register_plot`` through the entry points
+``run``, ``export`` and ``plot`` of the group ``fedlora.commands`` (fedlora/cli.py says how)."""
 from __future__ import annotations
 
 import argparse
@@ -47,6 +47,33 @@ def register_export(subparsers: argparse._SubParsersAction) -> None:
                     help="peft (a LoRA adapter PEFT loads, default) or merged "
                          "(the base model with the adapter merged, save_pretrained)")
     ex.set_defaults(handler=_cmd_export)
+
+
+def register_plot(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``plot`` (the curves of several runs in one figure, with the numbers as CSV)."""
+    pl = subparsers.add_parser(
+        "plot", help="compare runs: metric, loss, bytes and rank curves (PNG + CSV) and each split's label histograms",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Overlay the curves of `fedlora run` folders and draw each run's per-client label histograms.",
+        epilog="writes into --out:\n"
+               "  curves.png     4 panels: test metric (clients' mean; global model dashed), training loss,\n"
+               "                 cumulative MB sent (up+down; up dotted), ranks (each `ranks` entry's mean)\n"
+               "  curves.csv     the numbers: run, round, quantity, value (quantities named after the\n"
+               "                 rounds.jsonl fields they come from, e.g. eval.test.mean.accuracy)\n"
+               "  split/<run>.png, split.csv   per-client label histograms (train/val/test) of config.json\n"
+               "  plot.json      the runs plotted (folder, label, method, task, status, rounds) and the metric\n"
+               "An incomplete run (interrupted, failed, running) is plotted as far as it got, and said so.\n"
+               "example: fedlora plot runs/fedavg runs/hetlora --labels FedAvg,HetLoRA --out plots/cmp")
+    pl.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="output folders of `fedlora run` (config.json, rounds.jsonl)")
+    pl.add_argument("--out", default="plots", metavar="DIR", help="output folder (default: plots); must be new or empty, unless --overwrite")
+    pl.add_argument("--overwrite", action="store_true",
+                    help="clear --out first (only a folder that holds nothing but fedlora plot's files)")
+    pl.add_argument("--labels", default=None, metavar="A,B,…",
+                    help="legend labels, comma-separated, one per RUN_DIR in order (default: folder name (method))")
+    pl.add_argument("--metric", default=None, metavar="NAME",
+                    help="the test metric to plot (default: the runs' main metric, e.g. accuracy; needed for runs "
+                         "of different tasks; any metric every run reports, loss included)")
+    pl.set_defaults(handler=_cmd_plot)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -121,4 +148,18 @@ def _cmd_export(args: argparse.Namespace) -> int:
     path = (export_peft if args.format == "peft" else export_merged)(args.run_dir, args.client, out,
                                                                      overwrite=args.overwrite)
     print(f"wrote {path} ({args.format}, client {args.client})")
+    return 0
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    import sys
+
+    from fedlora.llm.plots import plot_runs
+
+    labels = args.labels.split(",") if args.labels is not None else None
+    res = plot_runs(args.run_dirs, args.out, labels=labels, metric=args.metric, overwrite=args.overwrite)
+    for note in res["notes"]:
+        print(f"fedlora: warning: {note}", file=sys.stderr)
+    print(f"plotted test {res['metric']} of {len(res['runs'])} run(s): {', '.join(r['label'] for r in res['runs'])}")
+    print(f"wrote {res['out']}/{', '.join(sorted({f.split('/')[0] + ('/' if '/' in f else '') for f in res['files']}))}")
     return 0

@@ -34,6 +34,8 @@ import torch
 from fedlora.errors import ConfigError
 from fedlora.kernels import fold_adapters
 
+from .runfolder import read_run_config
+
 __all__ = ["lora_factors", "export_peft", "export_merged", "load_run_adapter", "load_run_base_model",
            "merge_adapters", "unmerge_adapters", "config_digest", "MERGED_UPDATE"]
 
@@ -98,9 +100,7 @@ def load_run_adapter(run_dir: str | Path, client: int) -> tuple[dict[str, Any], 
     run_dir = Path(run_dir)
     cfg_path, folder = run_dir / "config.json", run_dir / "adapters"
     ad = folder / f"client_{client}.safetensors"
-    if not cfg_path.is_file():
-        raise ConfigError(f"export: {str(run_dir)!r} is not a finished run folder (no config.json)")
-    info = json.loads(cfg_path.read_text())
+    info = read_run_config(run_dir, "export")  # the one reader of a run folder (fedlora.llm.runfolder)
     K = int(info["config"]["federation"]["clients"])
     if not 0 <= client < K:
         raise ConfigError(f"export: --client {client}: the run in {str(run_dir)!r} has {K} clients, "

@@ -17,7 +17,8 @@ from fedlora.errors import ConfigError
 
 
 #: extra argv a command needs to get past argument parsing (none so far)
-REQUIRED_ARGS: dict[tuple[str, ...], list[str]] = {("run",): ["tiny-smoke"], ("export",): ["runs/none"]}
+REQUIRED_ARGS: dict[tuple[str, ...], list[str]] = {("run",): ["tiny-smoke"], ("export",): ["runs/none"],
+                                                  ("plot",): ["runs/none"]}
 
 
 def _commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
@@ -90,11 +91,13 @@ def no_work(monkeypatch):
         raise AssertionError("the experiment started before --out was checked")
 
     import fedlora.llm.export
+    import fedlora.llm.runfolder
     import fedlora.llm.runtime
 
     for mod, fn in ((fedlora.synthetic.rank_recovery, "run_rank_recovery"), (fedlora.synthetic.bilevel, "run_bilevel_convergence"),
                     (fedlora.synthetic.tune, "tune_rank_recovery"), (fedlora.synthetic.compare, "run_compare"),
-                    (fedlora.llm.runtime.FederatedRun, "prepare"), (fedlora.llm.export, "export_peft")):
+                    (fedlora.llm.runtime.FederatedRun, "prepare"), (fedlora.llm.export, "export_peft"),
+                    (fedlora.llm.runfolder, "read_run")):
         monkeypatch.setattr(mod, fn, boom)
 
 

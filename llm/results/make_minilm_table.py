@@ -5,14 +5,17 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
+
+from fedlora.llm.runfolder import read_run
 
 
 def _load(run: Path) -> dict:
-    rounds = [json.loads(line) for line in (run / "rounds.jsonl").read_text().splitlines()]
-    return {"summary": json.loads((run / "summary.json").read_text()), "rounds": rounds,
-            "config": json.loads((run / "config.json").read_text())}
+    folder = read_run(run)  # the one reader of a run folder
+    if folder.summary is None:
+        raise SystemExit(f"{run}: the run is incomplete ({folder.incomplete_note}); the table needs finished runs")
+    return {"summary": folder.summary, "rounds": list(folder.records),
+            "config": {"config": folder.config, "resolved": folder.resolved}}
 
 
 def _steps(r: dict) -> str:

@@ -1,0 +1,179 @@
+"""Reading a ``fedlora run`` folder: the one reader of what a run wrote (docs/design.md §9, "a run folder").
+
+``read_run_config`` reads ``config.json`` (the config as given and as resolved); ``read_run`` reads the
+whole record — config.json, ``rounds.jsonl`` (line 0 the evaluation before training, then one record
+per round), ``run.json`` (complete, running, interrupted, failed) and ``summary.json`` where the run
+finished — into a ``RunFolder``. Both refuse, in one ``ConfigError`` line, a folder that is not a run:
+no such folder, no config.json or rounds.jsonl, a file that is not the JSON a run writes. An incomplete
+run is read as far as it got (``RunFolder.complete`` is False, ``incomplete_note`` says how far): a
+last line of rounds.jsonl cut short by a kill is dropped (``dropped_partial_line``); a bad line
+anywhere else is refused.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from fedlora.errors import ConfigError
+
+__all__ = ["RunFolder", "read_run", "read_run_config"]
+
+
+def _json_file(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(f"{what}: cannot read {str(path)!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                          ) from None
+
+
+def read_run_config(run_dir: str | Path, what: str = "RUN_DIR") -> dict[str, Any]:
+    """``config.json`` of the run in ``run_dir``: ``{"config": the config as given, "resolved": what
+    was built}``. ``ConfigError`` starting with ``what`` when the folder or file is missing or is not
+    a run's config.json."""
+    folder = Path(run_dir)
+    if not folder.is_dir():
+        why = "is a file, not a folder" if folder.exists() else "does not exist"
+        raise ConfigError(f"{what}: {str(folder)!r} {why} (give the output folder of a `fedlora run`)")
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{what}: {str(folder)!r} is not a fedlora run folder (it has no config.json)")
+    info = _json_file(path, what)
+    if not (isinstance(info, dict) and isinstance(info.get("config"), dict) and isinstance(info.get("resolved"), dict)):
+        raise ConfigError(f"{what}: {str(path)!r} is not a fedlora run's config.json (no 'config' and 'resolved' tables)")
+    return info
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    """What one run wrote. ``records``: rounds.jsonl's lines in order (``records[0]`` is round 0, the
+    evaluation before training); ``status``: run.json's (``complete``, ``running``, ``interrupted``,
+    ``failed``; ``unknown`` without run.json: then complete iff summary.json exists);
+    ``rounds_planned``: train.rounds; ``summary``: summary.json, None until the run completed."""
+
+    path: Path
+    config: Mapping[str, Any]
+    resolved: Mapping[str, Any]
+    records: tuple[Mapping[str, Any], ...]
+    status: str
+    rounds_planned: int
+    summary: Mapping[str, Any] | None
+    dropped_partial_line: bool = False
+
+    # ---- what the run was
+    @property
+    def method(self) -> str:
+        return str(self.config["method"]["name"])
+
+    @property
+    def task(self) -> str:
+        return str(self.resolved.get("task") or self.config.get("data", {}).get("task") or "?")
+
+    @property
+    def clients(self) -> int:
+        return int(self.config["federation"]["clients"])
+
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        """The metrics every evaluation of the run reports (the keys of the clients' test mean: the
+        task's metrics and ``loss``), in the order of the first evaluation."""
+        evals = [r["eval"] for r in self.records if "eval" in r]
+        if not evals:
+            return tuple(self.resolved.get("metrics", ()))
+        keys = list(evals[0]["test"]["mean"])
+        return tuple(k for k in keys if all(k in e["test"]["mean"] for e in evals))
+
+    @property
+    def main_metric(self) -> str:
+        """The task's main metric: summary.json's; for a run without one, the registered task's, else
+        the first of the run's metrics (config.json's ``resolved.metrics``, main first for every task)."""
+        if self.summary and "main_metric" in self.summary:
+            return str(self.summary["main_metric"])
+        from .tasks import TASKS
+
+        spec = TASKS.get(self.task)
+        if spec is not None:
+            return spec.main_metric
+        listed = list(self.resolved.get("metrics") or self.metrics)
+        if not listed:
+            raise ConfigError(f"RUN_DIR: {str(self.path)!r}: config.json names no metrics")
+        return str(listed[0])
+
+    @property
+    def split(self) -> Mapping[str, Any] | None:
+        """config.json's ``resolved.split``: per-client sizes and label histograms (``describe_split``)."""
+        return self.resolved.get("split")
+
+    # ---- how far it got
+    @property
+    def complete(self) -> bool:
+        return self.status == "complete" or (self.status == "unknown" and self.summary is not None)
+
+    @property
+    def rounds_done(self) -> int:
+        """Round records (round ≥ 1) read from rounds.jsonl."""
+        return sum(1 for r in self.records if r.get("round", 0) >= 1)
+
+    @property
+    def incomplete_note(self) -> str | None:
+        """None for a complete run, else one clause saying how far it got, e.g. ``run.json says interrupted
+        after round 3 of 10``."""
+        if self.complete:
+            return None
+        said = f"run.json says {self.status}" if self.status != "unknown" else "no run.json and no summary.json"
+        note = f"{said} after round {self.rounds_done} of {self.rounds_planned}"
+        return note + ("; the last line of rounds.jsonl was cut short and is left out" if self.dropped_partial_line else "")
+
+    # ---- the records
+    def evaluations(self) -> list[tuple[int, Mapping[str, Any]]]:
+        """(round, eval) of every evaluated round, round 0 first."""
+        return [(int(r["round"]), r["eval"]) for r in self.records if "eval" in r]
+
+    def trained_rounds(self) -> list[Mapping[str, Any]]:
+        """The round records of training rounds (round ≥ 1), in order."""
+        return [r for r in self.records if r.get("round", 0) >= 1]
+
+
+def read_run(run_dir: str | Path, what: str = "RUN_DIR") -> RunFolder:
+    """The run in ``run_dir`` as a ``RunFolder`` (see the module's docstring for what is refused)."""
+    folder = Path(run_dir)
+    info = read_run_config(folder, what)
+    path = folder / "rounds.jsonl"
+    if not path.is_file():
+        raise ConfigError(f"{what}: {str(folder)!r} is not a fedlora run folder (it has no rounds.jsonl)")
+    status_path = folder / "run.json"
+    state = _json_file(status_path, what) if status_path.is_file() else {}
+    status = str(state.get("status", "unknown")) if isinstance(state, dict) else "unknown"
+    summary_path = folder / "summary.json"
+    summary = _json_file(summary_path, what) if summary_path.is_file() else None
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{what}: cannot read {str(path)!r}: {e}") from None
+    records, dropped = [], False
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            if not isinstance(rec, dict) or not isinstance(rec.get("round"), int):
+                raise ValueError("not a round record")
+        except ValueError as e:
+            last = all(not ln.strip() for ln in lines[i + 1:])
+            if last and status != "complete":  # the line a killed run was writing
+                dropped = True
+                break
+            raise ConfigError(f"{what}: {str(path)!r} line {i + 1} is not a round record ({e})") from None
+        records.append(rec)
+    if not records:
+        raise ConfigError(f"{what}: the run in {str(folder)!r} has no records yet (rounds.jsonl is empty)")
+    rounds = [r["round"] for r in records]
+    if rounds != list(range(rounds[0], rounds[0] + len(rounds))) or rounds[0] != 0:
+        raise ConfigError(f"{what}: {str(path)!r} does not hold rounds 0, 1, 2, … in order (it holds {rounds[:6]}…)")
+    planned = info["config"].get("train", {}).get("rounds")
+    planned = int(planned) if isinstance(planned, int) and not isinstance(planned, bool) else (
+        int(state["rounds"]) if isinstance(state, dict) and isinstance(state.get("rounds"), int) else len(records) - 1)
+    return RunFolder(folder, info["config"], info["resolved"], tuple(records), status, planned, summary, dropped)
+
