@@ -321,28 +321,26 @@ class FlowerExecutor:
     def deliver(self, rnd: int, downloads: Mapping[int, Download]) -> dict[int, int]:
         msgs = [self._message("query", k, rnd, d, op="deliver") for k, d in downloads.items()]
         self._count(msgs)
+        replies = self._required(msgs, list(downloads), "did not take the final global state")
+        return {k: int(rep.content["result"]["bytes-down"]) for k, rep in replies.items()}
+
+    def _required(self, msgs, clients: Sequence[int], what: str) -> dict[int, Any]:
+        """Send ``msgs``; every one of ``clients`` must answer without error (else ``RuntimeError``
+        naming the client, ``what`` failed and why)."""
         replies = self._exchange(msgs, self.timeout)
         out = {}
-        for k in downloads:
+        for k in clients:
             rep = replies.get(self.node_of[k])
             if rep is None or rep.has_error():
                 why = _reason(rep) if rep is not None else f"no reply within {self.timeout:g} s"
-                raise RuntimeError(f"flower: client {k} did not take the final global state: {why}")
-            out[k] = int(rep.content["result"]["bytes-down"])
+                raise RuntimeError(f"flower: client {k} {what}: {why}")
+            out[k] = rep
         return out
 
     def _ask_all(self, op: str, per_client: Mapping[int, Any] | None = None) -> dict[int, Any]:
         msgs = [self._message("query", k, -1, op=op, record=None if per_client is None else per_client[k])
                 for k in sorted(self.node_of)]
-        replies = self._exchange(msgs, self.timeout)
-        out = {}
-        for k in sorted(self.node_of):
-            rep = replies.get(self.node_of[k])
-            if rep is None or rep.has_error():
-                why = _reason(rep) if rep is not None else f"no reply within {self.timeout:g} s"
-                raise RuntimeError(f"flower: client {k} did not answer {op}: {why}")
-            out[k] = rep
-        return out
+        return self._required(msgs, sorted(self.node_of), f"did not answer {op}")
 
     def client_records(self) -> dict[int, dict[str, torch.Tensor]]:
         """Every client's state record, as its node keeps it (what a checkpoint holds)."""
@@ -363,15 +361,8 @@ class FlowerExecutor:
     def evaluate_clients(self, clients: Sequence[int], rnd: int) -> dict[int, dict]:
         server = self.run.server
         msgs = [self._message("evaluate", k, rnd, server.download_for(k)) for k in clients]
-        replies = self._exchange(msgs, self.timeout)
-        out = {}
-        for k in clients:
-            rep = replies.get(self.node_of[k])
-            if rep is None or rep.has_error():
-                why = _reason(rep) if rep is not None else f"no reply within {self.timeout:g} s"
-                raise RuntimeError(f"flower: client {k} could not be evaluated: {why}")
-            out[k] = json.loads(str(rep.content["result"]["scores"]))
-        return out
+        replies = self._required(msgs, list(clients), "could not be evaluated")
+        return {k: json.loads(str(rep.content["result"]["scores"])) for k, rep in replies.items()}
 
 
 def _reason(rep) -> str:
