@@ -53,6 +53,7 @@ BUILTIN_COMMANDS: dict[str, str] = {
     "run": "fedlora.llm.cli:register_run",
     "export": "fedlora.llm.cli:register_export",
     "plot": "fedlora.llm.cli:register_plot",
+    "flower": "fedlora.llm.cli:register_flower",
 }
 
 #: the exit status of bad input (``ConfigError``) and of an unavailable command

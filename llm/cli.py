@@ -1,6 +1,7 @@
-"""``fedlora run``, ``fedlora export`` and ``fedlora plot``: the LLM layer's commands. The ``fedlora``
-dispatcher finds ``register_run``, ``register_export`` and ``register_plot`` through the entry points
-``run``, ``export`` and ``plot`` of the group ``fedlora.commands`` (fedlora/cli.py says how)."""
+"""``fedlora run``, ``fedlora export``, ``fedlora plot`` and ``fedlora flower``: the LLM layer's commands. The
+``fedlora`` dispatcher finds ``register_run``, ``register_export``, ``register_plot`` and ``register_flower``
+through the entry points ``run``, ``export``, ``plot`` and ``flower`` of the group ``fedlora.commands``
+(fedlora/cli.py says how)."""
 from __future__ import annotations
 
 import argparse
@@ -74,6 +75,156 @@ def register_plot(subparsers: argparse._SubParsersAction) -> None:
                     help="the test metric to plot (default: the runs' main metric, e.g. accuracy; needed for runs "
                          "of different tasks; any metric every run reports, loss included)")
     pl.set_defaults(handler=_cmd_plot)
+
+
+def register_flower(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``flower`` (a Flower deployment: its files, its processes, or all of it on this machine)."""
+    fl = subparsers.add_parser(
+        "flower", help="run on a Flower deployment: certificates, the app, SuperLink/SuperNode, or all on this machine",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="A Flower 1.42 deployment of `fedlora run` (README 'Flower on one machine and on several').",
+        epilog="on one machine (SuperLink, one SuperNode per client, TLS, all stopped at the end):\n"
+               "  fedlora flower local tiny-smoke --out runs/flower\n"
+               "on several: on the server  fedlora flower certs --out certs --host server.example.org\n"
+               "                           fedlora flower superlink --certs certs\n"
+               "            on client K    fedlora flower supernode --superlink server.example.org:9092 --ca ca.pem \\\n"
+               "                               --partition K --partitions N\n"
+               "            to start a run fedlora flower app my.yaml --out app\n"
+               "                           flwr run app LINK --run-config app/run.toml")
+    sub = fl.add_subparsers(dest="flower_command", required=True, parser_class=type(fl))
+
+    lo = sub.add_parser("local", help="run CONFIG on a Flower deployment on this machine (TLS on loopback)")
+    lo.add_argument("config", help="config file, or a bundled config's name (fedlora run --list-configs)")
+    lo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a field (repeatable)")
+    lo.add_argument("--out", default=None, help="output folder (overrides output_dir); must be new or empty")
+    lo.add_argument("--overwrite", action="store_true", help="clear the output folder first (a run's folder only)")
+    lo.add_argument("--insecure", action="store_true", help="no TLS (default: a CA and certificate made for the run)")
+    lo.add_argument("--auth", action="store_true", help="SuperNode authentication: each node's key registered first")
+    lo.add_argument("--timeout", type=float, default=3600.0, help="seconds the whole run may take (default 3600)")
+    lo.add_argument("--work", default=None, metavar="DIR",
+                    help="keep the deployment's certificates, state and process logs here (default: a temporary "
+                         "folder, removed after a complete run and named in the error otherwise)")
+
+    ce = sub.add_parser("certs", help="a CA and a SuperLink certificate (ca.pem, server.pem, server.key)")
+    ce.add_argument("--out", required=True, metavar="DIR", help="output folder (must be new or empty)")
+    ce.add_argument("--host", action="append", default=None, metavar="NAME_OR_IP",
+                    help="a name or address the SuperLink is reached at (repeatable; default localhost, 127.0.0.1)")
+    ce.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
+
+    ap = sub.add_parser("app", help="write the Flower app `flwr run` submits (pyproject.toml; with CONFIG, run.toml too)",
+                        description="Write the Flower app folder (its code is the installed fedlora) and, given CONFIG, "
+                                    "run.toml, the run's resolved config for `flwr run DIR LINK --run-config DIR/run.toml`.")
+    ap.add_argument("config", nargs="?", help="config file, or a bundled config's name (optional)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a field (repeatable)")
+    ap.add_argument("--out", required=True, metavar="DIR", help="output folder (must be new or empty)")
+    ap.add_argument("--run-dir", default=None, help="the run folder, on the SuperLink's machine (default: output_dir)")
+    ap.add_argument("--overwrite-run", action="store_true", help="the run may clear a non-empty run folder")
+
+    sl = sub.add_parser("superlink", help="start flower-superlink with fedlora's settings (runs until stopped)")
+    sl.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    sl.add_argument("--port", type=int, default=9092, help="its one port (Fleet, Control and Runtime APIs; default 9092)")
+    sl.add_argument("--certs", default=None, metavar="DIR", help="folder of `fedlora flower certs` (TLS)")
+    sl.add_argument("--insecure", action="store_true", help="no TLS (only on a trusted network)")
+    sl.add_argument("--auth", action="store_true", help="only registered SuperNodes may connect (flwr supernode register)")
+    sl.add_argument("--database", default="state.db", help="the SuperLink's state (default state.db)")
+
+    sn = sub.add_parser("supernode", help="start flower-supernode holding one partition (runs until stopped)")
+    sn.add_argument("--superlink", required=True, metavar="HOST:PORT", help="the SuperLink's address")
+    sn.add_argument("--partition", type=int, required=True, help="the client this node holds (0..N-1)")
+    sn.add_argument("--partitions", type=int, required=True, help="N, the run's federation.clients")
+    sn.add_argument("--ca", default=None, metavar="FILE", help="the CA that signed the SuperLink's certificate (ca.pem)")
+    sn.add_argument("--insecure", action="store_true", help="no TLS")
+    sn.add_argument("--port", type=int, default=9094, help="local port for its ClientApps (one per SuperNode on a host)")
+    sn.add_argument("--auth-key", default=None, metavar="FILE", help="its private key, when the SuperLink uses --auth")
+    sn.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the SuperLink (default 60)")
+    fl.set_defaults(handler=_cmd_flower)
+
+
+def _cmd_flower(args: argparse.Namespace) -> int:
+    import os
+    from pathlib import Path
+
+    from . import flower_deploy as fd
+
+    cmd = args.flower_command
+    if cmd == "local":
+        return _flower_local(args)
+    if cmd == "certs":
+        if args.days < 1:
+            raise ConfigError(f"--days: must be ≥ 1, got {args.days}")
+        out = check_output_dir(args.out)
+        paths = fd.make_certs(out, args.host or ("localhost", "127.0.0.1"), args.days)
+        print(f"wrote {paths['ca']} (give it to every SuperNode and flwr), {paths['cert']} and {paths['key']} "
+              f"(the SuperLink's; keep the key private)")
+        return 0
+    if cmd == "app":
+        from .config import load_config
+        from .flower import write_app_dir
+
+        if args.config is None and (args.set or args.run_dir is not None or args.overwrite_run):
+            raise ConfigError("app: --set, --run-dir and --overwrite-run go with a CONFIG (they write run.toml)")
+        cfg = load_config(args.config, args.set) if args.config is not None else None
+        out = check_output_dir(args.out)
+        app = write_app_dir(out)
+        print(f"wrote {app}/pyproject.toml")
+        if cfg is not None:
+            path = fd.write_run_config(out / "run.toml", cfg.to_dict(), out=args.run_dir, overwrite=args.overwrite_run)
+            print(f"wrote {path}: flwr run {out} LINK --run-config {path}")
+        return 0
+    if cmd == "superlink":
+        if (args.certs is None) == (not args.insecure):
+            raise ConfigError("superlink: give --certs DIR (TLS, from `fedlora flower certs`) or --insecure")
+        certs = None
+        if args.certs is not None:
+            certs = {k: Path(args.certs) / f for k, f in (("ca", "ca.pem"), ("cert", "server.pem"), ("key", "server.key"))}
+            missing = [str(p) for p in certs.values() if not p.is_file()]
+            if missing:
+                raise ConfigError(f"--certs {args.certs}: missing {', '.join(missing)} (make them: fedlora flower certs DIR)")
+        argv = fd.superlink_command(host=args.host, port=args.port, certs=certs, database=args.database, auth=args.auth)
+    else:
+        if (args.ca is None) == (not args.insecure):
+            raise ConfigError("supernode: give --ca FILE (the CA of the SuperLink's certificate) or --insecure")
+        if args.ca is not None and not Path(args.ca).is_file():
+            raise ConfigError(f"--ca: no such file {args.ca}")
+        if args.partitions < 1:
+            raise ConfigError(f"--partitions: must be ≥ 1, got {args.partitions}")
+        argv = fd.supernode_command(args.superlink, args.partition, args.partitions, ca=args.ca, port=args.port,
+                                    auth_key=args.auth_key, max_wait_s=args.wait)
+        fd.check_reachable(args.superlink, args.ca, args.wait)  # a wrong address fails here, in one line
+    print(" ".join(argv), flush=True)
+    os.execve(argv[0], argv, fd.flower_env())  # the process becomes flwr's (signals, exit status)
+    return 0  # pragma: no cover
+
+
+def _flower_local(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .config import load_config
+    from .flower_deploy import run_local
+
+    if args.timeout <= 0:
+        raise ConfigError(f"--timeout: must be > 0 seconds, got {args.timeout}")
+    if args.work is not None:
+        check_output_dir(args.work, "--work")
+    overrides = list(args.set) + ([f"output_dir={json.dumps(args.out)}"] if args.out is not None else [])
+    cfg = load_config(args.config, overrides)
+    from .runtime import RUN_WRITES
+
+    # checked here (nothing cleared yet), claimed again by the ServerApp — the folder must be usable before
+    # anything starts
+    folder = claim_output_dir(cfg.output_dir, "--out" if args.out is not None else "output_dir", writes=RUN_WRITES,
+                              overwrite=args.overwrite, clear=False)
+    out = folder.path
+    print(f"starting a SuperLink and {cfg.federation.clients} SuperNodes on 127.0.0.1"
+          f"{'' if args.insecure else ' (TLS)'}{', SuperNode authentication' if args.auth else ''}", flush=True)
+    try:
+        summary = run_local(cfg, Path(out).resolve(), overwrite=args.overwrite, tls=not args.insecure,
+                            auth=args.auth, timeout=args.timeout, work=args.work)
+    except BaseException:
+        folder.remove_if_empty()
+        raise
+    _report(summary, out)
+    return 0
 
 
 def _cmd_run(args: argparse.Namespace) -> int:

