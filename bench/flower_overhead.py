@@ -59,20 +59,17 @@ def run_simulation(tmp: Path, method: str, rounds: int) -> dict:
 
 
 def run_deployment(tmp: Path, method: str, rounds: int) -> dict:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from flower_deploy import FlowerDeployment  # the tests' harness: SuperLink + SuperNodes + TLS on 127.0.0.1
-
-    from fedlora.llm.flower import write_app_dir
+    """A SuperLink and one SuperNode per client on 127.0.0.1 with TLS (``fedlora flower local``'s deployment)."""
+    from fedlora.llm.flower_deploy import LocalDeployment
 
     out = tmp / "deployment"
     cfg = _config(out, method, rounds)
-    cfg_file = tmp / "deploy-config.json"
-    cfg_file.write_text(json.dumps(cfg.to_dict()))
-    app = write_app_dir(tmp / "app")
     t0 = time.perf_counter()
-    with FlowerDeployment(tmp / "flower", cfg.federation.clients, tls=True) as dep:
-        dep.run_app(app, {"fedlora-config": str(cfg_file)}, wait_for=out / "summary.json", timeout=900)
-    return {"total_s": time.perf_counter() - t0, "round_s": [r["wall_s"] for r in _rounds(out)],
+    with LocalDeployment(tmp / "flower", cfg.federation.clients, tls=True) as dep:
+        up = time.perf_counter() - t0
+        run_id = dep.submit(cfg.to_dict(), out=out)
+        dep.wait(run_id, out, timeout=1800)
+    return {"total_s": time.perf_counter() - t0, "startup_s": up, "round_s": [r["wall_s"] for r in _rounds(out)],
             "payload_bytes": _payload_bytes(out)}
 
 

@@ -142,6 +142,7 @@ def register_flower(subparsers: argparse._SubParsersAction) -> None:
 
 def _cmd_flower(args: argparse.Namespace) -> int:
     import os
+    import shlex
     from pathlib import Path
 
     from . import flower_deploy as fd
@@ -191,7 +192,7 @@ def _cmd_flower(args: argparse.Namespace) -> int:
         argv = fd.supernode_command(args.superlink, args.partition, args.partitions, ca=args.ca, port=args.port,
                                     auth_key=args.auth_key, max_wait_s=args.wait)
         fd.check_reachable(args.superlink, args.ca, args.wait)  # a wrong address fails here, in one line
-    print(" ".join(argv), flush=True)
+    print(shlex.join(argv), flush=True)
     os.execve(argv[0], argv, fd.flower_env())  # the process becomes flwr's (signals, exit status)
     return 0  # pragma: no cover
 
