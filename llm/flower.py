@@ -115,7 +115,10 @@ def _local_run(config_json: str):
     return _RUNS[key]
 
 
-def _partition(context, run) -> int:
+def _partition(context, run=None, config_json: str | None = None) -> int:
+    """The client this node holds (its node config's ``partition-id``), checked against the run's clients
+    (``run.K_train``, or the config's ``federation.clients`` where the run is not built: Flower refuses
+    Centralized, the one method with fewer trained clients than clients)."""
     pid = context.node_config.get("partition-id")
     if pid is None:
         raise ConfigError("this SuperNode has no partition: start it with --node-config "
@@ -124,8 +127,9 @@ def _partition(context, run) -> int:
         k = int(pid)
     except (TypeError, ValueError):
         raise ConfigError(f"node config partition-id: must be an integer, got {pid!r}") from None
-    if not 0 <= k < run.K_train:
-        raise ConfigError(f"node config partition-id: {k} is not a client of this run (0..{run.K_train - 1})")
+    K = run.K_train if run is not None else int(json.loads(config_json)["federation"]["clients"])
+    if not 0 <= k < K:
+        raise ConfigError(f"node config partition-id: {k} is not a client of this run (0..{K - 1})")
     return k
 
 
@@ -177,21 +181,28 @@ def _client_train(msg, context):
 
 
 def _client_query(msg, context):
-    """``hello``: which partition this node holds; ``deliver``: apply a download outside training."""
+    """``hello``: which partition this node holds; ``get-record`` / ``put-record``: the client's state record
+    (a checkpoint; a resumed run); ``deliver``: apply a download outside training. The first three do not
+    build the run when the node's record is at hand: on a deployment every message is a new process, and
+    building means importing transformers and the model."""
     app = _flwr()
     conf = msg.content["config"]
-    run = _local_run(str(conf["fedlora-config"]))
-    k = _partition(context, run)
+    config_json = str(conf["fedlora-config"])
     op = str(conf["op"])
     if op == "hello":
-        return _reply(msg, result=app.ConfigRecord({"partition-id": k}))
-    if op == "get-record":  # a checkpoint: the record this node keeps
-        _load_state(run, k, context)
-        return _reply(msg, record=tensors_to_record(run.store.get(k)))
+        return _reply(msg, result=app.ConfigRecord({"partition-id": _partition(context, config_json=config_json)}))
     if op == "put-record":  # a resumed run: the record of its checkpoint
+        _partition(context, config_json=config_json)
         context.state[_STATE] = msg.content["record"]
         return _reply(msg, result=app.ConfigRecord({"ok": True}))
+    if op == "get-record" and _STATE in context.state:  # a checkpoint: the record this node keeps
+        _partition(context, config_json=config_json)
+        return _reply(msg, record=context.state[_STATE])
+    run = _local_run(config_json)
+    k = _partition(context, run)
     _load_state(run, k, context)
+    if op == "get-record":  # a client that never trained here: its initial record
+        return _reply(msg, record=tensors_to_record(run.store.get(k)))
     sent = run.deliver(int(conf["round"]), {k: _download(msg.content)})
     _save_state(run, k, context)
     return _reply(msg, result=app.ConfigRecord({"bytes-down": int(sent[k])}))

