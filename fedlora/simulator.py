@@ -16,7 +16,7 @@ from .errors import ConfigError
 from .methods.base import Method, Objective, Sampler
 from .server import ClientUpdate, Download, DownloadLedger, Federation, Server
 
-__all__ = ["Federation", "DownloadLedger", "StackedExecutor", "run_rounds"]
+__all__ = ["Federation", "DownloadLedger", "StackedExecutor", "run_rounds", "round_record"]
 
 
 class StackedExecutor:
@@ -58,6 +58,16 @@ class StackedExecutor:
         raise NotImplementedError
 
 
+def round_record(rec: Mapping[str, Any], rnd: int, local_steps: int, n: int, t0: float) -> dict[str, Any]:
+    """The testbed's record of round ``rnd`` from the server's (``Server.run_round``): per-replica lists
+    over the ``n`` replicas, ``step`` = local steps done so far, ``wall_s`` since ``t0``."""
+    return {"round": rnd + 1, "step": (rnd + 1) * local_steps,
+            "bytes_up": [rec["bytes_up"].get(str(i), 0) for i in range(n)],
+            "bytes_down": [rec["bytes_down"].get(str(i), 0) for i in range(n)],
+            "participants": [str(i) in rec["bytes_up"] for i in range(n)],
+            "wall_s": time.perf_counter() - t0}
+
+
 def run_rounds(
     method: Method,
     federation: Federation,
@@ -91,12 +101,7 @@ def run_rounds(
     t0 = time.perf_counter()
     n = federation.n_replicas
     for rnd in range(rounds):
-        rec = server.run_round(executor, rnd)
-        record = {"round": rnd + 1, "step": (rnd + 1) * local_steps,
-                  "bytes_up": [rec["bytes_up"].get(str(i), 0) for i in range(n)],
-                  "bytes_down": [rec["bytes_down"].get(str(i), 0) for i in range(n)],
-                  "participants": [str(i) in rec["bytes_up"] for i in range(n)],
-                  "wall_s": time.perf_counter() - t0}
+        record = round_record(server.run_round(executor, rnd), rnd, local_steps, n, t0)
         if evaluate is not None:
             record.update(evaluate(rnd))
         history.append(record)

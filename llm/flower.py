@@ -36,7 +36,7 @@ from fedlora.errors import ConfigError
 from fedlora.payload import Payload
 from fedlora.server import ClientFailure, ClientUpdate, Download
 
-__all__ = ["FlowerExecutor", "server_app", "client_app", "make_server_app", "run_simulation", "write_app_dir",
+__all__ = ["FlowerExecutor", "server_app", "client_app", "simulate", "run_simulation", "write_app_dir",
            "tensors_to_record", "record_to_tensors", "check_flower_method"]
 
 #: torch dtypes numpy lacks travel as raw bytes under this stype (flwr's own helpers go through numpy)
@@ -103,16 +103,33 @@ def _local_run(config_json: str):
     """This process's copy of the run (write nothing; one client per pass), built once per config."""
     key = _digest(config_json)
     if key not in _RUNS:
-        from .config import RunConfig
-        from .runtime import FederatedRun
-
         cfg = json.loads(config_json)
-        cfg["federation"] = {**cfg.get("federation", {}), "clients_per_pass": 1, "store": "memory"}
         _RUNS.clear()  # one run per process at a time
-        run = FederatedRun(RunConfig.from_dict(cfg), write=False).prepare()
+        if cfg.get(TASK_KEY) == "synthetic":  # the testbed's node (fedlora.synthetic.flower)
+            from fedlora.synthetic.flower import SyntheticNode
+
+            run = SyntheticNode(cfg)
+        else:
+            from .config import RunConfig
+            from .runtime import FederatedRun
+
+            cfg["federation"] = {**cfg.get("federation", {}), "clients_per_pass": 1, "store": "memory"}
+            run = FederatedRun(RunConfig.from_dict(cfg), write=False).prepare()
         run._initial_records = {k: run.store.get(k) for k in range(run.K_train)}  # a node's first message
+        run._state_key = _state_key(config_json)
         _RUNS[key] = run
     return _RUNS[key]
+
+
+#: the message config's entry naming what a node runs: absent for ``fedlora run``'s config, "synthetic" for
+#: the testbed's (``fedlora.synthetic.flower``)
+TASK_KEY = "fedlora-task"
+
+
+def _n_clients(config: Mapping[str, Any]) -> int:
+    if config.get(TASK_KEY) == "synthetic":
+        return int(config["clients"])
+    return int(config["federation"]["clients"])
 
 
 def _partition(context, run=None, config_json: str | None = None) -> int:
@@ -127,25 +144,33 @@ def _partition(context, run=None, config_json: str | None = None) -> int:
         k = int(pid)
     except (TypeError, ValueError):
         raise ConfigError(f"node config partition-id: must be an integer, got {pid!r}") from None
-    K = run.K_train if run is not None else int(json.loads(config_json)["federation"]["clients"])
+    K = run.K_train if run is not None else _n_clients(json.loads(config_json))
     if not 0 <= k < K:
         raise ConfigError(f"node config partition-id: {k} is not a client of this run (0..{K - 1})")
     return k
 
 
-_STATE = "fedlora-record"
+def _state_key(config_json: str) -> str:
+    """Where a node keeps its client's record in ``context.state``: one entry per run config, so that runs
+    sharing nodes (one simulation running several configs) never read each other's records."""
+    return f"fedlora-record-{_digest(config_json)[:16]}"
 
 
 def _load_state(run, k: int, context) -> None:
     """The client's record from the node's state (its initial record the first time)."""
-    if _STATE in context.state:
-        run.store.put(k, record_to_tensors(context.state[_STATE]), copy=False)
+    if run._state_key in context.state:
+        run.store.put(k, record_to_tensors(context.state[run._state_key]), copy=False)
     else:
         run.store.put(k, run._initial_records[k], copy=True)
 
 
 def _save_state(run, k: int, context) -> None:
-    context.state[_STATE] = tensors_to_record(run.store.get(k))
+    context.state[run._state_key] = tensors_to_record(run.store.get(k))
+
+
+def _downloads(k: int, content) -> dict[int, Download]:
+    """Client ``k``'s download in the message, if it carries one (a live executor's clients are current)."""
+    return {k: _download(content)} if "download" in content.array_records else {}
 
 
 def _download(content) -> Download:
@@ -169,15 +194,15 @@ def _client_train(msg, context):
         raise ConfigError(f"misrouted: the message is for client {int(conf['client'])}, this node holds {k}")
     rnd = int(conf["round"])
     _load_state(run, k, context)
-    res = run.train(rnd, [k], {k: _download(msg.content)})[k]
+    res = run.train(rnd, [k], _downloads(k, msg.content))[k]
     if isinstance(res, ClientFailure):  # its record was not stored: the node keeps the one before the round
         return _reply(msg, result=app.ConfigRecord({"failure-kind": res.kind, "failure-why": res.why,
                                                      "bytes-down": int(res.bytes_down)}))
     _save_state(run, k, context)
     return _reply(msg, upload=tensors_to_record(res.upload.tensors),
                   meta=app.ConfigRecord(dict(res.upload.meta)),
-                  result=app.ConfigRecord({"train-loss": float(res.train_loss), "bytes-down": int(res.bytes_down),
-                                           "ranks": json.dumps(res.ranks)}))
+                  result=app.ConfigRecord({"bytes-down": int(res.bytes_down), "ranks": json.dumps(res.ranks),
+                                           **({} if res.train_loss is None else {"train-loss": float(res.train_loss)})}))
 
 
 def _client_query(msg, context):
@@ -193,11 +218,11 @@ def _client_query(msg, context):
         return _reply(msg, result=app.ConfigRecord({"partition-id": _partition(context, config_json=config_json)}))
     if op == "put-record":  # a resumed run: the record of its checkpoint
         _partition(context, config_json=config_json)
-        context.state[_STATE] = msg.content["record"]
+        context.state[_state_key(config_json)] = msg.content["record"]
         return _reply(msg, result=app.ConfigRecord({"ok": True}))
-    if op == "get-record" and _STATE in context.state:  # a checkpoint: the record this node keeps
+    if op == "get-record" and _state_key(config_json) in context.state:  # a checkpoint: the record it keeps
         _partition(context, config_json=config_json)
-        return _reply(msg, record=context.state[_STATE])
+        return _reply(msg, record=context.state[_state_key(config_json)])
     run = _local_run(config_json)
     k = _partition(context, run)
     _load_state(run, k, context)
@@ -214,7 +239,7 @@ def _client_evaluate(msg, context):
     run = _local_run(str(conf["fedlora-config"]))
     k = _partition(context, run)
     _load_state(run, k, context)
-    scores = run.evaluate_clients([k], int(conf["round"]), downloads={k: _download(msg.content)})[k]
+    scores = run.evaluate_clients([k], int(conf["round"]), downloads=_downloads(k, msg.content))[k]
     return _reply(msg, result=app.ConfigRecord({"scores": json.dumps(scores, allow_nan=True)}))
 
 
@@ -235,12 +260,17 @@ class FlowerExecutor:
     partition k. ``timeout``: seconds a round waits for replies (a client that does not answer is a
     ``timeout`` failure). ``poll``: seconds between pulls (flwr's own deployment grid sleeps 3 s)."""
 
-    live = False
     shared_base = False  # every client has its own base model (FLoRA is refused: check_flower_method)
 
-    def __init__(self, grid, run, *, timeout: float = 600.0, poll: float = 0.05, node_wait: float = 120.0) -> None:
+    def __init__(self, grid, run, *, timeout: float = 600.0, poll: float = 0.05, node_wait: float = 120.0,
+                 live: bool = False) -> None:
+        """``run``: what the nodes rebuild — ``K_train`` (clients), ``flower_config()`` (the JSON-able config
+        every message carries) and ``server``. ``live``: the server sends every client the round's changes
+        at the end of each round (``deliver``), as the testbed's executor does, instead of each client's
+        download with its next round's message (``fedlora run``)."""
         self.grid, self.run, self.timeout, self.poll = grid, run, float(timeout), float(poll)
-        self.config_json = json.dumps(run.cfg.to_dict(), sort_keys=True)
+        self.live = bool(live)
+        self.config_json = json.dumps(run.flower_config(), sort_keys=True)
         self.node_of = self._map_partitions(node_wait)
         #: what Flower carried for training and synchronisation: array bytes (the tensors) and config bytes
         #: (the run's config travels in every message, so that a node needs nothing but its data)
@@ -308,7 +338,7 @@ class FlowerExecutor:
 
     # -- the executor ----------------------------------------------------------------------------------
     def train(self, rnd: int, clients: Sequence[int], downloads: Mapping[int, Download]):
-        msgs = [self._message("train", k, rnd, downloads.get(k, Download())) for k in clients]
+        msgs = [self._message("train", k, rnd, None if self.live else downloads.get(k, Download())) for k in clients]
         self._count(msgs)
         replies = self._exchange(msgs, self.timeout)
         out: dict[int, ClientUpdate | ClientFailure] = {}
@@ -326,7 +356,8 @@ class FlowerExecutor:
                 out[k] = ClientFailure(str(res["failure-why"]), str(res["failure-kind"]), int(res["bytes-down"]))
                 continue
             upload = Payload(record_to_tensors(rep.content["upload"]), {a: str(b) for a, b in rep.content["meta"].items()})
-            out[k] = ClientUpdate(upload, float(res["train-loss"]), json.loads(str(res["ranks"])), int(res["bytes-down"]))
+            loss = float(res["train-loss"]) if "train-loss" in res else None
+            out[k] = ClientUpdate(upload, loss, json.loads(str(res["ranks"])), int(res["bytes-down"]))
         return out
 
     def deliver(self, rnd: int, downloads: Mapping[int, Download]) -> dict[int, int]:
@@ -371,7 +402,7 @@ class FlowerExecutor:
 
     def evaluate_clients(self, clients: Sequence[int], rnd: int) -> dict[int, dict]:
         server = self.run.server
-        msgs = [self._message("evaluate", k, rnd, server.download_for(k)) for k in clients]
+        msgs = [self._message("evaluate", k, rnd, None if self.live else server.download_for(k)) for k in clients]
         replies = self._required(msgs, list(clients), "could not be evaluated")
         return {k: json.loads(str(rep.content["result"]["scores"])) for k, rep in replies.items()}
 
@@ -392,47 +423,43 @@ def _config_nbytes(msg) -> int:
     return sum(len(str(k)) + len(str(v)) for rec in msg.content.config_records.values() for k, v in rec.items())
 
 
-def _serve(grid, run) -> None:
-    run.executor_factory = lambda r: FlowerExecutor(grid, r, timeout=r.cfg.federation.timeout_s)
-    run._summary_out = run._run()
-
-
-def make_server_app(run):
-    """A ServerApp that runs ``run`` (a ``FederatedRun``) with the Flower executor (simulation: in this process)."""
+def simulate(main, n_clients: int):
+    """Run ``main(grid)`` as the ServerApp of Flower's simulation engine (Ray) with ``n_clients`` SuperNodes
+    running ``client_app``; ``main``'s return value (its exception is raised here: the engine swallows it)."""
+    _flwr()
     from flwr.serverapp import ServerApp
+    from flwr.simulation import run_simulation as flwr_run_simulation
 
+    box: dict[str, Any] = {}
     sapp = ServerApp()
 
     @sapp.main()
-    def main(grid, context) -> None:
+    def _main(grid, context) -> None:
         try:
-            _serve(grid, run)
-        except BaseException as e:  # re-raised by run_simulation's caller (simulation swallows it)
-            run._flower_error = e
+            box["out"] = main(grid)
+        except BaseException as e:  # re-raised below
+            box["error"] = e
 
-    return sapp
+    cpus = max(1, min(n_clients, os.cpu_count() or 1))
+    flwr_run_simulation(server_app=sapp, client_app=client_app, num_supernodes=n_clients, backend_name="ray",
+                        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                                        "init_args": {"num_cpus": cpus, "include_dashboard": False,
+                                                      "logging_level": 40}})
+    if "error" in box:
+        raise box["error"]
+    if "out" not in box:
+        raise RuntimeError("flower: the simulation ended without running the ServerApp")
+    return box["out"]
 
 
 def run_simulation(run) -> dict[str, Any]:
     """``fedlora run CONFIG --runtime flower``: Flower's simulation engine (Ray) with one SuperNode per
     client; the ServerApp runs in this process and writes the run folder as ``fedlora run`` does."""
-    _flwr()
-    from flwr.simulation import run_simulation as flwr_run_simulation
+    def main(grid):
+        run.executor_factory = lambda r: FlowerExecutor(grid, r, timeout=r.cfg.federation.timeout_s)
+        return run._run()
 
-    run._flower_error = None
-    run._summary_out = None
-    K = run.cfg.federation.clients  # one SuperNode per client (pooled training is refused)
-    cpus = max(1, min(K, os.cpu_count() or 1))
-    flwr_run_simulation(server_app=make_server_app(run), client_app=client_app, num_supernodes=K,
-                        backend_name="ray",
-                        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                                        "init_args": {"num_cpus": cpus, "include_dashboard": False,
-                                                      "logging_level": 40}})
-    if run._flower_error is not None:
-        raise run._flower_error
-    if run._summary_out is None:
-        raise RuntimeError("flower: the simulation ended without running the ServerApp")
-    return run._summary_out
+    return simulate(main, run.cfg.federation.clients)  # one SuperNode per client (pooled training is refused)
 
 
 # the deployment entry points ([tool.flwr.app.components] of write_app_dir's pyproject.toml)
@@ -449,6 +476,11 @@ def _deployment_main(grid, context) -> None:
         raise ConfigError("flower: give the run's config, either fedlora-config-json (fedlora flower submit/local "
                           "write it) or fedlora-config (a config file on the SuperLink's machine or a bundled "
                           "config's name), not both: flwr run APP LINK -c 'fedlora-config=\"/abs/run.yaml\"'")
+    if text and json.loads(text).get(TASK_KEY) == "synthetic":  # the testbed (fedlora.synthetic.flower)
+        from fedlora.synthetic.flower import serve_to_folder
+
+        serve_to_folder(grid, json.loads(text), str(rc.get("out", "")), overwrite=bool(rc.get("overwrite", False)))
+        return
     cfg = RunConfig.from_dict(json.loads(text)) if text else load_config(path)
     if str(rc.get("out", "")):
         cfg = RunConfig.from_dict({**cfg.to_dict(), "output_dir": str(rc["out"])})

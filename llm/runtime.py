@@ -196,6 +196,10 @@ class FederatedRun:
         run._resume_from = ckpt
         return run
 
+    def flower_config(self) -> dict[str, Any]:
+        """What a Flower node rebuilds this run from (``fedlora.llm.flower``): the config."""
+        return self.cfg.to_dict()
+
     def _claim(self) -> None:
         """Claim the output folder (once, before any work; ``prepare`` may write ``clients/`` there)."""
         if self.write and self.output is None:

@@ -33,7 +33,8 @@ from fedlora.simulator import Federation, run_rounds
 from .data import ClientTask
 from .rank import numerical_rank, rank90
 
-__all__ = ["StackedData", "stack_federations", "build_method", "run_method", "RunResult", "method_seed"]
+__all__ = ["StackedData", "stack_federations", "build_method", "build_run", "SyntheticRun", "run_method", "RunResult",
+           "method_seed"]
 
 
 @dataclass
@@ -191,21 +192,35 @@ def _objectives(layer: LoRALinear, data: StackedData):
     return objective, batch, metrics, output_fn
 
 
-def run_method(name: str, data: StackedData, *, lr: float, rounds: int, local_steps: int,
-               options: Mapping[str, Any] | None = None, adapter: Mapping[str, Any] | None = None,
-               lr_arg: str = "lr", client_weights: Sequence[float] | None = None,
-               rank_tol: float = 0.02, record_payloads: bool = False, sample_fraction: float = 1.0,
-               sample_seed: int = 0) -> RunResult:
-    """Train ``name`` on every federation of ``data`` at once; evaluate each client's final model.
+@dataclass
+class SyntheticRun:
+    """One method set up on stacked federations (``build_run``): what ``run_method`` trains and the Flower
+    runtime rebuilds on each node (``fedlora.synthetic.flower``). ``objective(params, batch)`` gives the
+    per-replica training loss (G,); ``metrics`` and ``output_fn`` as ``_objectives``."""
 
-    ``adapter``: ``LoRALinear`` keyword arguments; default ``method.adapter_kwargs()``.
-    ``client_weights``: w_k (default n_k, docs/design.md §3). Each client is evaluated on the parameters it
-    holds after the last download, or on ``method.personalised_params`` where the method defines it
-    (Per-FedAvg's one local step). Numerical failures (NaN, a failed factorisation) do not raise:
-    they come back as ``error`` and non-finite metrics, so a step-size grid can go on.
-    ``record_payloads``: also keep every upload/download ``Payload`` (for byte accounting tests).
-    ``sample_fraction``, ``sample_seed``: client sampling per round (``fedlora.simulator.Federation``).
-    """
+    name: str
+    method: Method
+    federation: Federation
+    layer: LoRALinear
+    objective: Any
+    batch: Any
+    metrics: Any
+    data: StackedData
+
+    def sample(self):
+        return self.batch
+
+    def train_loss(self) -> list[float]:
+        """Every replica's training loss with the parameters it holds now."""
+        with torch.no_grad():
+            return self.objective(dict(self.layer.named_parameters()), self.batch).tolist()
+
+
+def build_run(name: str, data: StackedData, *, lr: float, options: Mapping[str, Any] | None = None,
+              adapter: Mapping[str, Any] | None = None, lr_arg: str = "lr",
+              client_weights: Sequence[float] | None = None, sample_fraction: float = 1.0,
+              sample_seed: int = 0) -> SyntheticRun:
+    """``name`` built and set up on every federation of ``data`` (arguments as ``run_method``)."""
     weights = [float(w) for w in client_weights] if client_weights is not None else data.client_sizes
     options = dict(options or {})
     accepted = inspect.signature(get_method(name).__init__).parameters
@@ -228,9 +243,29 @@ def run_method(name: str, data: StackedData, *, lr: float, rounds: int, local_st
     # Methods that draw from the global RNG (e.g. random masks) get a stream fixed by the run.
     torch.manual_seed(method_seed(data.group_seeds[0], name))
     method.setup(layer, fed.replica_clients)
+    return SyntheticRun(name, method, fed, layer, objective, batch, metrics, data)
 
-    def sample():
-        return batch
+
+def run_method(name: str, data: StackedData, *, lr: float, rounds: int, local_steps: int,
+               options: Mapping[str, Any] | None = None, adapter: Mapping[str, Any] | None = None,
+               lr_arg: str = "lr", client_weights: Sequence[float] | None = None,
+               rank_tol: float = 0.02, record_payloads: bool = False, sample_fraction: float = 1.0,
+               sample_seed: int = 0) -> RunResult:
+    """Train ``name`` on every federation of ``data`` at once; evaluate each client's final model.
+
+    ``adapter``: ``LoRALinear`` keyword arguments; default ``method.adapter_kwargs()``.
+    ``client_weights``: w_k (default n_k, docs/design.md §3). Each client is evaluated on the parameters it
+    holds after the last download, or on ``method.personalised_params`` where the method defines it
+    (Per-FedAvg's one local step). Numerical failures (NaN, a failed factorisation) do not raise:
+    they come back as ``error`` and non-finite metrics, so a step-size grid can go on.
+    ``record_payloads``: also keep every upload/download ``Payload`` (for byte accounting tests).
+    ``sample_fraction``, ``sample_seed``: client sampling per round (``fedlora.simulator.Federation``).
+    """
+    run = build_run(name, data, lr=lr, options=options, adapter=adapter, lr_arg=lr_arg,
+                    client_weights=client_weights, sample_fraction=sample_fraction, sample_seed=sample_seed)
+    method, fed, layer, objective, batch, metrics = run.method, run.federation, run.layer, run.objective, run.batch, run.metrics
+    G = fed.n_replicas
+    sample = run.sample
 
     payloads: dict[str, list] = {"up": [], "down": []}
     if record_payloads:  # wrap, do not change, what the simulator sees
@@ -249,8 +284,7 @@ def run_method(name: str, data: StackedData, *, lr: float, rounds: int, local_st
         method.upload, method.download = upload, download  # type: ignore[method-assign]
 
     def evaluate(rnd: int) -> dict[str, Any]:
-        with torch.no_grad():
-            return {"train_loss": objective(dict(layer.named_parameters()), batch).tolist()}
+        return {"train_loss": run.train_loss()}
 
     t0 = time.perf_counter()
     error = None

@@ -1,0 +1,70 @@
+"""The synthetic testbed on Flower (issue 14): one federation of `synthetic compare`'s testbed, 3 clients with
+client sampling on, gives the embedded run's round records — participants, bytes up and down per client and
+round, every client's training loss after every round — on Flower's simulation engine and on a real
+loopback deployment (a SuperLink and three SuperNodes as separate processes, TLS), for FedAvg-LoRA, RoLoRA,
+LoRA-A², PF2LoRA and H²Tune. Each node holds the whole federation but reports its own client: HetLoRA's
+per-client ranks (uploads of different sizes) and a run of several configs sharing the same nodes show that
+each node trains, keeps and reports the right client's state."""
+import json
+import time
+
+import pytest
+
+pytest.importorskip("flwr")
+pytest.importorskip("ray")
+
+from fedlora.llm import flower_deploy as fd  # noqa: E402
+from fedlora.llm.flower import simulate  # noqa: E402
+from fedlora.synthetic.flower import flower_spec, run_embedded, serve  # noqa: E402
+
+METHODS = ["fedavg", "rolora", "lora-a2", "pf2lora", "h2tune"]
+
+
+def _spec(method, task="regression", rounds=3):
+    return flower_spec(method, 0.05, task=task, clients=3, rounds=rounds, local_steps=2, sample_fraction=0.5,
+                       dim=8, classes=4, n_test=40, n_train=[30, 40, 50], seed_offset=7)
+
+
+def assert_same_history(emb, flw, what):
+    """Integers (participants, bytes) equal; losses to 1e-12 relative (the clients ran in other processes)."""
+    assert len(emb) == len(flw), what
+    for e, f in zip(emb, flw):
+        for key in ("round", "step", "participants", "bytes_up", "bytes_down"):
+            assert e[key] == f[key], (what, e["round"], key, e[key], f[key])
+        assert f["train_loss"] == pytest.approx(e["train_loss"], rel=1e-12, abs=0), (what, e["round"])
+
+
+def test_simulation_gives_the_embedded_records_for_every_config_on_shared_nodes():
+    """One simulation (3 SuperNodes) runs every config in turn on the same nodes: the five methods with
+    sampling on, H²Tune on the classification task (its eq. 7 output KL) and HetLoRA (per-client ranks)."""
+    specs = {m: _spec(m) for m in METHODS}
+    specs["h2tune-classification"] = _spec("h2tune", task="classification")
+    specs["hetlora"] = _spec("hetlora")
+    emb = {name: run_embedded(spec) for name, spec in specs.items()}
+    assert any(not all(r["participants"]) for r in emb["fedavg"])  # sampling was on
+    flw = simulate(lambda grid: {name: serve(grid, spec, timeout=120) for name, spec in specs.items()}, 3)
+    for name in specs:
+        assert_same_history(emb[name], flw[name], name)
+    # HetLoRA's clients upload at their own ranks: had a node trained another replica than its partition,
+    # every client's upload would have one size
+    sizes = {b for r in flw["hetlora"] for b in r["bytes_up"] if b}
+    assert len(sizes) > 1, sizes
+
+
+def test_a_loopback_deployment_gives_the_embedded_records(tmp_path):
+    """A SuperLink and three SuperNodes on 127.0.0.1 with TLS (separate processes, stopped at the end); each
+    method's spec is submitted with `flwr run` and its ServerApp writes history.json."""
+    work = tmp_path / "deployment"
+    t0 = time.monotonic()
+    with fd.LocalDeployment(work, 3) as dep:
+        for m in METHODS:
+            spec = _spec(m, rounds=2)
+            out = tmp_path / m
+            run_id = dep.submit(spec, out=out)
+            state = dep.wait(run_id, out, 600)
+            assert state["status"] == "complete"
+            assert_same_history(run_embedded(spec), json.loads((out / "history.json").read_text()), m)
+    started = json.loads((work / "commands.json").read_text())
+    assert "--ssl-certfile" in started["superlink"] and all("--root-certificates" in started[f"supernode{k}"]
+                                                            for k in range(3))
+    print(f"5 synthetic runs on one deployment: {time.monotonic() - t0:.0f} s")
