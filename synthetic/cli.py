@@ -128,7 +128,11 @@ _BC_FLAGS: dict[str, tuple[str, Any, str]] = {
 #: what each experiment writes into its --out folder (--overwrite clears a folder of these only)
 _WRITES = {"rank-recovery": ("metrics.json", "rank_recovery.png"),
            "bilevel-convergence": ("metrics.json", "bilevel_convergence.png"),
-           "tune": ("tune.json",), "compare": ("compare.json", "compare.md", "compare.png")}
+           "tune": ("tune.json",), "compare": ("compare.json", "compare.md", "compare.png"),
+           "flower": ("history.json", "run.json")}
+
+#: `synthetic compare`'s flags that `synthetic flower` (one method, one seed, one h, one step size) does not take
+_NOT_FLOWER = ("methods", "heterogeneity", "seeds", "lr-grid", "val-fraction", "rank-tol")
 
 
 def _claim(args: argparse.Namespace) -> Path:
@@ -193,7 +197,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     for flag, (typ, help_) in _CMP_FLAGS.items():
         cm.add_argument(f"--{flag}", type=typ, default=None, help=help_)
 
-    for parser, cmd in ((rr, _cmd_rank_recovery), (bc, _cmd_bilevel), (tu, _cmd_tune), (cm, _cmd_compare)):
+    fl = ssub.add_parser("flower", help="one method on one federation of compare's testbed, on Flower (simulation "
+                         "or a loopback deployment), checked against the embedded run",
+                         description="Run one method on one federation of `synthetic compare`'s testbed with every "
+                                     "client on its own Flower SuperNode; history.json holds the round records "
+                                     "(participants, bytes up/down, every client's training loss), and the same "
+                                     "run embedded is compared with it (README 'Flower').")
+    fl.add_argument("--method", required=True, help="a registered method, e.g. fedavg, rolora, lora-a2, pf2lora, h2tune")
+    fl.add_argument("--lr", type=float, required=True, help="the method's step size")
+    fl.add_argument("--task", default="regression", help="regression (default) or classification")
+    fl.add_argument("--h", type=float, default=0.5, help="heterogeneity h of W_k* = S + h·P_k (default 0.5)")
+    fl.add_argument("--deployment", action="store_true",
+                    help="a real deployment on this machine (SuperLink + one SuperNode per client, TLS) instead of "
+                         "Flower's simulation engine")
+    fl.add_argument("--out", default="runs/synthetic-flower", help="output folder (default runs/synthetic-flower)")
+    for flag, (typ, help_) in _CMP_FLAGS.items():
+        if flag not in _NOT_FLOWER:
+            fl.add_argument(f"--{flag}", type=typ, default=None, help=help_.replace("(default", "(default as compare:"))
+
+    for parser, cmd in ((rr, _cmd_rank_recovery), (bc, _cmd_bilevel), (tu, _cmd_tune), (cm, _cmd_compare),
+                        (fl, _cmd_flower)):
         parser.add_argument("--overwrite", action="store_true",
                             help="clear --out first (only a folder that holds nothing but this experiment's results)")
         parser.add_argument("--resume", action="store_true", help="continue an interrupted run (not yet: refused)")
@@ -311,3 +334,49 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     if not args.no_plot:
         print(f"wrote {plot_compare(result, out / 'compare.png')}")
     return 0
+
+
+def _cmd_flower(args: argparse.Namespace) -> int:
+    import json
+    import math
+    import tempfile
+
+    from fedlora.io import write_bytes_atomic
+    from fedlora.synthetic.flower import flower_spec, run_embedded, run_flower
+
+    if args.task not in ("regression", "classification"):
+        raise ConfigError(f"--task: must be regression or classification, got {args.task!r}")
+    options = {flag.replace("-", "_"): getattr(args, flag.replace("-", "_")) for flag in _CMP_FLAGS
+               if flag not in _NOT_FLOWER and getattr(args, flag.replace("-", "_")) is not None}
+    spec = flower_spec(args.method, args.lr, task=args.task, heterogeneity=args.h, **options)
+    if args.deployment:
+        from fedlora.llm.flower import check_flower_method
+        from fedlora.methods import get_method
+
+        check_flower_method(get_method(args.method))
+    out = _claim(args)
+    expected = run_embedded(spec)
+    if args.deployment:
+        from fedlora.llm.flower_deploy import LocalDeployment
+
+        with tempfile.TemporaryDirectory(prefix="fedlora-flower-") as work:
+            with LocalDeployment(work, spec["clients"]) as dep:
+                print(f"a SuperLink and {spec['clients']} SuperNodes on 127.0.0.1 (TLS)", flush=True)
+                run_id = dep.submit(spec, out=out, overwrite=True)
+                dep.wait(run_id, out, timeout=3600)
+        history = json.loads((out / "history.json").read_text())
+    else:
+        history = run_flower(spec)
+        write_bytes_atomic(out / "history.json", json.dumps(history, indent=1, allow_nan=True).encode())
+    same = all(e[k] == f[k] for e, f in zip(expected, history) for k in ("participants", "bytes_up", "bytes_down"))
+    gap = max((abs(a - b) for e, f in zip(expected, history) for a, b in zip(e["train_loss"], f["train_loss"])
+               if math.isfinite(a) and math.isfinite(b)), default=0.0)
+    for r in history:
+        loss = sum(r["train_loss"]) / len(r["train_loss"])
+        print(f"round {r['round']}: clients {[i for i, p in enumerate(r['participants']) if p]}, "
+              f"bytes up {sum(r['bytes_up']):,}, down {sum(r['bytes_down']):,}, mean training loss {loss:.6g}")
+    print(f"embedded run: participants and bytes {'equal' if same else 'DIFFER'}, training losses within {gap:.3g}")
+    if not args.deployment:
+        write_json_atomic(out / "run.json", {"status": "complete", "rounds": len(history), "rounds_done": len(history)})
+    print(f"wrote {out / 'history.json'}")
+    return 0 if same and len(history) == len(expected) else 1

@@ -18,7 +18,8 @@ from fedlora.errors import ConfigError
 
 #: extra argv a command needs to get past argument parsing (none so far)
 REQUIRED_ARGS: dict[tuple[str, ...], list[str]] = {("run",): ["tiny-smoke"], ("export",): ["runs/none"],
-                                                  ("plot",): ["runs/none"], ("flower", "local"): ["tiny-smoke"]}
+                                                  ("plot",): ["runs/none"], ("flower", "local"): ["tiny-smoke"],
+                                                  ("synthetic", "flower"): ["--method", "fedavg", "--lr", "0.1"]}
 #: commands that start a long-running server process and write no results (they take no --out)
 LAUNCHERS = {("flower", "superlink"), ("flower", "supernode")}
 

@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("flwr")
 pytest.importorskip("ray")
 
+from fedlora.cli import main  # noqa: E402
 from fedlora.llm import flower_deploy as fd  # noqa: E402
 from fedlora.llm.flower import simulate  # noqa: E402
 from fedlora.synthetic.flower import flower_spec, run_embedded, serve  # noqa: E402
@@ -68,3 +69,29 @@ def test_a_loopback_deployment_gives_the_embedded_records(tmp_path):
     assert "--ssl-certfile" in started["superlink"] and all("--root-certificates" in started[f"supernode{k}"]
                                                             for k in range(3))
     print(f"5 synthetic runs on one deployment: {time.monotonic() - t0:.0f} s")
+
+
+def test_the_command_runs_one_method_on_flower_and_checks_it_against_the_embedded_run(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["synthetic", "flower", "--method", "lora-a2", "--lr", "0.05", "--clients", "3", "--rounds", "2",
+            "--sample-fraction", "0.5", "--dim", "8", "--n-test", "40", "--out", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "embedded run: participants and bytes equal, training losses within 0" in printed
+    history = json.loads((out / "history.json").read_text())
+    spec = flower_spec("lora-a2", 0.05, clients=3, rounds=2, sample_fraction=0.5, dim=8, n_test=40)
+    assert_same_history(run_embedded(spec), history, "cli")
+    assert json.loads((out / "run.json").read_text())["status"] == "complete"
+
+
+@pytest.mark.parametrize("extra,says", [
+    (["--task", "ranking"], "--task: must be regression or classification, got 'ranking'"),
+    (["--method", "flora", "--deployment"], "--runtime flower: flora is not supported on Flower"),
+    (["--clients", "0"], "--clients"),
+])
+def test_bad_input_is_one_line(extra, says, tmp_path, capsys):
+    argv = ["synthetic", "flower", "--method", "fedavg", "--lr", "0.1", "--out", str(tmp_path / "o"), *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fedlora: error: ") and says in err and err.count("\n") == 1, err
+    assert not (tmp_path / "o").exists()
