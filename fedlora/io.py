@@ -26,7 +26,22 @@ def _yaml12_loader():
     import yaml
 
     class Loader(yaml.SafeLoader):
-        pass
+        def construct_mapping(self, node, deep=False):
+            """A key given twice in one mapping is an error (PyYAML keeps the last silently: a second
+            ``train:`` section would drop the first one's settings). Merge keys (``<<``) may still be overridden."""
+            seen = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    if key in seen:
+                        raise yaml.constructor.ConstructorError("while constructing a mapping", node.start_mark,
+                                                                f"found duplicate key {key!r}", key_node.start_mark)
+                    seen.add(key)
+                except TypeError:  # an unhashable key: the base class says so
+                    pass
+            return super().construct_mapping(node, deep=deep)
 
     Loader.yaml_implicit_resolvers = {k: [r for r in v if r[0] != "tag:yaml.org,2002:float"]
                                       for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
@@ -95,14 +110,43 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     write_bytes_atomic(path, json.dumps(obj, indent=1, allow_nan=False).encode())
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``' object hook: a key given twice is an error (json keeps the last silently)."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def _parse_error(e: Exception) -> str:
+    """A parser's error as one line that says what is wrong and where. PyYAML's first line is only its
+    context ("while parsing a block mapping"); the problem and its line come after it."""
+    problem, mark = getattr(e, "problem", None), getattr(e, "problem_mark", None)
+    if problem and mark is not None:
+        context, cmark = getattr(e, "context", None), getattr(e, "context_mark", None)
+        where = f" from line {cmark.line + 1}, column {cmark.column + 1}" if cmark is not None else ""
+        return (f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+                + (f" ({context}{where})" if context else ""))
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
 def read_table_file(path: str | os.PathLike, what: str = "config") -> dict[str, Any]:
     """A YAML (.yaml/.yml), TOML or JSON file holding a table → dict. Errors are one line starting
-    with ``what`` (the flag or field that named the file): no file, another suffix, a syntax error
-    (with the parser's first line), a file that is not a table."""
+    with ``what`` (the flag or field that named the file): no file, a file that cannot be read or is
+    not UTF-8, another suffix, a syntax error (the parser's problem and its line and column), a key
+    given twice in one table (YAML and JSON too, as TOML), a file that is not a table."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{what}: no such file {str(path)!r}")
-    text = p.read_text()
+    try:
+        text = p.read_text(encoding="utf-8-sig")  # the three formats are UTF-8 text (a BOM is dropped)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what}: cannot read {str(path)!r}: not UTF-8 text (byte {e.object[e.start]:#04x} at "
+                          f"offset {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"{what}: cannot read {str(path)!r}: {e.strerror or type(e).__name__}") from None
     try:
         if p.suffix == ".toml":
             try:
@@ -113,13 +157,13 @@ def read_table_file(path: str | os.PathLike, what: str = "config") -> dict[str, 
         elif p.suffix in (".yaml", ".yml"):
             data = yaml_load(text) or {}
         elif p.suffix == ".json":
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_unique_keys)
         else:
             raise ConfigError(f"{what}: expected a .yaml/.yml, .toml or .json file, got {str(path)!r}")
     except ConfigError:
         raise
     except Exception as e:  # a syntax error in the file: one line, where it is
-        raise ConfigError(f"{what}: cannot parse {str(path)!r}: {str(e).splitlines()[0]}") from None
+        raise ConfigError(f"{what}: cannot parse {str(path)!r}: {_parse_error(e)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{what}: {str(path)!r} must hold a table")
     return data
