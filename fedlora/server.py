@@ -336,9 +336,6 @@ class Server:
                     failures[i] = why
             else:
                 failures[i] = res
-        for i in accepted:  # it applied its download: synchronised up to the last round
-            if i in downloads:
-                self.ledgers[i // K].sync(i % K, rnd - 1)
         changed_by_group: list[list[str]] = []
         for g in range(self.federation.n_groups):
             ok = [i for i in participants if i // K == g and i in accepted]
@@ -346,8 +343,7 @@ class Server:
                 lost = ", ".join(f"client {i % K}: {failures[i].why}" for i in participants if i in failures)
                 raise RoundFailed(f"round {rnd + 1}: {len(ok)} accepted upload(s), federation.min_clients is "
                                   f"{self.min_clients} ({lost})")
-            weights = self.federation.round_weights([i % K for i in ok])
-            aggregated = m.aggregate([accepted[i].upload for i in ok], weights)
+            ok, aggregated = self._aggregate(g, ok, accepted, failures, rnd)
             old = self.states[g]
             new = m.server_update(old, aggregated)
             changed_by_group.append(self.ledgers[g].update(rnd, old, new))
@@ -355,6 +351,9 @@ class Server:
             if m.incremental_download and executor.shared_base:  # FLoRA: merged once into the one base
                 executor.merge_into_base(self.states[g])
                 self.increments[g][rnd] = Payload(dict(self.states[g])).nbytes
+        for i in accepted:  # it applied its download: synchronised up to the last round
+            if i in downloads:
+                self.ledgers[i // K].sync(i % K, rnd - 1)
         bytes_down = {i: (accepted[i].bytes_down if i in accepted else failures[i].bytes_down) for i in participants}
         last = rnd == self.rounds - 1
         if executor.live or last:
@@ -372,6 +371,32 @@ class Server:
         record["wall_s"] = time.perf_counter() - t0
         self.round = rnd + 1
         return record
+
+    def _aggregate(self, g: int, ok: list[int], accepted: dict[int, ClientUpdate], failures: dict[int, ClientFailure],
+                   rnd: int) -> tuple[list[int], dict[str, torch.Tensor]]:
+        """Aggregate federation ``g``'s accepted uploads. An upload that leaves out a tensor the round's other
+        uploads carry passes ``UploadSpec`` (which tensors a round needs is the method's business: RoLoRA and
+        FFA send different sets) but makes the aggregation refuse the round: then those uploads are rejected
+        as what they are — incomplete — and the others aggregated, under the same ``min_clients`` rule."""
+        K, m = self.federation.n_clients, self.method
+        try:
+            return ok, m.aggregate([accepted[i].upload for i in ok], self.federation.round_weights([i % K for i in ok]))
+        except (ConfigError, ValueError, RuntimeError):
+            union = set().union(*(accepted[i].upload.tensors for i in ok))
+            short = {i: sorted(union - set(accepted[i].upload.tensors)) for i in ok}
+            short = {i: names for i, names in short.items() if names}
+            if not short:
+                raise
+        for i, names in short.items():
+            failures[i] = ClientFailure(f"upload rejected: it lacks {', '.join(names[:4])}"
+                                        f"{' …' if len(names) > 4 else ''} (the round's other uploads carry it)",
+                                        "rejected", accepted.pop(i).bytes_down)
+        ok = [i for i in ok if i not in short]
+        if len(ok) < self.min_clients:
+            lost = ", ".join(f"client {i % K}: {failures[i].why}" for i in sorted(failures) if i // K == g)
+            raise RoundFailed(f"round {rnd + 1}: {len(ok)} accepted upload(s), federation.min_clients is "
+                              f"{self.min_clients} ({lost})")
+        return ok, m.aggregate([accepted[i].upload for i in ok], self.federation.round_weights([i % K for i in ok]))
 
     def _deliveries(self, rnd: int, changed: Sequence[Sequence[str]], executor: ClientExecutor,
                     last: bool) -> dict[int, Download]:

@@ -266,6 +266,9 @@ BAD_UPLOADS = {
     "dtype": (lambda p, spec: _with(p, A0, p.tensors[A0].double()), f"'{A0}': dtype float64, expected float32"),
     "nan": (lambda p, spec: _nan(p), f"'{A0}': non-finite values"),
     "oversize": (_bloat, "larger than any this method sends"),
+    # passes UploadSpec (which tensors a round needs is the method's); the aggregation finds it out
+    "missing tensor": (lambda p, spec: Payload({n: v for n, v in p.tensors.items() if n != A0}, p.meta),
+                       f"it lacks {A0} (the round's other uploads carry it)"),
 }
 
 
