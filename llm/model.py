@@ -103,3 +103,34 @@ def load_classifier(name: str, num_labels: int, *, from_config: Mapping[str, Any
     if pad_token_id is not None and getattr(model.config, "pad_token_id", None) is None:
         model.config.pad_token_id = pad_token_id  # GPT-2 pools the last non-pad token
     return model
+
+
+#: the tiny variant of each family (``tiny: true``): random weights, the shapes of a 2-block model, the
+#: family's own module names (so a config's target_modules apply unchanged). Vocabularies hold the bundled
+#: MiniLM tokenizer's 30,522 ids; positions cover ``TINY_MAX_LENGTH`` tokens.
+TINY_MAX_LENGTH = 32
+_TINY_COMMON = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 48}
+TINY_FAMILIES: dict[str, dict[str, Any]] = {
+    "roberta": {"model_type": "roberta", **_TINY_COMMON, "max_position_embeddings": TINY_MAX_LENGTH + 8},
+    "deberta-v2": {"model_type": "deberta-v2", **_TINY_COMMON, "max_position_embeddings": TINY_MAX_LENGTH + 8,
+                   "vocab_size": 30522},
+    "bert": {"model_type": "bert", **_TINY_COMMON, "max_position_embeddings": TINY_MAX_LENGTH + 8},
+    "gpt2": {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2, "n_positions": TINY_MAX_LENGTH + 8,
+             "vocab_size": 30522},
+    "llama": {"model_type": "llama", **_TINY_COMMON, "num_key_value_heads": 2,
+              "max_position_embeddings": TINY_MAX_LENGTH + 8, "vocab_size": 30522},
+}
+#: name fragments → family, most specific first
+_FAMILY_OF = (("deberta-v3", "deberta-v2"), ("deberta-v2", "deberta-v2"), ("roberta", "roberta"),
+              ("minilm", "bert"), ("bert", "bert"), ("gpt2", "gpt2"), ("llama", "llama"), ("smollm", "llama"))
+
+
+def tiny_model_config(name: str) -> dict[str, Any]:
+    """``model.from_config`` of ``name``'s tiny variant (its family read from the name), a copy.
+    ``ConfigError`` naming the families known when the name tells none."""
+    low = name.lower()
+    for frag, family in _FAMILY_OF:
+        if frag in low:
+            return dict(TINY_FAMILIES[family])
+    raise ConfigError(f"tiny: cannot tell the model family of model.name {name!r} (known: "
+                      f"{', '.join(sorted(TINY_FAMILIES))}); give model.from_config instead")

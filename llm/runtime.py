@@ -333,11 +333,19 @@ class FederatedRun:
                 raise ConfigError(f"federation.partition: {fc.partition!r} names the key column "
                                   f"{params['column']!r} but data.client_column is {dc.client_column!r}; give one")
             columns = {**(columns or {}), "client_key": params["column"]}
-        self.train_data, self.test_data, self.task = D.load_text_data(
-            task=dc.task, path=dc.path, hf_name=dc.hf_name, hf_config=dc.hf_config, columns=columns,
-            train_split=dc.train_split, test_split=dc.test_split, labels=dc.labels,
-            test_fraction=dc.test_fraction, max_train_samples=dc.max_train_samples,
-            max_test_samples=dc.max_test_samples, seed=cfg.seed)
+        if cfg.tiny and dc.path is None and (dc.hf_name is not None or D.get_task(dc.task).hf_path is not None):
+            if dc.hf_name is not None:
+                raise ConfigError("tiny: data.hf_name has no offline stand-in; give data.task (a registered task) "
+                                  "or data.path (local files)")
+            n_train, n_test = min(120, dc.max_train_samples or 120), min(60, dc.max_test_samples or 60)
+            self.train_data, self.test_data, self.task = D.stand_in_data(D.get_task(dc.task), n_train=n_train,
+                                                                         n_test=n_test, seed=cfg.seed)
+        else:
+            self.train_data, self.test_data, self.task = D.load_text_data(
+                task=dc.task, path=dc.path, hf_name=dc.hf_name, hf_config=dc.hf_config, columns=columns,
+                train_split=dc.train_split, test_split=dc.test_split, labels=dc.labels,
+                test_fraction=dc.test_fraction, max_train_samples=dc.max_train_samples,
+                max_test_samples=dc.max_test_samples, seed=cfg.seed)
         self.num_labels = len(self.train_data.label_names)
         splits = D.split_clients(self.train_data, self.test_data, partition=fc.partition, n_clients=fc.clients,
                                  seed=cfg.seed, val_fraction=fc.val_fraction)

@@ -58,6 +58,8 @@ class TaskSpec:
         label_text_column: a column holding the class name of every row (used to name the
             classes when the features carry no names, e.g. SetFit/20_newsgroups).
         local_dir: folder with ``train.*`` / ``test.*`` files for bundled data sets.
+        n_labels: the number of classes where ``label_names`` is None (the tiny variant's stand-in data
+            needs it without reading the dataset).
     """
 
     name: str
@@ -75,6 +77,7 @@ class TaskSpec:
     hf_revision: str | None = None
     label_text_column: str | None = None
     local_dir: str | None = None
+    n_labels: int | None = None
 
     def __post_init__(self) -> None:
         if self.main_metric not in self.metrics:
@@ -106,13 +109,14 @@ _ALL: tuple[TaskSpec, ...] = (
         text_pair_column=None, label_column="label", train_split="train", test_split="test",
         metrics=("accuracy", "macro_f1"), main_metric="accuracy", label_names=None,
         description="BANKING77: 77 fine-grained banking intents of customer queries",
-        hf_revision="refs/convert/parquet",
+        hf_revision="refs/convert/parquet", n_labels=77,
     ),
     TaskSpec(
         name="20newsgroups", hf_path="SetFit/20_newsgroups", hf_config=None, text_column="text",
         text_pair_column=None, label_column="label", train_split="train", test_split="test",
         metrics=("accuracy", "macro_f1"), main_metric="accuracy", label_names=None,
         description="20 Newsgroups: topic of a Usenet post (20 classes)", label_text_column="label_text",
+        n_labels=20,
     ),
     TaskSpec(
         name="debian-sections", hf_path=None, hf_config=None, text_column="text",
