@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 from fedlora.errors import ConfigError
 
-__all__ = ["RunFolder", "read_run", "read_run_config"]
+__all__ = ["RunFolder", "read_run", "read_run_config", "read_status"]
 
 
 def _json_file(path: Path, what: str) -> Any:
@@ -44,6 +44,15 @@ def read_run_config(run_dir: str | Path, what: str = "RUN_DIR") -> dict[str, Any
     if not (isinstance(info, dict) and isinstance(info.get("config"), dict) and isinstance(info.get("resolved"), dict)):
         raise ConfigError(f"{what}: {str(path)!r} is not a fedlora run's config.json (no 'config' and 'resolved' tables)")
     return info
+
+
+def read_status(run_dir: str | Path) -> str:
+    """run.json's status (complete, running, interrupted, failed), or ``unknown`` without a readable one."""
+    try:
+        state = json.loads((Path(run_dir) / "run.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return "unknown"
+    return str(state.get("status", "unknown")) if isinstance(state, dict) else "unknown"
 
 
 @dataclass(frozen=True)
@@ -145,7 +154,7 @@ def read_run(run_dir: str | Path, what: str = "RUN_DIR") -> RunFolder:
         raise ConfigError(f"{what}: {str(folder)!r} is not a fedlora run folder (it has no rounds.jsonl)")
     status_path = folder / "run.json"
     state = _json_file(status_path, what) if status_path.is_file() else {}
-    status = str(state.get("status", "unknown")) if isinstance(state, dict) else "unknown"
+    status = read_status(folder)
     summary_path = folder / "summary.json"
     summary = _json_file(summary_path, what) if summary_path.is_file() else None
     try:

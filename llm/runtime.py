@@ -155,22 +155,12 @@ class FederatedRun:
         from .config import apply_overrides, load_config
         from .export import config_digest
 
+        from .runfolder import read_run_config, read_status
+
         folder = Path(run_dir)
-        if not folder.is_dir():
-            raise ConfigError(f"--resume: {str(folder)!r} is not a folder")
-        try:
-            saved = json.loads((folder / "config.json").read_text())["config"]
-            if not isinstance(saved, dict):
-                raise TypeError
-        except FileNotFoundError:
-            raise ConfigError(f"--resume: {str(folder)!r} is not a fedlora run folder (it has no config.json)") from None
-        except (OSError, ValueError, KeyError, TypeError):
-            raise ConfigError(f"--resume: {str(folder / 'config.json')!r} is not a fedlora run's config.json") from None
-        try:
-            status = json.loads((folder / "run.json").read_text()).get("status")
-        except (OSError, ValueError, AttributeError):
-            status = None
-        if status == "complete":
+        info = read_run_config(folder, "--resume")  # the one reader of run folders (docs/design.md §9)
+        saved = info["config"]
+        if read_status(folder) == "complete":
             raise ConfigError(f"--resume: the run in {str(folder)!r} is complete (run.json); nothing to resume")
         if config is None:
             given = RunConfig.from_dict(apply_overrides(saved, overrides))
@@ -188,10 +178,7 @@ class FederatedRun:
             raise ConfigError(f"--resume: the checkpoint {str(ckpt.path)!r} belongs to another config than "
                               f"{str(folder / 'config.json')!r}")
         cfg = RunConfig.from_dict({**given.to_dict(), "output_dir": str(folder)})
-        try:
-            runtime = json.loads((folder / "config.json").read_text())["resolved"].get("runtime", "embedded")
-        except (KeyError, AttributeError, TypeError, ValueError):
-            runtime = "embedded"
+        runtime = info["resolved"].get("runtime", "embedded")
         run = cls(cfg, progress=progress, output=OutputDir(folder, None, RUN_WRITES), runtime=runtime)
         run._resume_from = ckpt
         return run

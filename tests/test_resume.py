@@ -255,7 +255,8 @@ def _copy(runs: Path, tmp_path: Path) -> Path:
 
 def test_resume_refuses_a_folder_that_is_not_a_run(runs, tmp_path, capsys):
     missing = tmp_path / "missing"
-    _refused(capsys, ["run", "--resume", str(missing)], f"--resume: {str(missing)!r} is not a folder", missing)
+    _refused(capsys, ["run", "--resume", str(missing)],
+             f"--resume: {str(missing)!r} does not exist (give the output folder of a `fedlora run`)", missing)
     empty = tmp_path / "empty"
     empty.mkdir()
     _refused(capsys, ["run", "--resume", str(empty)],
@@ -264,7 +265,8 @@ def test_resume_refuses_a_folder_that_is_not_a_run(runs, tmp_path, capsys):
     other.mkdir()
     (other / "config.json").write_text('{"runs": ["a", "b"]}')  # e.g. another tool's config
     _refused(capsys, ["run", "--resume", str(other)],
-             f"--resume: {str(other / 'config.json')!r} is not a fedlora run's config.json", other)
+             f"--resume: {str(other / 'config.json')!r} is not a fedlora run's config.json "
+             "(no 'config' and 'resolved' tables)", other)
 
 
 def test_resume_with_the_runs_own_config_finishes_it_and_then_refuses_it_as_complete(runs, tmp_path, capsys):
