@@ -324,7 +324,9 @@ class FederatedRun:
             if dc.hf_name is not None:
                 raise ConfigError("tiny: data.hf_name has no offline stand-in; give data.task (a registered task) "
                                   "or data.path (local files)")
-            n_train, n_test = min(120, dc.max_train_samples or 120), min(60, dc.max_test_samples or 60)
+            # enough rows that the config's own split (clients, Dirichlet α) can be drawn: 40 per client
+            n = max(120, 40 * fc.clients)
+            n_train, n_test = min(n, dc.max_train_samples or n), min(n // 2, dc.max_test_samples or n // 2)
             self.train_data, self.test_data, self.task = D.stand_in_data(D.get_task(dc.task), n_train=n_train,
                                                                          n_test=n_test, seed=cfg.seed)
         else:

@@ -93,3 +93,17 @@ def test_stand_in_data_has_the_tasks_shape_and_is_learnable():
             words.setdefault(int(y), []).append(w)
     top = {y: max(set(ws), key=ws.count) for y, ws in words.items()}
     assert len(set(top.values())) == 3
+
+
+def test_the_lora_a2_table_config_adapts_the_six_linear_types_of_every_block(tmp_path, monkeypatch):
+    """banking77-lora-a2 (LoRA-A² Table 1) adapts query, key, value, attention.output.dense, intermediate.dense
+    and output.dense of every block — not the classifier's dense layer (the head is frozen)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = load_config("banking77-lora-a2", ["tiny=true", f"output_dir={tmp_path / 'o'}"])
+    run = FederatedRun(cfg, write=False).prepare()
+    adapted = sorted({n.rsplit(".lora_A", 1)[0] for n, _ in run.model.named_parameters() if ".lora_A" in n})
+    kinds = sorted({n.split(".", 4)[-1] for n in adapted})
+    assert kinds == ["attention.output.dense", "attention.self.key", "attention.self.query", "attention.self.value",
+                     "intermediate.dense", "output.dense"], kinds
+    assert len(adapted) == 6 * run.model.config.num_hidden_layers
+    assert run.num_labels == 77 and cfg.model.lora_alpha == 16
