@@ -31,7 +31,8 @@ from fedlora.simulator import StackedExecutor, round_record
 from .compare import CompareConfig, _make_data, method_spec
 from .runner import SyntheticRun, build_run, run_method
 
-__all__ = ["flower_spec", "build_spec_run", "SyntheticNode", "serve", "serve_to_folder", "run_flower", "run_embedded"]
+__all__ = ["flower_spec", "build_spec_run", "SyntheticNode", "serve", "serve_with_records", "serve_to_folder",
+           "run_flower", "run_embedded"]
 
 TASK = "synthetic"
 
@@ -122,6 +123,18 @@ class _Served:
 def serve(grid, spec: Mapping[str, Any], *, timeout: float = 600.0) -> list[dict[str, Any]]:
     """The server of ``spec``'s run over a Flower ``grid``: ``run_rounds``' records (per replica lists of
     ``bytes_up``, ``bytes_down``, ``participants``, ``train_loss`` after each round's deliveries)."""
+    return _serve(grid, spec, timeout)[0]
+
+
+def serve_with_records(grid, spec: Mapping[str, Any], *,
+                       timeout: float = 600.0) -> tuple[list[dict[str, Any]], dict[int, dict[str, torch.Tensor]]]:
+    """``serve``, and every client's final state record as its node keeps it (``Method.replica_state``:
+    adapter, optimizer moments, method state) — what ``run_embedded(spec, records=True)`` gives embedded."""
+    history, executor = _serve(grid, spec, timeout)
+    return history, executor.client_records()
+
+
+def _serve(grid, spec: Mapping[str, Any], timeout: float):
     from fedlora.llm.flower import FlowerExecutor
 
     run = build_spec_run(spec)  # the server's half of the method (aggregation, server_update, upload checks)
@@ -136,7 +149,7 @@ def serve(grid, spec: Mapping[str, Any], *, timeout: float = 600.0) -> list[dict
         scores = executor.evaluate_clients(list(range(fed.n_replicas)), rnd)
         rec["train_loss"] = [float(scores[k]["train_loss"]) for k in range(fed.n_replicas)]
         history.append(rec)
-    return history
+    return history, executor
 
 
 #: what ``serve_to_folder`` writes into its folder
@@ -174,13 +187,14 @@ def run_flower(spec: Mapping[str, Any], *, timeout: float = 600.0) -> list[dict[
     return simulate(lambda grid: serve(grid, spec, timeout=timeout), int(spec["clients"]))
 
 
-def run_embedded(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
+def run_embedded(spec: Mapping[str, Any], *, records: bool = False):
     """The same run embedded, as ``synthetic compare`` runs it (``run_method``: the stacked executor); its
-    round records — the reference the Flower runs equal."""
+    round records — the reference the Flower runs equal. ``records``: also every client's final state
+    record (``(history, {k: record})``, as ``serve_with_records``)."""
     cfg, name, ms, data = _parts(spec)
     res = run_method(name, data, lr=float(spec["lr"]), rounds=cfg.rounds, local_steps=cfg.local_steps,
                      options=ms.options, adapter=ms.adapter, lr_arg=ms.lr_arg, rank_tol=cfg.rank_tol,
-                     sample_fraction=cfg.sample_fraction, sample_seed=cfg.seed_offset)
+                     sample_fraction=cfg.sample_fraction, sample_seed=cfg.seed_offset, keep_records=records)
     if res.error:
         raise RuntimeError(f"synthetic {name}: {res.error}")
-    return res.history
+    return (res.history, dict(enumerate(res.records))) if records else res.history

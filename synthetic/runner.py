@@ -148,6 +148,8 @@ class RunResult:
     final: dict[str, list]
     wall_s: float
     error: str | None = None
+    #: every replica's final client state record (``Method.replica_state``), with ``keep_records``
+    records: list[dict[str, torch.Tensor]] | None = None
 
 
 def _objectives(layer: LoRALinear, data: StackedData):
@@ -250,7 +252,7 @@ def run_method(name: str, data: StackedData, *, lr: float, rounds: int, local_st
                options: Mapping[str, Any] | None = None, adapter: Mapping[str, Any] | None = None,
                lr_arg: str = "lr", client_weights: Sequence[float] | None = None,
                rank_tol: float = 0.02, record_payloads: bool = False, sample_fraction: float = 1.0,
-               sample_seed: int = 0) -> RunResult:
+               sample_seed: int = 0, keep_records: bool = False) -> RunResult:
     """Train ``name`` on every federation of ``data`` at once; evaluate each client's final model.
 
     ``adapter``: ``LoRALinear`` keyword arguments; default ``method.adapter_kwargs()``.
@@ -260,6 +262,8 @@ def run_method(name: str, data: StackedData, *, lr: float, rounds: int, local_st
     they come back as ``error`` and non-finite metrics, so a step-size grid can go on.
     ``record_payloads``: also keep every upload/download ``Payload`` (for byte accounting tests).
     ``sample_fraction``, ``sample_seed``: client sampling per round (``fedlora.simulator.Federation``).
+    ``keep_records``: also keep every replica's final client state record (``RunResult.records``: adapter,
+    optimizer moments, method state), e.g. to compare with the records a Flower run's nodes keep.
     """
     run = build_run(name, data, lr=lr, options=options, adapter=adapter, lr_arg=lr_arg,
                     client_weights=client_weights, sample_fraction=sample_fraction, sample_seed=sample_seed)
@@ -304,7 +308,8 @@ def run_method(name: str, data: StackedData, *, lr: float, rounds: int, local_st
     wall = time.perf_counter() - t0
     final = _final_metrics(layer, method, objective, sample, metrics, data, rank_tol) if error is None else \
         _failed_metrics(G, data)
-    result = RunResult(history, final, wall, error)
+    result = RunResult(history, final, wall, error,
+                       [method.replica_state(i) for i in range(G)] if keep_records and error is None else None)
     if record_payloads:
         result.payloads = payloads  # type: ignore[attr-defined]
     return result

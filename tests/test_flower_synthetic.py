@@ -4,11 +4,14 @@ round, every client's training loss after every round — on Flower's simulation
 loopback deployment (a SuperLink and three SuperNodes as separate processes, TLS), for FedAvg-LoRA, RoLoRA,
 LoRA-A², PF2LoRA and H²Tune. Each node holds the whole federation but reports its own client: HetLoRA's
 per-client ranks (uploads of different sizes) and a run of several configs sharing the same nodes show that
-each node trains, keeps and reports the right client's state."""
+each node trains, keeps and reports the right client's state; every client's final state record (adapter,
+optimizer moments, method state such as ranks, masks and draws) as its node keeps it equals the embedded
+replica's."""
 import json
 import time
 
 import pytest
+import torch
 
 pytest.importorskip("flwr")
 pytest.importorskip("ray")
@@ -16,7 +19,7 @@ pytest.importorskip("ray")
 from fedlora.cli import main  # noqa: E402
 from fedlora.llm import flower_deploy as fd  # noqa: E402
 from fedlora.llm.flower import simulate  # noqa: E402
-from fedlora.synthetic.flower import flower_spec, run_embedded, serve  # noqa: E402
+from fedlora.synthetic.flower import flower_spec, run_embedded, serve, serve_with_records  # noqa: E402
 
 METHODS = ["fedavg", "rolora", "lora-a2", "pf2lora", "h2tune"]
 
@@ -35,21 +38,37 @@ def assert_same_history(emb, flw, what):
         assert f["train_loss"] == pytest.approx(e["train_loss"], rel=1e-12, abs=0), (what, e["round"])
 
 
+def assert_same_records(emb, flw, what):
+    """Every client's final state record: the same entries, bit for bit (the same float64 ops ran)."""
+    assert sorted(emb) == sorted(flw) == [0, 1, 2], what
+    for k in emb:
+        assert sorted(emb[k]) == sorted(flw[k]), (what, k)
+        for n, t in emb[k].items():
+            assert flw[k][n].dtype == t.dtype and torch.equal(flw[k][n], t), (what, k, n)
+
+
 def test_simulation_gives_the_embedded_records_for_every_config_on_shared_nodes():
     """One simulation (3 SuperNodes) runs every config in turn on the same nodes: the five methods with
-    sampling on, H²Tune on the classification task (its eq. 7 output KL) and HetLoRA (per-client ranks)."""
+    sampling on, H²Tune on the classification task (its eq. 7 output KL) and HetLoRA (per-client ranks);
+    round records and every client's final state record equal the embedded run's."""
     specs = {m: _spec(m) for m in METHODS}
     specs["h2tune-classification"] = _spec("h2tune", task="classification")
     specs["hetlora"] = _spec("hetlora")
-    emb = {name: run_embedded(spec) for name, spec in specs.items()}
-    assert any(not all(r["participants"]) for r in emb["fedavg"])  # sampling was on
-    flw = simulate(lambda grid: {name: serve(grid, spec, timeout=120) for name, spec in specs.items()}, 3)
+    emb = {name: run_embedded(spec, records=True) for name, spec in specs.items()}
+    assert any(not all(r["participants"]) for r in emb["fedavg"][0])  # sampling was on
+    flw = simulate(lambda grid: {name: serve_with_records(grid, spec, timeout=120) for name, spec in specs.items()}, 3)
     for name in specs:
-        assert_same_history(emb[name], flw[name], name)
+        assert_same_history(emb[name][0], flw[name][0], name)
+        assert_same_records(emb[name][1], flw[name][1], name)
     # HetLoRA's clients upload at their own ranks: had a node trained another replica than its partition,
     # every client's upload would have one size
-    sizes = {b for r in flw["hetlora"] for b in r["bytes_up"] if b}
+    sizes = {b for r in flw["hetlora"][0] for b in r["bytes_up"] if b}
     assert len(sizes) > 1, sizes
+    # and each node's record carries its own client's settings (equal to the embedded replica's, above):
+    # HetLoRA's ranks, LoRA-A²'s masks and H²Tune's ω differ from client to client
+    for name, key in (("hetlora", "extra:ranks"), ("lora-a2", "extra:mask:"), ("h2tune", "extra:omega")):
+        got = [flw[name][1][k][key] for k in range(3)]
+        assert not any(torch.equal(got[a], got[b]) for a, b in ((0, 1), (0, 2), (1, 2))), (name, got)
 
 
 def test_a_loopback_deployment_gives_the_embedded_records(tmp_path):

@@ -262,6 +262,9 @@ class LoRAA2(Method):
             for _ in range(self._n_probe):
                 self._step(self._objective, self._sample, masked=True)
             self._objective = self._sample = None  # do not keep the caller's data alive
+        # the round's moments die with it (begin_round starts afresh): a client's record carries none, so
+        # it does not depend on which factor the client last trained or on what else its process trained
+        self.opt.state.clear()
 
     def describe_replica(self, replica: int) -> dict:
         """r_G, the client's budget r_k, and the ranks it selected this round over all N modules
