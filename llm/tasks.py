@@ -28,19 +28,28 @@ its main branch held a loading script, which ``datasets`` ≥ 4 no longer runs.
 """
 from __future__ import annotations
 
+import abc
+import dataclasses
 import difflib
+import math
 from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
 
 from fedlora.errors import ConfigError
 
 from .datasets import DEBIAN_SECTIONS_DIR
 
-__all__ = ["TaskSpec", "TASKS", "get_task", "available_tasks"]
+__all__ = ["TaskSpec", "TASKS", "TASK_KINDS", "get_task", "available_tasks", "Task", "EvalContext", "slot_batches", "build_task", "task_for", "task_from_resolved"]
+
+#: the kinds of task, each one ``Task`` implementation (``build_task``)
+TASK_KINDS = ("classification", "generation")
 
 
 @dataclass(frozen=True)
 class TaskSpec:
-    """One classification task.
+    """One task's data: where it lives, its columns, its metrics (classification or generation).
 
     Attributes:
         name: registry name (``"glue/sst2"``).
@@ -48,7 +57,7 @@ class TaskSpec:
         hf_config: dataset configuration (GLUE sub-task) or None.
         text_column / text_pair_column: input text column(s); the pair column is None for
             single-sentence tasks.
-        label_column: class label column (ints or strings).
+        label_column: class label column (ints or strings); None for generation.
         train_split / test_split: split names (files ``<split>.*`` for local folders).
         metrics: metric names reported (see ``fedlora.llm.metrics.METRICS``).
         main_metric: the one used for model selection / headline tables.
@@ -60,6 +69,13 @@ class TaskSpec:
         local_dir: folder with ``train.*`` / ``test.*`` files for bundled data sets.
         n_labels: the number of classes where ``label_names`` is None (the tiny variant's stand-in data
             needs it without reading the dataset).
+        kind: ``"classification"`` or ``"generation"`` (prompt → target with a causal LM): which
+            :class:`Task` implementation runs it (``build_task``).
+        target_column: generation: the column holding the target text (``text_column`` holds the source).
+        linearise: generation: how a row's source becomes the prompt (``fedlora.llm.generation.LINEARISERS``:
+            ``"text"``, the column as it is; ``"e2e"``; ``"webnlg"``).
+        decoding: generation: the paper's decoding settings (``GenerationTask.DECODING`` keys), the
+            defaults ``eval.decoding`` overrides key by key.
     """
 
     name: str
@@ -67,7 +83,7 @@ class TaskSpec:
     hf_config: str | None
     text_column: str
     text_pair_column: str | None
-    label_column: str
+    label_column: str | None
     train_split: str
     test_split: str
     metrics: tuple[str, ...]
@@ -78,8 +94,16 @@ class TaskSpec:
     label_text_column: str | None = None
     local_dir: str | None = None
     n_labels: int | None = None
+    kind: str = "classification"
+    target_column: str | None = None
+    linearise: str = "text"
+    decoding: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
+        if self.kind not in TASK_KINDS:
+            raise ConfigError(f"task {self.name!r}: kind {self.kind!r} is not one of {TASK_KINDS}")
+        if self.kind == "generation" and not self.target_column:
+            raise ConfigError(f"task {self.name!r}: a generation task names its target_column")
         if self.main_metric not in self.metrics:
             raise ConfigError(f"task {self.name!r}: main_metric {self.main_metric!r} is not one of its metrics {self.metrics}")
 
@@ -128,6 +152,28 @@ _ALL: tuple[TaskSpec, ...] = (
     ),
 )
 
+# Data-to-text generation (PF2LoRA §6.2 / App. F.3, following LoRA (Hu et al., ICLR 2022) §5.5 and its
+# gpt2_beam.py command: beam 10, length penalty 0.8, no repeated 4-grams, 64 new tokens at most).
+_NLG_DECODING = (("num_beams", 10), ("length_penalty", 0.8), ("no_repeat_ngram_size", 4), ("max_new_tokens", 64))
+_ALL = _ALL + (
+    TaskSpec(
+        name="e2e", hf_path="tuetschek/e2e_nlg", hf_config=None, text_column="meaning_representation",
+        text_pair_column=None, label_column=None, train_split="train", test_split="test",
+        metrics=("bleu", "nist", "meteor", "rouge_l", "cider", "ter", "chrf"), main_metric="bleu", label_names=None,
+        description="E2E NLG Challenge: restaurant meaning representation → text (key 'restaurant': the name)",
+        hf_revision="refs/convert/parquet", kind="generation", target_column="human_reference", linearise="e2e",
+        decoding=_NLG_DECODING,
+    ),
+    TaskSpec(
+        name="webnlg", hf_path="webnlg-challenge/web_nlg", hf_config="webnlg_challenge_2017",
+        text_column="modified_triple_sets", text_pair_column=None, label_column=None, train_split="train",
+        test_split="test", metrics=("bleu", "nist", "meteor", "rouge_l", "cider", "ter", "chrf"), main_metric="bleu",
+        label_names=None, description="WebNLG 2017: DBpedia triples → text (key 'category': the domain)",
+        hf_revision="refs/convert/parquet", kind="generation", target_column="lex", linearise="webnlg",
+        decoding=_NLG_DECODING,
+    ),
+)
+
 TASKS: dict[str, TaskSpec] = {t.name: t for t in _ALL}
 
 # Other spellings people type; each maps to a registry name.
@@ -139,6 +185,10 @@ _ALIASES: dict[str, str] = {
     "20ng": "20newsgroups",
     "debian_sections": "debian-sections",
     "banking-77": "banking77",
+    "e2e_nlg": "e2e",
+    "e2e-nlg": "e2e",
+    "web_nlg": "webnlg",
+    "web-nlg": "webnlg",
 }
 
 
@@ -162,3 +212,160 @@ def get_task(name: str) -> TaskSpec:
     close = list(dict.fromkeys(_ALIASES.get(c, c) for c in close))
     hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
     raise ConfigError(f"unknown task {name!r}{hint} Registered tasks: {available_tasks()}")
+
+
+@dataclasses.dataclass
+class EvalContext:
+    """What a task's ``predict`` needs of the runtime: ``forward(params, batch) -> logits`` (the slot model,
+    ``params`` a ``functional_call`` mapping or None), ``rows(enc, idx) -> batch`` (the encoded rows at
+    ``idx``, padding trimmed, on the device), ``slots`` S, ``batch_size`` rows per slot per forward, the
+    ``model`` and ``tokenizer`` (generation), the run's ``decoding`` settings."""
+
+    forward: Any
+    rows: Any
+    slots: int
+    batch_size: int
+    model: Any = None
+    tokenizer: Any = None
+    decoding: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def slot_batches(row_sets: Sequence[np.ndarray], b: int):
+    """Slot p's rows ``row_sets[p]`` in steps of ``b``: per step the (S·b,) row indices, slot-major, each slot
+    padded to ``b`` with its first row (slots must be equal in number), and each slot's real count."""
+    import torch
+
+    n_iter = max(math.ceil(len(r) / b) for r in row_sets) if any(len(r) for r in row_sets) else 0
+    for it in range(n_iter):
+        idx, real = [], []
+        for rows in row_sets:
+            part = rows[it * b:(it + 1) * b]
+            real.append(len(part))
+            pad = part if len(part) == b else np.concatenate(
+                [part, np.full(b - len(part), rows[0] if len(rows) else 0, dtype=np.int64)])
+            idx.append(torch.as_tensor(pad, dtype=torch.long))
+        yield torch.cat(idx), real
+
+
+class Task(abc.ABC):
+    """One kind of task, the only thing the runtime knows of what it trains (docs/design.md §9, "the house";
+    the model owns its loss, as in nanoGPT). Implementations: ``ClassificationTask``
+    (``fedlora.llm.classification``), ``GenerationTask`` (``fedlora.llm.generation``).
+
+    The runtime calls, in this order: ``load_data`` (train / test rows and the spec actually used),
+    ``build_model`` (the frozen base and its tokenizer), ``encode`` (rows → padded tensors), then per
+    step ``loss`` on the model's ``logits`` for S slots of rows concatenated slot-major (one loss per slot,
+    the ``Objective`` contract of ``fedlora.methods``) and ``outputs`` (what H²Tune's eq. 7 compares), and
+    for evaluation ``predict`` (S slots' rows in one batched pass or one batched ``generate``) and ``score``.
+    """
+
+    #: the PEFT ``task_type`` of an exported adapter
+    peft_task_type: str = ""
+    #: the model has a classifier head that a method may train (``model.head``)
+    has_head: bool = False
+
+    @property
+    def not_computed(self) -> dict[str, str]:
+        """Metrics of the task that could not be computed here, with the reason (e.g. METEOR without WordNet)."""
+        return dict(self.__dict__.get("_not_computed", {}))
+
+    def __init__(self, spec: TaskSpec | None) -> None:
+        self.spec = spec
+
+    # the spec's names, so run code reads ``task.name`` / ``task.main_metric`` whatever the kind
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        return self.spec.metrics
+
+    @property
+    def main_metric(self) -> str:
+        return self.spec.main_metric
+
+    @property
+    def kind(self) -> str:
+        return self.spec.kind
+
+    @abc.abstractmethod
+    def load_data(self, cfg, columns: Mapping[str, str] | None) -> tuple[Any, Any]:
+        """(train, test) ``TextDataset``s from the run config ``cfg``'s data section (``columns``: the
+        config's column fields); sets ``self.spec`` to the spec actually used."""
+
+    @abc.abstractmethod
+    def build_model(self, mc: Mapping[str, Any], seed: int, *, model=None, tokenizer=None) -> tuple[Any, Any]:
+        """(frozen base model, tokenizer) from the model section ``mc`` (a dict); ready ones given are used
+        (tests), after the task checks they fit it."""
+
+    @abc.abstractmethod
+    def encode(self, dataset, tokenizer, max_length: int) -> dict[str, Any]:
+        """Every row as padded tensors (n, L) with the right padding ``rows`` trims; what ``loss`` reads."""
+
+    def collate(self, enc: Mapping[str, Any], idx, device) -> dict[str, Any]:
+        """The training batch of rows ``idx`` (a 1-D index tensor) on ``device``: every tensor of ``enc`` but
+        those named ``prompt_*`` (a task's own evaluation inputs), the right padding all rows share trimmed
+        from the (n, L) ones."""
+        batch = {k: v[idx] for k, v in enc.items() if not k.startswith("prompt_")}
+        if "attention_mask" in batch:  # trim the padding every row of this batch shares
+            L = int(batch["attention_mask"].sum(1).max())
+            batch = {k: (v[:, :L] if v.dim() == 2 else v) for k, v in batch.items()}
+        return {k: v.to(device) for k, v in batch.items()}
+
+    @abc.abstractmethod
+    def loss(self, logits, batch: Mapping[str, Any], slots: int):
+        """(S,) each slot's mean loss on its rows of ``batch`` (S·b rows, slot-major)."""
+
+    @abc.abstractmethod
+    def outputs(self, logits, batch: Mapping[str, Any], slots: int):
+        """H²Tune's model outputs (eq. 7): (S, …, C) logits, or (logits, mask) with mask (S, …) = 1 where the
+        output is scored (``fedlora.methods.h2tune``'s ``output_fn`` contract)."""
+
+    @abc.abstractmethod
+    def predict(self, ctx: EvalContext, enc: Mapping[str, Any], row_sets: Sequence[np.ndarray], params) -> list:
+        """Each slot's predictions on its own rows (slot p: ``row_sets[p]`` of ``enc``), all slots at once."""
+
+    @abc.abstractmethod
+    def score(self, prediction, dataset, rows: np.ndarray) -> dict[str, float]:
+        """The task's metrics (and ``loss``) of one slot's ``prediction`` on ``dataset``'s ``rows``; {} for none."""
+
+    def restore(self, resolved: Mapping[str, Any]) -> None:
+        """Take back what ``describe`` recorded (``task_from_resolved``)."""
+
+    def describe(self) -> dict[str, Any]:
+        """What config.json's ``resolved`` records of the task."""
+        return {"task": self.name, "task_kind": self.kind, "metrics": list(self.metrics)}
+
+
+def task_for(task: str | TaskSpec | None, target_column: str | None = None) -> Task:
+    """The ``Task`` of a data section: a registered task (name or spec) by its kind; without one (local files,
+    any Hub dataset) generation when a target column is named, else classification."""
+    spec = get_task(task) if isinstance(task, str) else task
+    kind = spec.kind if spec is not None else ("generation" if target_column else "classification")
+    return build_task(spec, kind)
+
+
+def build_task(spec: TaskSpec | None, kind: str | None = None) -> Task:
+    """The ``Task`` implementation of ``kind`` (default ``spec.kind``) around ``spec`` (None: a source without
+    a registered task; ``load_data`` makes its spec)."""
+    kind = kind or spec.kind
+    if kind not in TASK_KINDS:
+        raise ConfigError(f"task kind {kind!r}: one of {TASK_KINDS}")
+    if kind == "generation":
+        from .generation import GenerationTask
+
+        return GenerationTask(spec)
+    from .classification import ClassificationTask
+
+    return ClassificationTask(spec)
+
+
+def task_from_resolved(resolved: Mapping[str, Any]) -> Task:
+    """The ``Task`` of a finished run, from its config.json ``resolved`` section (what ``Task.describe`` wrote),
+    ready to ``build_model`` the run's base again (export). Runs written before tasks had kinds are
+    classification runs."""
+    kind = resolved.get("task_kind", "classification")
+    task = build_task(TASKS.get(resolved.get("task")), kind)
+    task.restore(resolved)
+    return task

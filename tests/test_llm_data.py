@@ -62,8 +62,15 @@ def test_registry_has_the_tasks_with_their_real_columns_and_metrics():
     for name in ["glue/cola", "glue/sst2", "glue/mnli", "glue/qqp", "glue/qnli", "glue/rte",
                  "banking77", "20newsgroups", "debian-sections"]:
         assert name in available_tasks()
-    for t in TASKS.values():
-        assert t.main_metric in t.metrics and set(t.metrics) <= set(METRICS)
+    from fedlora.llm.textmetrics import GENERATION_METRICS
+
+    for t in TASKS.values():  # every metric a task names is one its kind computes
+        assert t.main_metric in t.metrics
+        assert set(t.metrics) <= set(METRICS if t.kind == "classification" else GENERATION_METRICS), t.name
+    e2e, webnlg = get_task("e2e"), get_task("web_nlg")
+    assert (e2e.kind, e2e.text_column, e2e.target_column) == ("generation", "meaning_representation", "human_reference")
+    assert (webnlg.hf_config, webnlg.text_column, webnlg.target_column) == ("webnlg_challenge_2017",
+                                                                            "modified_triple_sets", "lex")
     cola, mnli, qqp, qnli, rte = (get_task(f"glue/{c}") for c in ("cola", "mnli", "qqp", "qnli", "rte"))
     assert cola.main_metric == "mcc" and cola.test_split == "validation"
     assert (mnli.text_column, mnli.text_pair_column, mnli.test_split) == ("premise", "hypothesis", "validation_matched")

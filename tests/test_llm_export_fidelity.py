@@ -57,7 +57,7 @@ def test_exported_client_models_score_what_the_run_reported(tmp_path, method):
         labels = batch.pop("labels").cpu()
         ours = _runtime_logits(run, k, batch)
         reported = summary["final_clients"][str(k)]["test"]
-        assert _scores(ours, labels, run.num_labels)["accuracy"] == reported["accuracy"]  # the helper is the run's
+        assert _scores(ours, labels, run.task.num_labels)["accuracy"] == reported["accuracy"]  # the helper is the run's
 
         base, _ = load_run_base_model(info)
         with torch.no_grad():
@@ -70,7 +70,7 @@ def test_exported_client_models_score_what_the_run_reported(tmp_path, method):
             with torch.no_grad():
                 theirs = exported(**batch).logits.float()
             torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5, msg=f"{method} client {k} {name}")
-            got = _scores(theirs, labels, run.num_labels)
+            got = _scores(theirs, labels, run.task.num_labels)
             assert got["accuracy"] == reported["accuracy"], (method, k, name)
             assert got["macro_f1"] == reported["macro_f1"], (method, k, name)
             assert got["loss"] == pytest.approx(reported["loss"], rel=0, abs=1e-5), (method, k, name)

@@ -44,7 +44,7 @@ def test_the_tiny_model_is_of_the_named_family_with_its_target_modules(tmp_path,
     run = FederatedRun(cfg, write=False).prepare()
     assert type(run.model).__name__ == "RobertaForSequenceClassification"
     assert run.model.config.hidden_size == 32 and run.model.config.num_hidden_layers == 2
-    assert run.num_labels == 2 and run.train_data.label_names == ["negative", "positive"]
+    assert run.task.num_labels == 2 and run.train_data.label_names == ["negative", "positive"]
     adapted = {n.rsplit(".", 1)[-1] for n, _ in run.model.named_modules() if "lora" not in n and "attention.self." in n}
     assert {"query", "value"} <= adapted
     injected = [n for n, p in run.model.named_parameters() if "lora_A" in n]
@@ -106,4 +106,4 @@ def test_the_lora_a2_table_config_adapts_the_six_linear_types_of_every_block(tmp
     assert kinds == ["attention.output.dense", "attention.self.key", "attention.self.query", "attention.self.value",
                      "intermediate.dense", "output.dense"], kinds
     assert len(adapted) == 6 * run.model.config.num_hidden_layers
-    assert run.num_labels == 77 and cfg.model.lora_alpha == 16
+    assert run.task.num_labels == 77 and cfg.model.lora_alpha == 16
