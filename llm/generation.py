@@ -174,8 +174,14 @@ class GenerationTask(Task):
         are refused by ``split_clients``'s checks, key partitions work)."""
         from . import data as D
 
+        from .model import TINY_NEW_TOKENS
+
         dc = cfg.data
-        self.decoding = check_decoding({**dict(self.spec.decoding if self.spec else ()), **cfg.eval.decoding})
+        # the tiny variant: new tokens must fit the tiny model's positions beside the prompt
+        tiny = {"max_new_tokens": TINY_NEW_TOKENS} if cfg.tiny else {}
+        self.decoding = check_decoding({**dict(self.spec.decoding if self.spec else ()), **tiny, **cfg.eval.decoding})
+        if dc.doc_stride is not None:
+            raise ConfigError("data.doc_stride: windows of a context are for extractive QA; a generation task has none")
         spec = self.spec
         base = {"text": spec.text_column, "target": spec.target_column, "label": None} if spec else \
             {"text": "text", "target": dc.target_column, "label": None}

