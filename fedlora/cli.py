@@ -7,6 +7,7 @@
     fedlora run CONFIG [--set key=value …] [--out DIR] [--dry-run] [--list-configs]
     fedlora export RUN_DIR --client K --out DIR [--format peft|merged]
     fedlora plot RUN_DIR [RUN_DIR …] [--out DIR] [--labels A,B] [--metric M]
+    fedlora compare CONFIG --methods a,b --lr-grid 1e-3,5e-3 [--seeds N] [--set key=value …] [--out DIR]
 
 The core imports nothing from the layers built on it (``fedlora.synthetic``, ``fedlora.llm``): each layer owns
 its commands (``synthetic/cli.py``, ``llm/cli.py``), and this module discovers them through the
@@ -53,6 +54,7 @@ BUILTIN_COMMANDS: dict[str, str] = {
     "run": "fedlora.llm.cli:register_run",
     "export": "fedlora.llm.cli:register_export",
     "plot": "fedlora.llm.cli:register_plot",
+    "compare": "fedlora.llm.cli:register_compare",
     "flower": "fedlora.llm.cli:register_flower",
 }
 

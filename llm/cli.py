@@ -1,7 +1,7 @@
-"""``fedlora run``, ``fedlora export``, ``fedlora plot`` and ``fedlora flower``: the LLM layer's commands. The
-``fedlora`` dispatcher finds ``register_run``, ``register_export``, ``register_plot`` and ``register_flower``
-through the entry points ``run``, ``export``, ``plot`` and ``flower`` of the group ``fedlora.commands``
-(fedlora/cli.py says how)."""
+"""``fedlora run``, ``fedlora export``, ``fedlora plot``, ``fedlora compare`` and ``fedlora flower``: the LLM
+layer's commands. The ``fedlora`` dispatcher finds ``register_run``, ``register_export``, ``register_plot``,
+``register_compare`` and ``register_flower`` through the entry points ``run``, ``export``, ``plot``, ``compare``
+and ``flower`` of the group ``fedlora.commands`` (fedlora/cli.py says how)."""
 from __future__ import annotations
 
 import argparse
@@ -75,6 +75,80 @@ def register_plot(subparsers: argparse._SubParsersAction) -> None:
                     help="the test metric to plot (default: the runs' main metric, e.g. accuracy; needed for runs "
                          "of different tasks; any metric every run reports, loss included)")
     pl.set_defaults(handler=_cmd_plot)
+
+
+def register_compare(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``compare`` (methods on one config, each step size chosen on validation, several seeds)."""
+    cp = subparsers.add_parser(
+        "compare", help="compare methods on one config: each one's step size chosen on the clients' validation "
+                        "splits, several seeds, one table and one figure",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run every method of --methods with every step size of its --lr-grid for --seeds seeds "
+                    "(each a `fedlora run` of CONFIG), choose each method's step size on the clients' validation "
+                    "metric (never the test split), and report the chosen runs' test numbers.",
+        epilog="writes into --out:\n"
+               "  compare.md    the table: test metric (clients' mean ± std over seeds), global model, MB/round, wall s\n"
+               "  compare.png   the table's bars and each method's validation score over its grid\n"
+               "  compare.json  every run's validation score, the choices, the chosen runs' numbers\n"
+               "  runs/<method>/lr_<lr>/seed_<s>/   every run's folder (fedlora run's files)\n"
+               "example: fedlora compare minilm-debian --methods fedavg,rolora,pf2lora --lr-grid 1e-3,5e-3 \\\n"
+               "             --lr-grid pf2lora=2e-3,5e-3 --seeds 2 --set train.rounds=5 --out runs/cmp")
+    cp.add_argument("config", help="config file, or a bundled config's name (fedlora run --list-configs)")
+    cp.add_argument("--methods", required=True, metavar="A,B,…", help="the methods to compare (registered names)")
+    cp.add_argument("--lr-grid", action="append", required=True, metavar="LRS",
+                    help="step sizes (method.lr) to choose from: 1e-3,5e-3 for every method, or pf2lora=1e-3,2e-3 "
+                         "for one (repeatable)")
+    cp.add_argument("--seeds", type=int, default=2, help="seeds per step size: the config's seed + 0 … N−1 (default 2)")
+    cp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a field of CONFIG for every run, e.g. --set train.rounds=5 (repeatable)")
+    cp.add_argument("--out", default="runs/compare-llm", help="output folder (default runs/compare-llm); must be new "
+                                                              "or empty, unless --overwrite")
+    cp.add_argument("--overwrite", action="store_true", help="clear --out first (only a folder of compare's files)")
+    cp.add_argument("--progress", action="store_true", help="a progress bar per run")
+    cp.set_defaults(handler=_cmd_compare)
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    import shlex
+    import sys
+
+    from fedlora.errors import did_you_mean
+    from fedlora.io import write_bytes_atomic, write_json_atomic
+    from fedlora.methods import available_methods
+
+    from .compare import COMPARE_WRITES, parse_lr_grid, plot_compare, run_compare, to_markdown
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods:
+        raise ConfigError("--methods: name at least one method, e.g. --methods fedavg,rolora")
+    for m in methods:
+        if m not in available_methods():
+            raise ConfigError(f"--methods: unknown method {m!r}{did_you_mean(m, available_methods())}; "
+                              f"registered: {', '.join(available_methods())}")
+    if len(set(methods)) != len(methods):
+        raise ConfigError("--methods: a method is listed twice")
+    grids = parse_lr_grid(args.lr_grid, methods)
+    if args.seeds < 1:
+        raise ConfigError(f"--seeds: at least 1, got {args.seeds}")
+    folder = claim_output_dir(args.out, writes=COMPARE_WRITES, overwrite=args.overwrite)
+    out = folder.path
+    try:
+        res = run_compare(args.config, args.set, methods, grids, args.seeds, out, progress=args.progress)
+    except BaseException:
+        folder.remove_if_empty()
+        raise
+    command = "fedlora " + shlex.join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("fedlora") else \
+        "fedlora compare " + shlex.join([args.config, "--methods", args.methods] +
+                                        [x for g in args.lr_grid for x in ("--lr-grid", g)] +
+                                        ["--seeds", str(args.seeds)] + [x for s in args.set for x in ("--set", s)] +
+                                        ["--out", args.out])
+    res["command"] = command
+    write_json_atomic(out / "compare.json", res)
+    write_bytes_atomic(out / "compare.md", to_markdown(res, command).encode())
+    plot_compare(res, out / "compare.png")
+    print(to_markdown(res, command))
+    print(f"wrote {out}/compare.md, compare.png, compare.json, runs/")
+    return 0
 
 
 def register_flower(subparsers: argparse._SubParsersAction) -> None:

@@ -51,11 +51,12 @@ def _check(hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> list[list[str]
     return out
 
 
-def _ref_streams(refs: list[list[str]]) -> list[list[str]]:
-    """sacrebleu's layout: one stream per reference position; an item with fewer references repeats its last
-    (a repeated reference changes no n-gram's clipped count, nor the closest reference length)."""
+def _ref_streams(refs: list[list[str]]) -> list[list[str | None]]:
+    """sacrebleu's layout: one stream per reference position; an item with fewer references has None in the
+    streams past its last (sacrebleu's way to give items different numbers of references). Repeating a
+    reference instead would leave BLEU and chrF unchanged but not TER, whose length is the references' mean."""
     m = max(len(r) for r in refs)
-    return [[r[min(j, len(r) - 1)] for r in refs] for j in range(m)]
+    return [[r[j] if j < len(r) else None for r in refs] for j in range(m)]
 
 
 def bleu(hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> float:

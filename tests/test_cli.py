@@ -19,7 +19,8 @@ from fedlora.errors import ConfigError
 #: extra argv a command needs to get past argument parsing (none so far)
 REQUIRED_ARGS: dict[tuple[str, ...], list[str]] = {("run",): ["tiny-smoke"], ("export",): ["runs/none"],
                                                   ("plot",): ["runs/none"], ("flower", "local"): ["tiny-smoke"],
-                                                  ("synthetic", "flower"): ["--method", "fedavg", "--lr", "0.1"]}
+                                                  ("synthetic", "flower"): ["--method", "fedavg", "--lr", "0.1"],
+                                                  ("compare",): ["tiny-smoke", "--methods", "fedavg", "--lr-grid", "1e-3"]}
 #: commands that start a long-running server process and write no results (they take no --out)
 LAUNCHERS = {("flower", "superlink"), ("flower", "supernode")}
 
@@ -95,6 +96,7 @@ def no_work(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("the experiment started before --out was checked")
 
+    import fedlora.llm.compare
     import fedlora.llm.export
     import fedlora.llm.runfolder
     import fedlora.llm.runtime
@@ -102,7 +104,7 @@ def no_work(monkeypatch):
     for mod, fn in ((fedlora.synthetic.rank_recovery, "run_rank_recovery"), (fedlora.synthetic.bilevel, "run_bilevel_convergence"),
                     (fedlora.synthetic.tune, "tune_rank_recovery"), (fedlora.synthetic.compare, "run_compare"),
                     (fedlora.llm.runtime.FederatedRun, "prepare"), (fedlora.llm.export, "export_peft"),
-                    (fedlora.llm.runfolder, "read_run")):
+                    (fedlora.llm.runfolder, "read_run"), (fedlora.llm.compare, "run_compare")):
         monkeypatch.setattr(mod, fn, boom)
 
 

@@ -32,9 +32,9 @@ def test_ter_equals_sacrebleus_test_cases(hyp, ref, want):
 
 
 def test_items_with_fewer_references_score_as_with_their_own_only():
-    """An item with one reference beside items with two scores as if it had only its own (the padding repeats a
-    reference, which changes no clipped count): BLEU of a two-item corpus equals sacrebleu's with the item's
-    reference repeated — and differs from giving it the other item's reference."""
+    """An item with one reference beside items with two scores as if it had only its own (a repeated reference
+    changes no clipped count, so BLEU equals sacrebleu's with the item's reference repeated) — and differs from
+    giving it the other item's reference."""
     import sacrebleu
 
     hyps = ["the cat sat on the mat", "a dog ran far away"]
@@ -42,6 +42,20 @@ def test_items_with_fewer_references_score_as_with_their_own_only():
     want = sacrebleu.corpus_bleu(hyps, [["the cat sat on a mat", "a dog ran away"],
                                         ["a cat sat on the mat", "a dog ran away"]]).score / 100
     assert T.bleu(hyps, refs) == pytest.approx(want, abs=1e-12)
+
+
+def test_ter_of_items_with_different_numbers_of_references():
+    """Corpus TER is Σ edits / Σ (mean reference length) over items, each item over its OWN references: from
+    sacrebleu's TER of every item alone. Padding an item's references by repeating one would change its mean
+    length (27.27 here instead of 29.27)."""
+    import sacrebleu
+
+    hyps = ["a dog", "x y z"]
+    refs = [["a dog barks", "a big brown dog barks loudly"], ["x y z w", "x y", "x"]]
+    lens = [sum(len(r.split()) for r in rs) / len(rs) for rs in refs]
+    edits = [sacrebleu.corpus_ter([h], [[r] for r in rs]).score / 100 * n for h, rs, n in zip(hyps, refs, lens)]
+    assert T.ter(hyps, refs) == pytest.approx(sum(edits) / sum(lens), abs=1e-12)
+    assert T.ter(hyps, refs) == pytest.approx(2 / (4.5 + 7 / 3), abs=1e-12)
 
 
 def test_rouge_l_is_the_best_reference_mean_of_rouge_score():

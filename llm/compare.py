@@ -1,0 +1,233 @@
+"""``fedlora compare``: several methods on one ``fedlora run`` config, each with its step size chosen on the
+clients' validation splits, over several seeds — one table and one figure, as the papers' tables are written
+(issue 15 item 7). The testbed's counterpart is ``fedlora synthetic compare``.
+
+Protocol, in three phases whose order is the point:
+
+1. **grid**: every method runs every step size of its grid (``method.lr``: the main step size — PF2LoRA's upper
+   level, Per-FedAvg's outer step; the other options stay the config's or the method's defaults) for every seed
+   (``seed`` = the config's + 0 … n−1: the split, the initialisation and the sampling change together); each run
+   is a complete ``fedlora run`` folder under ``runs/<method>/lr_<lr>/seed_<s>``;
+2. **choice** (``choose_step_size``): per method, the step size with the best **validation** score — the task's
+   main metric on each client's validation rows (carved from its training share, never trained on;
+   ``federation.val_fraction``) after the last round, the unweighted mean over the clients that have validation
+   rows, then the mean over seeds; ties go to the smaller step; a run whose score is not finite (diverged) counts
+   as the worst. Only validation numbers reach this function;
+3. **report**: the test numbers of the chosen step size's runs only — the clients' mean test metric (mean ± std
+   over seeds), the global model's where the method has one, bytes per round (up + down, all clients), wall time
+   per run — into ``compare.json``, ``compare.md`` (the table) and ``compare.png`` (the table's bars and every
+   method's validation curve over its grid, the chosen step marked).
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from fedlora.errors import ConfigError, did_you_mean
+
+__all__ = ["COMPARE_WRITES", "parse_lr_grid", "validation_score", "choose_step_size", "read_test", "run_compare",
+           "to_markdown", "plot_compare"]
+
+#: what ``fedlora compare`` writes into its ``--out``
+COMPARE_WRITES = ("compare.json", "compare.md", "compare.png", "runs")
+
+
+def _number(text: str, where: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise ConfigError(f"{where}: {text!r} is not a number (step sizes are positive numbers, e.g. 1e-3)") from None
+    if not math.isfinite(v) or v <= 0:
+        raise ConfigError(f"{where}: step sizes are positive numbers, got {text!r}")
+    return v
+
+
+def parse_lr_grid(entries: Sequence[str], methods: Sequence[str]) -> dict[str, tuple[float, ...]]:
+    """``--lr-grid`` values → each method's grid: ``"1e-3,5e-3"`` for every method without its own,
+    ``"pf2lora=1e-3,2e-3"`` for one. Every method must end with a grid of distinct positive numbers."""
+    common: tuple[float, ...] | None = None
+    own: dict[str, tuple[float, ...]] = {}
+    for e in entries:
+        name, sep, values = e.partition("=")
+        target = name.strip() if sep else None
+        values = values if sep else e
+        if target is not None and target not in methods:
+            raise ConfigError(f"--lr-grid {e!r}: {target!r} is not one of --methods ({', '.join(methods)})"
+                              f"{did_you_mean(target, methods)}")
+        grid = tuple(_number(v.strip(), f"--lr-grid {e!r}") for v in values.split(",") if v.strip())
+        if not grid:
+            raise ConfigError(f"--lr-grid {e!r}: no step size given (e.g. --lr-grid 1e-3,5e-3)")
+        if len(set(grid)) != len(grid):
+            raise ConfigError(f"--lr-grid {e!r}: a step size is listed twice")
+        if target is None:
+            if common is not None:
+                raise ConfigError("--lr-grid: one grid for every method (the others name their method: m=a,b)")
+            common = grid
+        elif target in own:
+            raise ConfigError(f"--lr-grid: two grids for {target!r}")
+        else:
+            own[target] = grid
+    missing = [m for m in methods if m not in own and common is None]
+    if missing:
+        raise ConfigError(f"--lr-grid: no step sizes for {', '.join(missing)}; give a grid for every method "
+                          f"(--lr-grid 1e-3,5e-3) or one per method (--lr-grid {missing[0]}=1e-3,5e-3)")
+    return {m: tuple(sorted(own.get(m, common))) for m in methods}  # type: ignore[arg-type]
+
+
+def validation_score(summary: Mapping[str, Any], metric: str) -> float:
+    """The clients' unweighted mean of ``metric`` on their validation rows after the last round (from a run's
+    summary.json ``final_clients``; clients without validation rows left out). NaN when no client has one."""
+    vals = [c["val"][metric] for c in summary["final_clients"].values() if c.get("val") and metric in c["val"]]
+    return float(sum(vals) / len(vals)) if vals else float("nan")
+
+
+def choose_step_size(val: Mapping[float, Sequence[float]]) -> float:
+    """The step size with the best mean validation score over seeds (higher is better); ties go to the smaller
+    step; a non-finite score (a diverged run) is the worst. ``val``: step size → its runs' validation scores.
+    Nothing else is read: the test split cannot take part in the choice."""
+    if not val:
+        raise ConfigError("choose_step_size: no step size to choose from")
+
+    def key(lr: float):
+        scores = list(val[lr])
+        mean = sum(scores) / len(scores) if scores else float("nan")
+        return (mean if math.isfinite(mean) else -math.inf, -lr)
+
+    return max(sorted(val), key=key)
+
+
+def read_test(run_dir: Path, metric: str) -> dict[str, Any]:
+    """A chosen run's reported numbers (its summary.json): the clients' mean test ``metric``, the global model's
+    (None where the method has none), bytes per round (up + down over all clients) and wall seconds."""
+    s = json.loads((Path(run_dir) / "summary.json").read_text())
+    return {"test": float(s["final_test"]["mean"][metric]),
+            "global": float(s["final_global"][metric]) if "final_global" in s else None,
+            "bytes_per_round": (s["bytes_up_total"] + s["bytes_down_total"]) / s["rounds"],
+            "wall_s": float(s["wall_s"])}
+
+
+def _lr_name(lr: float) -> str:
+    return f"lr_{lr:g}"
+
+
+def _val_mean(scores: Sequence[float | None]) -> float:
+    """compare.json's validation scores of one step size (None: not finite) → their mean (NaN if any is None)."""
+    return float("nan") if any(v is None for v in scores) else float(statistics.fmean(scores))
+
+
+def _mean_std(xs: Sequence[float]) -> tuple[float, float]:
+    return float(statistics.fmean(xs)), float(statistics.stdev(xs)) if len(xs) > 1 else 0.0
+
+
+def run_compare(config: str, overrides: Sequence[str], methods: Sequence[str], grids: Mapping[str, Sequence[float]],
+                seeds: int, out: Path, *, progress: bool = False, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """The three phases (module docstring) into ``out`` (claimed by the caller). Returns compare.json's content."""
+    from .config import load_config
+    from .runtime import FederatedRun
+
+    if seeds < 1:
+        raise ConfigError(f"--seeds: at least 1, got {seeds}")
+    base = load_config(config, list(overrides))
+    if base.federation.val_fraction <= 0:
+        raise ConfigError("compare: federation.val_fraction is 0, so no client has validation rows to choose a "
+                          "step size on (and the test split is never used to choose); set it > 0 (default 0.1)")
+    cfgs = {}
+    for m in methods:  # every config is built and validated before the first run: a bad one costs nothing
+        for lr in grids[m]:
+            for i in range(seeds):
+                folder = out / "runs" / m / _lr_name(lr) / f"seed_{base.seed + i}"
+                cfgs[m, lr, i] = load_config(config, list(overrides) + [
+                    f"method.name={m}", f"method.lr={lr!r}", f"seed={base.seed + i}",
+                    f"output_dir={json.dumps(str(folder))}"])
+    metric = None
+    val: dict[str, dict[float, list[float]]] = {m: {lr: [] for lr in grids[m]} for m in methods}
+    folders: dict[tuple[str, float, int], Path] = {}
+    n, t0 = len(cfgs), time.perf_counter()
+    for j, ((m, lr, i), cfg) in enumerate(cfgs.items()):  # phase 1: the grid
+        summary = FederatedRun(cfg, progress=progress).run()
+        metric = metric or summary["main_metric"]
+        score = validation_score(summary, metric)
+        val[m][lr].append(score)
+        folders[m, lr, i] = Path(cfg.output_dir)
+        log(f"[{j + 1}/{n}] {m} lr={lr:g} seed={cfg.seed}: validation {metric} {score:.4f} "
+            f"({time.perf_counter() - t0:.0f} s so far)")
+    chosen = {m: choose_step_size(val[m]) for m in methods}  # phase 2: validation only
+    rows = []
+    for m in methods:  # phase 3: the chosen runs' test numbers
+        tests = [read_test(folders[m, chosen[m], i], metric) for i in range(seeds)]
+        t_mean, t_std = _mean_std([t["test"] for t in tests])
+        glob = [t["global"] for t in tests if t["global"] is not None]
+        g = _mean_std(glob) if len(glob) == len(tests) else None
+        rows.append({"method": m, "lr": chosen[m], "grid": list(grids[m]),
+                     "val": {f"{lr:g}": [v if math.isfinite(v) else None for v in val[m][lr]] for lr in grids[m]},
+                     "test_mean": t_mean, "test_std": t_std, "test_per_seed": [t["test"] for t in tests],
+                     "global_mean": g[0] if g else None, "global_std": g[1] if g else None,
+                     "bytes_per_round": statistics.fmean(t["bytes_per_round"] for t in tests),
+                     "wall_s": statistics.fmean(t["wall_s"] for t in tests),
+                     "runs": [str(folders[m, chosen[m], i]) for i in range(seeds)]})
+    return {"schema_version": 1, "config": config, "overrides": list(overrides), "metric": metric,
+            "task": base.data.task, "model": base.model.name, "clients": base.federation.clients,
+            "rounds": base.train.rounds, "seeds": [base.seed + i for i in range(seeds)],
+            "selection": "the clients' mean validation metric after the last round, mean over seeds; ties → smaller",
+            "methods": rows}
+
+
+def to_markdown(res: Mapping[str, Any], command: str) -> str:
+    """compare.md: the table (clients' mean ± std over seeds at each method's chosen step size)."""
+    m = res["metric"]
+    lines = [f"# `fedlora compare`: {res['model']} on {res['task']}, {res['clients']} clients, {res['rounds']} rounds, "
+             f"seeds {', '.join(map(str, res['seeds']))}", "", f"`{command}`", "",
+             f"Step size per method chosen on the clients' validation {m} (never the test split); test numbers "
+             f"are the clients' mean (mean ± std over seeds).", "",
+             f"| method | step size (grid) | test {m}, clients' mean | global model | validation {m} at the chosen step "
+             f"| MB / round | wall s / run |", "|---|---|---|---|---|---|---|"]
+    for r in res["methods"]:
+        grid = ", ".join(f"{x:g}" for x in r["grid"])
+        g = f"{r['global_mean']:.4f} ± {r['global_std']:.4f}" if r["global_mean"] is not None else "—"
+        v = _val_mean(r["val"][f"{r['lr']:g}"])
+        lines.append(f"| {r['method']} | **{r['lr']:g}** ({grid}) | {r['test_mean']:.4f} ± {r['test_std']:.4f} | {g} | "
+                     f"{v:.4f} | {r['bytes_per_round'] / 1e6:.3f} | {r['wall_s']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_compare(res: Mapping[str, Any], path: Path) -> None:
+    """compare.png: left, each method's test metric at its chosen step (clients' mean, error bar = std over
+    seeds; the global model's as a hollow marker); right, each method's validation score over its grid, the
+    chosen step filled."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = res["methods"]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2))
+    xs = range(len(rows))
+    ax.bar(xs, [r["test_mean"] for r in rows], yerr=[r["test_std"] for r in rows], capsize=4, color="#4C72B0",
+           label="clients' mean (± std over seeds)")
+    gx = [i for i, r in enumerate(rows) if r["global_mean"] is not None]
+    if gx:
+        ax.scatter(gx, [rows[i]["global_mean"] for i in gx], marker="D", facecolors="none", edgecolors="k",
+                   zorder=3, label="global model")
+    ax.set_xticks(list(xs), [r["method"] for r in rows], rotation=30, ha="right")
+    ax.set_ylabel(f"test {res['metric']}")
+    ax.set_title("at each method's chosen step size")
+    ax.legend(fontsize=8)
+    for r in rows:
+        grid = r["grid"]
+        means = [_val_mean(r["val"][f"{lr:g}"]) for lr in grid]
+        line, = bx.plot(grid, means, marker="o", label=r["method"])
+        bx.scatter([r["lr"]], [_val_mean(r["val"][f"{r['lr']:g}"])], s=90, color=line.get_color(), zorder=3)
+    bx.set_xscale("log")
+    bx.set_xlabel("step size (method.lr)")
+    bx.set_ylabel(f"validation {res['metric']} (clients' mean, mean over seeds)")
+    bx.set_title("choice on the validation split (large dot: chosen)")
+    bx.legend(fontsize=7, ncol=2)
+    fig.suptitle(f"{res['model']} on {res['task']}: {res['clients']} clients, {res['rounds']} rounds, "
+                 f"{len(res['seeds'])} seeds", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,105 @@
+"""``fedlora compare`` (issue 15 item 7): each method's step size is the argmax of the clients' validation score
+over its grid (mean over seeds), the test numbers reported are those of the chosen runs only and are read after
+every choice is made, the table is what the runs' summaries say, bad input is one line."""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+import pytest
+
+from fedlora.cli import main
+from fedlora.errors import ConfigError
+from fedlora.llm import compare as C
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def test_lr_grids_common_and_per_method():
+    assert C.parse_lr_grid(["5e-3,1e-3"], ["fedavg", "rolora"]) == {"fedavg": (1e-3, 5e-3), "rolora": (1e-3, 5e-3)}
+    assert C.parse_lr_grid(["1e-3", "rolora=0.1,0.2"], ["fedavg", "rolora"]) == {"fedavg": (1e-3,), "rolora": (0.1, 0.2)}
+    for bad, match in ((["x"], "'x' is not a number"), (["0,1e-3"], "positive numbers"), (["1e-3,1e-3"], "twice"),
+                       (["fedavgg=1e-3"], "not one of --methods"), (["rolora=1e-3"], "no step sizes for fedavg"),
+                       (["1e-3", "2e-3"], "one grid for every method"), ([","], "no step size given")):
+        with pytest.raises(ConfigError, match=match):
+            C.parse_lr_grid(bad, ["fedavg", "rolora"])
+
+
+def test_the_choice_is_the_best_mean_validation_score_ties_to_the_smaller_step():
+    assert C.choose_step_size({1e-3: [0.5, 0.7], 1e-2: [0.9, 0.2], 1e-1: [0.6, 0.55]}) == 1e-3  # means .6, .55, .575
+    assert C.choose_step_size({1e-3: [0.5], 1e-2: [0.5]}) == 1e-3  # tie
+    assert C.choose_step_size({1e-3: [0.1, 0.1], 1e-2: [0.9, math.nan]}) == 1e-3  # a diverged seed: the worst
+    assert C.choose_step_size({1e-3: [math.nan], 1e-2: [math.nan]}) == 1e-3
+
+
+def test_compare_chooses_on_validation_and_reports_the_chosen_runs(tmp_path, monkeypatch, capsys):
+    """A real comparison (tiny random RoBERTa, 3 clients, 2 step sizes, 2 seeds): every choice is the
+    validation argmax recomputed from the runs' own summary.json; test numbers are read only for the chosen
+    runs and only after all choices are made; the table's numbers are those runs' reported numbers."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    events = []
+    real_choose, real_read = C.choose_step_size, C.read_test
+
+    def choose(val):
+        events.append(("choose", dict(val)))
+        return real_choose(val)
+
+    def read(run_dir, metric):
+        events.append(("read_test", str(run_dir)))
+        return real_read(run_dir, metric)
+
+    monkeypatch.setattr(C, "choose_step_size", choose)
+    monkeypatch.setattr(C, "read_test", read)
+    out = tmp_path / "cmp"
+    assert main(["compare", "tiny-smoke", "--methods", "fedavg,pf2lora", "--lr-grid", "1e-3,5e-2", "--seeds", "2",
+                 "--set", "train.rounds=2", "--out", str(out)]) == 0
+    res = json.loads((out / "compare.json").read_text())
+    assert res["metric"] == "accuracy" and res["seeds"] == [0, 1]
+    assert any(row["lr"] != 1e-3 for row in res["methods"])  # a choice other than the grid's first (PF2LoRA's)
+    kinds = [e[0] for e in events]
+    assert kinds == ["choose", "choose"] + ["read_test"] * 4  # every choice before any test number
+    for row in res["methods"]:
+        m = row["method"]
+        val = {}
+        for lr in (1e-3, 5e-2):
+            scores = []
+            for s in (0, 1):
+                summ = json.loads((out / "runs" / m / f"lr_{lr:g}" / f"seed_{s}" / "summary.json").read_text())
+                per = [c["val"]["accuracy"] for c in summ["final_clients"].values() if c["val"]]
+                scores.append(sum(per) / len(per))
+            val[lr] = statistics.fmean(scores)
+            assert row["val"][f"{lr:g}"] == pytest.approx(scores, abs=1e-12)
+        best = max(val.values())
+        assert row["lr"] == min(lr for lr, v in val.items() if v == best)  # the validation argmax
+        chosen = [out / "runs" / m / f"lr_{row['lr']:g}" / f"seed_{s}" for s in (0, 1)]
+        assert [e[1] for e in events if e[0] == "read_test" and f"/{m}/" in e[1]] == [str(c) for c in chosen]
+        tests = [json.loads((c / "summary.json").read_text())["final_test"]["mean"]["accuracy"] for c in chosen]
+        assert row["test_per_seed"] == tests
+        assert row["test_mean"] == pytest.approx(statistics.fmean(tests), abs=1e-12)
+        assert row["test_std"] == pytest.approx(statistics.stdev(tests), abs=1e-12)
+    table = (out / "compare.md").read_text()
+    assert "| fedavg | **" in table and "| pf2lora | **" in table
+    assert (out / "compare.png").stat().st_size > 10_000
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_bad_compare_input_is_one_line_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    cases = [
+        (["--methods", "fedavgg", "--lr-grid", "1e-3"], "unknown method 'fedavgg'"),
+        (["--methods", "fedavg,fedavg", "--lr-grid", "1e-3"], "listed twice"),
+        (["--methods", "fedavg", "--lr-grid", "fast"], "'fast' is not a number"),
+        (["--methods", "fedavg", "--lr-grid", "1e-3", "--seeds", "0"], "--seeds: at least 1"),
+        (["--methods", "fedavg", "--lr-grid", "1e-3", "--set", "federation.val_fraction=0"], "val_fraction is 0"),
+        (["--methods", "fedavg", "--lr-grid", "1e-3", "--set", "train.rounds=0"], "train.rounds"),
+    ]
+    for args, match in cases:
+        assert main(["compare", "tiny-smoke", *args, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert match in err and len(err.strip().splitlines()) == 1, err
+        assert not out.exists()
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert main(["compare", "tiny-smoke", "--methods", "fedavg", "--lr-grid", "1e-3", "--out", str(out)]) == 2
+    assert "is not empty" in capsys.readouterr().err
