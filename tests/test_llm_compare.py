@@ -103,3 +103,17 @@ def test_bad_compare_input_is_one_line_and_writes_nothing(tmp_path, capsys):
     (out / "notes.txt").write_text("mine")
     assert main(["compare", "tiny-smoke", "--methods", "fedavg", "--lr-grid", "1e-3", "--out", str(out)]) == 2
     assert "is not empty" in capsys.readouterr().err
+
+
+def test_a_config_of_one_method_compares_others_with_their_own_defaults(tmp_path, monkeypatch):
+    """squad-pf2lora carries PF2LoRA's options (client_rank, lower_lr): FedAvg-LoRA beside it runs with its own
+    defaults, PF2LoRA with the config's — every run's config.json says so."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "cmp"
+    assert main(["compare", "squad-pf2lora", "--methods", "fedavg,pf2lora", "--lr-grid", "1e-3", "--seeds", "1",
+                 "--set", "tiny=true", "--set", "train.rounds=1", "--set", "federation.clients=2",
+                 "--set", "data.max_train_samples=40", "--set", "data.max_test_samples=12", "--out", str(out)]) == 0
+    cfg = {m: json.loads((out / "runs" / m / "lr_0.001" / "seed_0" / "config.json").read_text())["config"]["method"]
+           for m in ("fedavg", "pf2lora")}
+    assert cfg["fedavg"]["options"] == {} and cfg["pf2lora"]["options"]["client_rank"] == 4
+    assert cfg["fedavg"]["lr"] == cfg["pf2lora"]["lr"] == 1e-3

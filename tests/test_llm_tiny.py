@@ -107,3 +107,40 @@ def test_the_lora_a2_table_config_adapts_the_six_linear_types_of_every_block(tmp
                      "intermediate.dense", "output.dense"], kinds
     assert len(adapted) == 6 * run.model.config.num_hidden_layers
     assert run.task.num_labels == 77 and cfg.model.lora_alpha == 16
+
+
+def _comment_variants(name: str) -> list[list[str]]:
+    """The --set overrides of every command a shipped config's comments give (a table's other rows and columns)."""
+    import re
+    import shlex
+
+    from fedlora.llm.config import bundled_configs
+
+    out = []
+    for line in bundled_configs()[name].read_text().splitlines():
+        if not line.startswith("#") or "--set" not in line or "fedlora compare" in line:
+            continue
+        text = line[line.index("--set"):].split(" # ")[0]
+        text = re.split(r"\s{2,}\(|\s\([A-Z]", text)[0]  # a trailing "(HOMLoRA)" names the row
+        words = shlex.split(text, comments=False)
+        sets = [words[i + 1] for i, w in enumerate(words[:-1]) if w == "--set"]
+        out.append(sets)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(bundled_configs()))
+def test_every_command_in_a_configs_comments_is_a_valid_config(name):
+    """What a config's comment tells a reader to run for the table's other rows and columns (`--set method.name=…`
+    with that method's options, another task, other rounds) loads and resolves its method's options — a command
+    copied from a config never dies on an option left over from the config's own method."""
+    from fedlora.llm.config import describe_method
+
+    for sets in _comment_variants(name):
+        sets = [s for s in sets if not s.startswith(("data.path=", "model.name=/"))]  # a reader's own files
+        cfg = load_config(name, sets)
+        describe_method(cfg)
+        for s in sets:  # every override took effect (none was swallowed by a later one)
+            key, _, value = s.partition("=")
+            if key in ("method.name", "data.task", "train.rounds"):
+                got = {"method.name": cfg.method.name, "data.task": cfg.data.task, "train.rounds": str(cfg.train.rounds)}[key]
+                assert str(got) == value, (name, s)
