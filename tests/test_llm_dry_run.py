@@ -80,6 +80,7 @@ BOUNDS = {
     "data.test_fraction": (0.999, 1.0),
     "data.max_train_samples": (1, 0),
     "data.max_test_samples": (1, 0),
+    "data.doc_stride": (0, -1),
     "method.rank": (1, 0),
     "method.lr": (1e-12, 0.0),
     "federation.clients": (1, 0),
