@@ -143,6 +143,11 @@ def load_qa_model(name: str, *, from_config: Mapping[str, Any] | None = None, dt
     return model
 
 
+#: encoder families ``load_causal_lm`` warm-starts as decoders (``is_decoder``: causal attention, an LM head whose
+#: output layer is the tied word embeddings and whose transform is new) — the bundled MiniLM, offline
+_ENCODERS_AS_DECODERS = ("bert", "roberta")
+
+
 def load_causal_lm(name: str, *, from_config: Mapping[str, Any] | None = None, dtype: str = "float32",
                    pad_token_id: int | None = None, eos_token_id: int | None = None):
     """``AutoModelForCausalLM``: pretrained weights from ``name`` (hub or folder), or random weights from
@@ -158,6 +163,8 @@ def load_causal_lm(name: str, *, from_config: Mapping[str, Any] | None = None, d
                 config = AutoConfig.for_model(model_type, **kw)
             except (ValueError, TypeError) as e:
                 raise ConfigError(f"model.from_config: {str(e).splitlines()[0][:200]}") from None
+            if model_type in _ENCODERS_AS_DECODERS:
+                config.is_decoder = True
             try:
                 model = AutoModelForCausalLM.from_config(config)
             except ValueError as e:
@@ -167,7 +174,10 @@ def load_causal_lm(name: str, *, from_config: Mapping[str, Any] | None = None, d
         else:
             path = resolve_model_path(name)
             try:
-                model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype))
+                config = AutoConfig.from_pretrained(path)
+                if getattr(config, "model_type", None) in _ENCODERS_AS_DECODERS:
+                    config.is_decoder = True  # an encoder warm-started as a decoder: causal self-attention
+                model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch_dtype(dtype))
             except ValueError as e:
                 raise ConfigError(f"model.name: {name!r} is not a causal language model, which a generation task "
                                   f"needs ({str(e).splitlines()[0][:120]})") from None

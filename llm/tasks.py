@@ -15,6 +15,7 @@ glue/rte           nyu-mll/glue [rte]               sentence1, sentence2        
 banking77          PolyAI/banking77                 text → label                test
 20newsgroups       SetFit/20_newsgroups             text → label (label_text)   test
 debian-sections    bundled (llm/datasets/)          text → label                test
+debian-describe    bundled (llm/datasets/)          record → description       test
 e2e                tuetschek/e2e_nlg                meaning_representation      test
                                                     → human_reference
 webnlg             webnlg-challenge/web_nlg         modified_triple_sets → lex  test
@@ -45,7 +46,7 @@ import numpy as np
 
 from fedlora.errors import ConfigError
 
-from .datasets import DEBIAN_SECTIONS_DIR
+from .datasets import DEBIAN_DESCRIBE_DIR, DEBIAN_SECTIONS_DIR
 
 __all__ = ["TaskSpec", "TASKS", "TASK_KINDS", "get_task", "available_tasks", "Task", "EvalContext", "slot_batches", "build_task", "task_for", "task_from_resolved"]
 
@@ -190,6 +191,17 @@ _ALL = _ALL + (
     ),
 )
 
+# The offline data-to-text demo: a Debian package's record → its short description (bundled; real text)
+_ALL = _ALL + (
+    TaskSpec(
+        name="debian-describe", hf_path=None, hf_config=None, text_column="record", text_pair_column=None,
+        label_column=None, train_split="train", test_split="test",
+        metrics=("bleu", "rouge_l", "chrf", "ter", "nist", "meteor", "cider"), main_metric="bleu", label_names=None,
+        description="Debian package record → its maintainers' short description (bundled, offline; key 'section')",
+        local_dir=str(DEBIAN_DESCRIBE_DIR), kind="generation", target_column="description",
+        decoding=(("num_beams", 1), ("max_new_tokens", 24))),
+)
+
 # Extractive QA (PF2LoRA §6.2 / Table 2: DeBERTa on SQuAD v1.1 and v2.0, EM / F1; test = the dev sets, whose
 # questions carry several gold answers). Windows of a long context overlap by 128 tokens (run_qa.py's default).
 _ALL = _ALL + tuple(
@@ -214,6 +226,7 @@ _ALIASES: dict[str, str] = {
     "20ng": "20newsgroups",
     "debian_sections": "debian-sections",
     "banking-77": "banking77",
+    "debian_describe": "debian-describe",
     "e2e_nlg": "e2e",
     "e2e-nlg": "e2e",
     "web_nlg": "webnlg",

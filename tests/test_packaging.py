@@ -146,7 +146,8 @@ def test_the_wheel_claims_only_fedlora(wheel):
     configs = {Path(n).name for n in names if fnmatch(n, "fedlora/llm/configs/*.yaml")}
     assert configs >= {"tiny-smoke.yaml", "minilm-debian.yaml"} and configs == {p.name for p in (ROOT / "llm/configs").glob("*.yaml")}
     assert {"fedlora/llm/datasets/debian_sections/train.jsonl", "fedlora/llm/datasets/debian_sections/test.jsonl",
-            "fedlora/llm/datasets/debian_sections/README.md"} <= set(names)
+            "fedlora/llm/datasets/debian_sections/README.md", "fedlora/llm/datasets/debian_describe/train.jsonl",
+            "fedlora/llm/datasets/debian_describe/test.jsonl", "fedlora/llm/datasets/debian_describe/README.md"} <= set(names)
     # the command and its subcommands, as pyproject declares them
     eps = z.read(f"{info}/entry_points.txt").decode()
     group = PYPROJECT["project"]["entry-points"]["fedlora.commands"]
