@@ -228,6 +228,11 @@ def plot_compare(res: Mapping[str, Any], path: Path) -> None:
         line, = bx.plot(grid, means, marker="o", label=r["method"])
         bx.scatter([r["lr"]], [_val_mean(r["val"][f"{r['lr']:g}"])], s=90, color=line.get_color(), zorder=3)
     bx.set_xscale("log")
+    from matplotlib.ticker import NullFormatter
+
+    bx.xaxis.set_minor_formatter(NullFormatter())  # log-scale minor labels overlap on a short grid
+    bx.set_xticks(sorted({lr for r in rows for lr in r["grid"]}), [f"{lr:g}" for lr in sorted({lr for r in rows
+                                                                                               for lr in r["grid"]})])
     bx.set_xlabel("step size (method.lr)")
     bx.set_ylabel(f"validation {res['metric']} (clients' mean, mean over seeds)")
     bx.set_title("choice on the validation split (large dot: chosen)")
