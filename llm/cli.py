@@ -110,7 +110,6 @@ def register_compare(subparsers: argparse._SubParsersAction) -> None:
 
 def _cmd_compare(args: argparse.Namespace) -> int:
     import shlex
-    import sys
 
     from fedlora.errors import did_you_mean
     from fedlora.io import write_bytes_atomic, write_json_atomic
@@ -137,11 +136,10 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     except BaseException:
         folder.remove_if_empty()
         raise
-    command = "fedlora " + shlex.join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("fedlora") else \
-        "fedlora compare " + shlex.join([args.config, "--methods", args.methods] +
-                                        [x for g in args.lr_grid for x in ("--lr-grid", g)] +
-                                        ["--seeds", str(args.seeds)] + [x for s in args.set for x in ("--set", s)] +
-                                        ["--out", args.out])
+    command = "fedlora compare " + shlex.join([args.config, "--methods", args.methods] +
+                                              [x for g in args.lr_grid for x in ("--lr-grid", g)] +
+                                              ["--seeds", str(args.seeds)] + [x for s in args.set for x in ("--set", s)] +
+                                              ["--out", args.out])
     res["command"] = command
     write_json_atomic(out / "compare.json", res)
     write_bytes_atomic(out / "compare.md", to_markdown(res, command).encode())

@@ -75,23 +75,33 @@ def load_tokenizer(name: str, key: str = "model.tokenizer"):
     return tok
 
 
+def _config_from(from_config: Mapping[str, Any], pad_token_id: int | None = None, **extra):
+    """(``AutoConfig`` of a random model, its model_type) from ``model.from_config`` (``model_type`` + sizes)
+    and ``extra`` fields; the tokenizer's ``pad_token_id`` where the table names none (e.g. a BERT vocabulary
+    pads with 0). One line naming the field for what transformers refuses."""
+    from transformers import AutoConfig
+
+    kw = dict(from_config)
+    model_type = kw.pop("model_type")
+    try:
+        config = AutoConfig.for_model(model_type, **extra, **kw)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"model.from_config: {str(e).splitlines()[0][:200]}") from None
+    if pad_token_id is not None and "pad_token_id" not in from_config:
+        config.pad_token_id = pad_token_id
+    return config, model_type
+
+
 def load_classifier(name: str, num_labels: int, *, from_config: Mapping[str, Any] | None = None,
                     dtype: str = "float32", pad_token_id: int | None = None):
     """``AutoModelForSequenceClassification`` with a ``num_labels`` head: pretrained weights from
     ``name`` (hub or folder), or random weights from ``from_config`` (``model_type`` + sizes). The
     new head's initialisation draws from torch's global RNG: seed it before calling."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification
 
     with _quiet_transformers():
         if from_config is not None:
-            kw = dict(from_config)
-            model_type = kw.pop("model_type")
-            try:
-                config = AutoConfig.for_model(model_type, num_labels=num_labels, **kw)
-            except (ValueError, TypeError) as e:
-                raise ConfigError(f"model.from_config: {str(e).splitlines()[0][:200]}") from None
-            if pad_token_id is not None and "pad_token_id" not in from_config:
-                config.pad_token_id = pad_token_id  # the tokenizer's (e.g. a BERT vocabulary pads with 0)
+            config, _ = _config_from(from_config, pad_token_id, num_labels=num_labels)
             model = AutoModelForSequenceClassification.from_config(config)
             model = model.to(torch_dtype(dtype))
         else:
@@ -111,18 +121,11 @@ def load_qa_model(name: str, *, from_config: Mapping[str, Any] | None = None, dt
     """``AutoModelForQuestionAnswering`` (a ``qa_outputs`` span head of 2 outputs): pretrained weights from
     ``name`` (hub or folder; a new head where the checkpoint has none), or random weights from ``from_config``.
     The new head's initialisation draws from torch's global RNG: seed it before calling."""
-    from transformers import AutoConfig, AutoModelForQuestionAnswering
+    from transformers import AutoModelForQuestionAnswering
 
     with _quiet_transformers():
         if from_config is not None:
-            kw = dict(from_config)
-            model_type = kw.pop("model_type")
-            try:
-                config = AutoConfig.for_model(model_type, **kw)
-            except (ValueError, TypeError) as e:
-                raise ConfigError(f"model.from_config: {str(e).splitlines()[0][:200]}") from None
-            if pad_token_id is not None and "pad_token_id" not in from_config:
-                config.pad_token_id = pad_token_id
+            config, model_type = _config_from(from_config, pad_token_id)
             try:
                 model = AutoModelForQuestionAnswering.from_config(config)
             except ValueError as e:
@@ -157,12 +160,7 @@ def load_causal_lm(name: str, *, from_config: Mapping[str, Any] | None = None, d
 
     with _quiet_transformers():
         if from_config is not None:
-            kw = dict(from_config)
-            model_type = kw.pop("model_type")
-            try:
-                config = AutoConfig.for_model(model_type, **kw)
-            except (ValueError, TypeError) as e:
-                raise ConfigError(f"model.from_config: {str(e).splitlines()[0][:200]}") from None
+            config, model_type = _config_from(from_config)
             if model_type in _ENCODERS_AS_DECODERS:
                 config.is_decoder = True
             try:
