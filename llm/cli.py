@@ -317,17 +317,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, overrides)
     if args.dry_run:  # the config and the method as the run would build it (bad options fail here)
         from .config import describe_method
-        from .runtime import FederatedRun
+        from .runtime import run_class
 
         method = describe_method(cfg)
-        data = FederatedRun(cfg, write=False).check_data()  # columns, labels, the split: what needs no model
+        data = run_class(cfg)(cfg, write=False).check_data()  # columns, labels, the split: what needs no model
         print(json.dumps({**cfg.to_dict(), "resolved": {"method": method, "data": data}}, indent=1))
         return 0
-    from fedlora.llm.runtime import RUN_WRITES, FederatedRun
+    from fedlora.llm.runtime import RUN_WRITES, run_class
 
     folder = claim_output_dir(cfg.output_dir, "--out" if args.out is not None else "output_dir", writes=RUN_WRITES,
                               overwrite=args.overwrite)
-    _report(FederatedRun(cfg, progress=not args.no_progress, output=folder, runtime=args.runtime).run(), folder.path)
+    _report(run_class(cfg)(cfg, progress=not args.no_progress, output=folder, runtime=args.runtime).run(), folder.path)
     return 0
 
 
@@ -348,9 +348,19 @@ def _resume(args: argparse.Namespace) -> int:
 
 
 def _report(summary, out) -> None:
-    m = summary["main_metric"]
     print(f"{summary['method']} on {summary['task']}: {summary['clients']} clients, {summary['rounds']} rounds, "
           f"{summary['wall_s']:.1f} s")
+    if "tasks" in summary:  # heterogeneous client models: each task's clients' mean (fedlora.llm.hetero)
+        for g in summary["groups"]:
+            print(f"clients {g['clients']}: {g['model']} on {g['task']}")
+        for name, t in summary["tasks"].items():
+            m = t["main_metric"]
+            print(f"{name} test {m} (mean of clients {t['clients']}): round 0 {t['round0_test']['mean'][m]:.4f} → "
+                  f"final {t['final_test']['mean'][m]:.4f}")
+        print(f"bytes up {summary['bytes_up_total']:,}, down {summary['bytes_down_total']:,}")
+        print(f"wrote {out}/config.json, run.json, rounds.jsonl, summary.json, rounds.png, adapters/, checkpoints/")
+        return
+    m = summary["main_metric"]
     skipped = summary["n_clients_without_test"]
     mean = "clients' mean" if not skipped else (f"mean of the {summary['clients'] - skipped} clients with test rows; "
                                                 f"{skipped} of {summary['clients']} have none and are left out")

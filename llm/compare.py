@@ -133,6 +133,9 @@ def run_compare(config: str, overrides: Sequence[str], methods: Sequence[str], g
     if seeds < 1:
         raise ConfigError(f"--seeds: at least 1, got {seeds}")
     base = load_config(config, list(overrides))
+    if base.federation.client_models is not None:
+        raise ConfigError("compare: federation.client_models (heterogeneous client models) runs H²Tune only, so "
+                          "there are no methods to compare; run it with `fedlora run`")
     if base.federation.val_fraction <= 0:
         raise ConfigError("compare: federation.val_fraction is 0, so no client has validation rows to choose a "
                           "step size on (and the test split is never used to choose); set it > 0 (default 0.1)")

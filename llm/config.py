@@ -19,7 +19,7 @@ from fedlora.io import read_table_file, yaml_load
 
 __all__ = ["ModelConfig", "DataConfig", "MethodConfig", "FederationConfig", "TrainConfig", "EvalConfig",
            "RunConfig", "load_config", "apply_overrides", "bundled_configs", "resolve_config", "build_method", "describe_method", "HEAD_MODES",
-           "coerce_number"]
+           "coerce_number", "group_configs"]
 
 HEAD_MODES = ("auto", "frozen", "shared", "personal")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
@@ -142,6 +142,13 @@ class FederationConfig:
     val_fraction: float = 0.1
     min_clients: int = 1
     timeout_s: float = 600.0
+    #: heterogeneous client models (H²Tune only): groups of clients, each with its own base model and
+    #: data — ``[{clients: [0, 1], model: {...}, data: {...}}, …]``; every client 0..clients−1 in exactly
+    #: one group. A group's ``model`` / ``data`` section, when given, is the whole section (fields it leaves
+    #: out take their defaults, as in any config); without one the group takes the run's. ``partition``,
+    #: ``val_fraction``, train and eval settings are the run's, applied within each group
+    #: (``fedlora.llm.hetero``)
+    client_models: list | None = None
 
 
 @dataclass
@@ -202,7 +209,7 @@ class RunConfig:
     #: the tiny variant: a tiny random model of model.name's family (same target modules, the bundled MiniLM
     #: tokenizer, ≤ 32 tokens) and, for data from the Hub, generated stand-in rows of the task's shape — every
     #: config runs offline in seconds (`--set tiny=true`); it checks that a config runs, not what it scores.
-    #: A layer set (``model.layers``) becomes the tiny model's top block
+    #: A layer set (``model.layers``) becomes the tiny model's top block; a method.rank above 16 becomes 16
     tiny: bool = False
 
     # -------------------------------------------------------------------------------------------
@@ -256,6 +263,10 @@ class RunConfig:
             m.max_length = min(m.max_length, TINY_MAX_LENGTH)
             if m.layers is not None and m.from_config.get("num_hidden_layers", m.from_config.get("n_layer")) == 2:
                 m.layers = [1]  # a layer set of the full model (RoLoRA's P2: blocks 18–23) → the tiny model's top block
+            from .model import TINY_MAX_RANK
+
+            if _is_int(self.method.rank) and self.method.rank > TINY_MAX_RANK:
+                self.method.rank = TINY_MAX_RANK  # H²Tune's r_g = 128 → what the tiny layers (≥ 16 wide) can hold
         d = self.data
         if d.task == "auto":
             d.task = None if (d.path is not None or d.hf_name is not None) else "debian-sections"
@@ -327,6 +338,8 @@ class RunConfig:
         _num(f.val_fraction, "federation.val_fraction", 0.0, strict=False)
         if f.val_fraction >= 1:
             raise ConfigError(f"federation.val_fraction: must be in [0, 1), got {f.val_fraction!r}")
+        if f.client_models is not None:
+            group_configs(self)  # every group's own config, validated
         t = self.train
         _int(t.rounds, "train.rounds", 1)
         if t.local_steps is not None and t.local_epochs is not None:
@@ -350,6 +363,84 @@ class RunConfig:
         _bool(e.global_model, "eval.global_model")
         _bool(e.allow_clients_without_test, "eval.allow_clients_without_test")
         return self
+
+
+# --------------------------------------------------------------------------------------------------
+# heterogeneous client models
+GROUP_KEYS = ("clients", "model", "data")
+#: methods that federate clients of different base models (an upload that does not depend on the width)
+HETERO_METHODS = ("h2tune",)
+#: method options with one entry per client (H²Tune's β_k and L_k): each group takes its clients' entries
+PER_CLIENT_OPTIONS = ("densities", "client_layers")
+
+
+def group_configs(cfg: RunConfig) -> list[tuple[list[int], RunConfig]]:
+    """``federation.client_models`` resolved: per group, its clients (global ids, ascending) and its own
+    ``RunConfig`` — the run's, with the group's ``model`` / ``data`` sections in place of the run's and a
+    federation of just its clients (their local ids 0..K_g−1 in the order of the global ids). One-line
+    ``ConfigError`` naming the entry: not H²Tune, an entry that is not a table or has unknown keys, client
+    ids that are not integers in 0..K−1 or not every client exactly once, a bad model or data section."""
+    f = cfg.federation
+    where = "federation.client_models"
+    if cfg.method.name not in HETERO_METHODS:
+        raise ConfigError(f"{where}: clients with different base models need a method whose upload does not "
+                          f"depend on the model's width — H²Tune (method.name: h2tune); {cfg.method.name!r} "
+                          f"federates one base model")
+    groups = f.client_models
+    if not isinstance(groups, (list, tuple)) or not groups:
+        raise ConfigError(f"{where}: expected a non-empty list of groups "
+                          f"[{{clients: [0, 1], model: {{...}}, data: {{...}}}}, ...], got {groups!r}")
+    base = cfg.to_dict()
+    seen: dict[int, int] = {}
+    out = []
+    for g, entry in enumerate(groups):
+        at = f"{where}[{g}]"
+        if not isinstance(entry, Mapping):
+            raise ConfigError(f"{at}: expected a table with clients, model and data, got {entry!r}")
+        unknown = [k for k in entry if k not in GROUP_KEYS]
+        if unknown:
+            raise ConfigError(f"{at}: unknown key {unknown[0]!r}{did_you_mean(str(unknown[0]), GROUP_KEYS)}; "
+                              f"allowed: {', '.join(GROUP_KEYS)}")
+        ids = entry.get("clients")
+        if not isinstance(ids, (list, tuple)) or not ids or any(not _is_int(k) for k in ids):
+            raise ConfigError(f"{at}.clients: expected a non-empty list of client ids, got {ids!r}")
+        for k in ids:
+            if not 0 <= k < f.clients:
+                raise ConfigError(f"{at}.clients: client {k} is not one of the federation's clients "
+                                  f"0..{f.clients - 1} (federation.clients: {f.clients})")
+            if k in seen:
+                raise ConfigError(f"{at}.clients: client {k} is already in group {seen[k]}; each client has "
+                                  f"one model")
+            seen[k] = g
+        sections = {}
+        for name in ("model", "data"):
+            sec = entry.get(name, base[name])
+            if not isinstance(sec, Mapping):
+                raise ConfigError(f"{at}.{name}: expected a table (a {name} section), got {sec!r}")
+            sections[name] = dict(sec)
+        method = dict(base["method"])
+        opts = dict(method.get("options") or {})
+        for opt in PER_CLIENT_OPTIONS:  # a list over the federation's clients → the group's share of it
+            v = opts.get(opt)
+            if isinstance(v, (list, tuple)):
+                if len(v) != f.clients:
+                    raise ConfigError(f"method.options.{opt}: one entry per client ({f.clients}), got {len(v)}")
+                opts[opt] = [v[k] for k in sorted(ids)]
+        method["options"] = opts
+        # the group's store (federation.store: disk) lives in the run's clients/ folder
+        data = {**base, **sections, "method": method, "output_dir": f"{cfg.output_dir}/clients/group_{g}",
+                "federation": {**base["federation"], "clients": len(ids), "client_models": None,
+                               "sample_fraction": 1.0, "min_clients": 1}}
+        try:
+            group = RunConfig.from_dict(data)
+        except ConfigError as e:
+            raise ConfigError(f"{at}: {e}") from None
+        out.append((sorted(int(k) for k in ids), group))
+    missing = [k for k in range(f.clients) if k not in seen]
+    if missing:
+        raise ConfigError(f"{where}: client(s) {missing[:8]} are in no group; every client 0..{f.clients - 1} "
+                          f"needs a model")
+    return out
 
 
 # --------------------------------------------------------------------------------------------------

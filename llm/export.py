@@ -34,7 +34,7 @@ import torch
 from fedlora.errors import ConfigError
 from fedlora.kernels import fold_adapters
 
-from .runfolder import read_run_config
+from .runfolder import client_view, read_run_config
 
 __all__ = ["lora_factors", "export_peft", "export_merged", "load_run_adapter", "load_run_base_model",
            "merge_adapters", "unmerge_adapters", "config_digest", "MERGED_UPDATE"]
@@ -114,6 +114,7 @@ def load_run_adapter(run_dir: str | Path, client: int) -> tuple[dict[str, Any], 
     if meta.get("config_sha256") != digest or meta.get("client") != str(client):
         raise ConfigError(f"export: {str(ad)!r} was not written by the run of {str(cfg_path)!r} (another run, or "
                           f"an older fedlora, left it in the folder): re-run into an empty folder")
+    info = client_view(info, client)  # heterogeneous client models: the client's own base model, task and layers
     if "merged_update" in meta:  # FLoRA: the rest of the client's model is in the shared base
         mu = folder / meta["merged_update"]
         if not mu.is_file():

@@ -194,6 +194,7 @@ def load_causal_lm(name: str, *, from_config: Mapping[str, Any] | None = None, d
 #: family's own module names (so a config's target_modules apply unchanged). Vocabularies hold the bundled
 #: MiniLM tokenizer's 30,522 ids; positions cover ``TINY_MAX_LENGTH`` tokens.
 TINY_MAX_LENGTH = 32
+TINY_MAX_RANK = 16  # the narrowest tiny projection (Gemma's one key/value head of 16)
 TINY_NEW_TOKENS = 8  # a generation task's decoding in the tiny variant: 32 + 8 = the 40 positions
 _TINY_COMMON = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 48}
 TINY_FAMILIES: dict[str, dict[str, Any]] = {
@@ -205,10 +206,13 @@ TINY_FAMILIES: dict[str, dict[str, Any]] = {
              "vocab_size": 30522},
     "llama": {"model_type": "llama", **_TINY_COMMON, "num_key_value_heads": 2,
               "max_position_embeddings": TINY_MAX_LENGTH + 8, "vocab_size": 30522},
+    "gemma": {"model_type": "gemma", **_TINY_COMMON, "num_key_value_heads": 1, "head_dim": 16,
+              "max_position_embeddings": TINY_MAX_LENGTH + 8, "vocab_size": 30522},
 }
 #: name fragments → family, most specific first
 _FAMILY_OF = (("deberta-v3", "deberta-v2"), ("deberta-v2", "deberta-v2"), ("roberta", "roberta"),
-              ("minilm", "bert"), ("bert", "bert"), ("gpt2", "gpt2"), ("llama", "llama"), ("smollm", "llama"))
+              ("minilm", "bert"), ("bert", "bert"), ("gpt2", "gpt2"), ("llama", "llama"), ("smollm", "llama"),
+              ("gemma", "gemma"))
 
 
 def tiny_model_config(name: str) -> dict[str, Any]:

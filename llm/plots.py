@@ -51,13 +51,7 @@ def plot_run(history: Sequence[Mapping[str, Any]], evals: Sequence[Mapping[str, 
         ax[0].plot(rounds, [e["global"][metric] for e in evals], "s--", label="global model")
     ax[0].set(xlabel="round", ylabel=f"test {metric}")
     ax[0].legend(fontsize=8)
-    r = [h["round"] for h in history]
-    loss = [participants_mean_loss(h) for h in history]
-    ax[1].plot(r, loss, "o-")
-    ax[1].set(xlabel="round", ylabel="training loss (participants' mean)")
-    ax[2].plot(r, [sum(h["bytes_up"].values()) for h in history], "o-", label="up")
-    ax[2].plot(r, [sum(h["bytes_down"].values()) for h in history], "s--", label="down")
-    ax[2].set(xlabel="round", ylabel="bytes (all clients)")
+    _loss_bytes_panels(ax[1], ax[2], history)
     ax[2].legend(fontsize=8)
     for a in ax:
         a.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -81,6 +75,49 @@ CURVE_COLUMNS = ("run", "round", "quantity", "value")
 SPLIT_COLUMNS = ("run", "part", "client", "label", "count")
 _PARTS = ("train", "val", "test")
 
+
+def _loss_bytes_panels(ax_loss, ax_bytes, history: Sequence[Mapping[str, Any]]) -> None:
+    """The participants' mean training loss and the bytes up / down per round (all clients)."""
+    r = [h["round"] for h in history]
+    ax_loss.plot(r, [participants_mean_loss(h) for h in history], "o-")
+    ax_loss.set(xlabel="round", ylabel="training loss (participants' mean)")
+    ax_bytes.plot(r, [sum(h["bytes_up"].values()) for h in history], "o-", label="up")
+    ax_bytes.plot(r, [sum(h["bytes_down"].values()) for h in history], "s--", label="down")
+    ax_bytes.set(xlabel="round", ylabel="bytes (all clients)")
+
+
+def plot_tasks_run(history: Sequence[Mapping[str, Any]], evals: Sequence[Mapping[str, Any]], path: str | Path, *,
+                   method: str | None = None, clients: int | None = None) -> Path:
+    """``rounds.png`` of a run whose clients work on different tasks (``fedlora.llm.hetero``): one panel per
+    task — its clients' mean test main metric with their min–max — then the training loss and the bytes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    names = list(evals[0]["tasks"])
+    fig, ax = plt.subplots(1, len(names) + 2, figsize=(4.4 * (len(names) + 2), 3.6))
+    rounds = [e["round"] for e in evals]
+    for a, name in zip(ax, names):
+        m = evals[0]["tasks"][name]["main_metric"]
+        tests = [e["tasks"][name]["test"] for e in evals]
+        a.plot(rounds, [t["mean"][m] for t in tests], "o-", label="clients (mean)")
+        a.fill_between(rounds, [t["min"][m] for t in tests], [t["max"][m] for t in tests], alpha=0.2,
+                       label="clients (min–max)")
+        a.set(xlabel="round", ylabel=f"test {m}", title=f"{name} (clients {evals[0]['tasks'][name]['clients']})")
+        a.legend(fontsize=8)
+    _loss_bytes_panels(ax[-2], ax[-1], history)
+    ax[-1].legend(fontsize=8)
+    for a in ax:
+        a.xaxis.set_major_locator(MaxNLocator(integer=True))
+    last = history[-1]["round"] if history else 0
+    fig.suptitle(f"{method or ''} — heterogeneous clients: {', '.join(names)} — {clients} clients, {last} rounds")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
@@ -299,6 +336,9 @@ def _check_runs(run_dirs, labels, metric):
         if key in seen:
             raise ConfigError(f"RUN_DIR: {str(d)!r} is given twice (as {seen[key]!r} too)")
         seen[key] = str(d)
+        if run.resolved.get("heterogeneous"):
+            raise ConfigError(f"RUN_DIR: {str(d)!r} federates clients on different tasks (federation.client_models): "
+                              f"its metrics are per task, not one curve to compare; its own rounds.png plots each task")
     if labels is not None:
         labels = [str(x).strip() for x in labels]
         if len(labels) != len(runs):

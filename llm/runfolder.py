@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 from fedlora.errors import ConfigError
 
-__all__ = ["RunFolder", "read_run", "read_run_config", "read_status"]
+__all__ = ["RunFolder", "read_run", "read_run_config", "read_status", "client_view"]
 
 
 def _json_file(path: Path, what: str) -> Any:
@@ -44,6 +44,21 @@ def read_run_config(run_dir: str | Path, what: str = "RUN_DIR") -> dict[str, Any
     if not (isinstance(info, dict) and isinstance(info.get("config"), dict) and isinstance(info.get("resolved"), dict)):
         raise ConfigError(f"{what}: {str(path)!r} is not a fedlora run's config.json (no 'config' and 'resolved' tables)")
     return info
+
+
+def client_view(info: Mapping[str, Any], client: int) -> dict[str, Any]:
+    """config.json's content (``read_run_config``) as client ``client``'s model was built: the run's own —
+    or, for a run with heterogeneous client models (``fedlora.llm.hetero``), its group's config (the group's
+    model and data sections, ``fedlora.llm.config.group_configs``) and resolved build (layers, head, labels)."""
+    res = info["resolved"]
+    if not res.get("heterogeneous"):
+        return dict(info)
+    from .config import RunConfig, group_configs
+
+    for g, grp in enumerate(res["groups"]):
+        if client in grp["clients"]:
+            return {"config": group_configs(RunConfig.from_dict(info["config"]))[g][1].to_dict(), "resolved": grp}
+    raise ConfigError(f"client {client} is in none of the run's groups (federation.client_models)")
 
 
 def read_status(run_dir: str | Path) -> str:

@@ -56,7 +56,7 @@ from .dropout import install_client_dropout
 from .manifest import data_files, environment, file_hashes, split_indices
 from .inject import SlotLoRALinear, head_linear_names, inject_adapters, make_head_trainable, match_targets, set_slots
 
-__all__ = ["FederatedRun", "ClientSampler", "run", "RUN_WRITES"]
+__all__ = ["FederatedRun", "ClientSampler", "run", "run_class", "RUN_WRITES"]
 
 _RNG = "sampler:"  # record entries of the runtime's own (the data sampler of the client)
 
@@ -180,7 +180,7 @@ class FederatedRun:
                               f"{str(folder / 'config.json')!r}")
         cfg = RunConfig.from_dict({**given.to_dict(), "output_dir": str(folder)})
         runtime = info["resolved"].get("runtime", "embedded")
-        run = cls(cfg, progress=progress, output=OutputDir(folder, None, RUN_WRITES), runtime=runtime)
+        run = run_class(cfg)(cfg, progress=progress, output=OutputDir(folder, None, RUN_WRITES), runtime=runtime)
         run._resume_from = ckpt
         return run
 
@@ -197,7 +197,15 @@ class FederatedRun:
     # ------------------------------------------------------------------------------------------
     # preparation
     def prepare(self) -> "FederatedRun":
-        from . import data as D
+        """Load data, model and method, inject the adapters (``prepare_model``), then create every
+        client's initial state record and the server (``prepare_clients``)."""
+        return self.prepare_model().prepare_clients()
+
+    def prepare_model(self) -> "FederatedRun":
+        """The method (its options checked first), the data and the clients' split, the frozen base
+        model with the method's adapters injected and the head set up — nothing bound yet, so a caller
+        may still set the method's options that depend on the model (heterogeneous client models:
+        H²Tune's common ``global_layers``, ``fedlora.llm.hetero``)."""
         from .model import torch_dtype
 
         cfg = self.cfg
@@ -251,8 +259,11 @@ class FederatedRun:
         self._lora_layers = [m for m in self.model.modules() if isinstance(m, SlotLoRALinear)]
         if hasattr(self.method, "output_fn"):
             self.method.output_fn = self._logits_fn  # H²Tune's eq. 7 needs the logits
+        return self
 
-        # clients' initial records, the server's initial state ----------------------------
+    def prepare_clients(self) -> "FederatedRun":
+        """Every client's initial state record (``ClientStore``) and the round protocol's ``Server``."""
+        cfg, fc = self.cfg, self.cfg.federation
         self.store = ClientStore(fc.store, Path(cfg.output_dir) / "clients" if fc.store == "disk" else None)
         train_sets = [np.concatenate([c.train for c in self.clients])] if self.centralized else \
             [c.train for c in self.clients]
@@ -719,7 +730,6 @@ class FederatedRun:
             self.prepare()
         if self.executor_factory is not None:
             self.executor = self.executor_factory(self)
-        main = self.task.main_metric
         if self._resume_from is not None:  # rounds.jsonl, the server, every client: as the checkpoint left them
             start, evals = self._restore(self._resume_from)
         else:
@@ -750,8 +760,7 @@ class FederatedRun:
                 bar.update(1)
                 ev = rec.get("eval")
                 if ev is not None and rec["train_loss"]:
-                    bar.set_postfix({f"test_{main}": f"{ev['test']['mean'][main]:.3f}",
-                                     "loss": f"{np.mean(list(rec['train_loss'].values())):.3f}"})
+                    bar.set_postfix(self._postfix(ev, rec))
                 if pending and not last:  # SIGINT/SIGTERM during the round: it finished and is checkpointed
                     from fedlora.errors import Interrupted
 
@@ -766,10 +775,7 @@ class FederatedRun:
             self.save_adapters(out / "adapters")
             write_json_atomic(out / "summary.json", summary)
             try:
-                from .plots import plot_run
-
-                plot_run(self.history, evals, main, out / "rounds.png", method=self.method.name,
-                         task=self.task.name, clients=cfg.federation.clients)
+                self._plot(evals, out / "rounds.png")
             except Exception as e:  # a figure must never lose a run's results
                 summary["plot_error"] = str(e)
             self._write_status("complete")
@@ -877,6 +883,19 @@ class FederatedRun:
         if self.write:
             with open(out / "rounds.jsonl", "a") as f:
                 f.write(line + "\n")
+
+    def _postfix(self, ev: Mapping[str, Any], rec: Mapping[str, Any]) -> dict[str, str]:
+        """The progress bar's figures after an evaluated round: the clients' mean test main metric, the loss."""
+        main = self.task.main_metric
+        return {f"test_{main}": f"{ev['test']['mean'][main]:.3f}",
+                "loss": f"{np.mean(list(rec['train_loss'].values())):.3f}"}
+
+    def _plot(self, evals: list[dict[str, Any]], path: Path) -> None:
+        """``rounds.png`` (``fedlora.llm.plots.plot_run``)."""
+        from .plots import plot_run
+
+        plot_run(self.history, evals, self.task.main_metric, path, method=self.method.name, task=self.task.name,
+                 clients=self.cfg.federation.clients)
 
     def _summary(self, evals: list[dict[str, Any]], wall: float) -> dict[str, Any]:
         main = self.task.main_metric
@@ -1132,7 +1151,17 @@ def run(config: RunConfig | Mapping[str, Any] | str | os.PathLike, overrides: Se
         cfg = RunConfig.from_dict(apply_overrides(data, overrides))
     else:
         cfg = load_config(config, overrides)
-    return FederatedRun(cfg, progress=progress, overwrite=overwrite).run()
+    return run_class(cfg)(cfg, progress=progress, overwrite=overwrite).run()
+
+
+def run_class(cfg: RunConfig) -> type[FederatedRun]:
+    """The run a config describes: ``FederatedRun`` over one base model, or — with
+    ``federation.client_models`` — ``fedlora.llm.hetero.HeteroRun`` over one base per group."""
+    if cfg.federation.client_models is not None:
+        from .hetero import HeteroRun
+
+        return HeteroRun
+    return FederatedRun
 
 
 def auto_clients_per_pass(device: torch.device, participants: int, model=None, batch_size: int = 16,

@@ -56,7 +56,9 @@ def test_family_by_name():
     assert tiny_model_config("FacebookAI/roberta-large")["model_type"] == "roberta"
     assert tiny_model_config("gpt2-medium")["model_type"] == "gpt2"
     assert tiny_model_config("meta-llama/Llama-3.2-3B")["model_type"] == "llama"
-    assert set(TINY_FAMILIES) == {"roberta", "deberta-v2", "bert", "gpt2", "llama"}
+    assert tiny_model_config("HuggingFaceTB/SmolLM-1.7B")["model_type"] == "llama"
+    assert tiny_model_config("google/gemma-2b")["model_type"] == "gemma"
+    assert set(TINY_FAMILIES) == {"roberta", "deberta-v2", "bert", "gpt2", "llama", "gemma"}
     with pytest.raises(ConfigError, match=r"^tiny: cannot tell the model family of model.name 'acme/wonder-7b'"):
         tiny_model_config("acme/wonder-7b")
 

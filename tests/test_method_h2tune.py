@@ -251,6 +251,24 @@ def test_layer_alignment_shapes_for_L_k_1_2_3():
     assert m2.omega[1, 1].argmax().item() == 2 and m2.omega[0, 0].argmax().item() == 0
 
 
+def test_random_omega_init_is_the_authors_kaiming_uniform_per_client_not_per_slot():
+    """omega_init="random": Ω_k[l, j] ~ U(−1/√L_k, 1/√L_k) (the authors' kaiming_uniform_(a=√5) of their
+    L_g×L_k matrix), rows l ≥ L_k zero, drawn per client: client 2 gets the same Ω in slot 0 as in slot 2."""
+    G = 3
+    m = _setup(Chain(G, L=3), G, client_layers=[1, 2, 3], omega_init="random")
+    for i, Lk in enumerate([1, 2, 3]):
+        om = m.omega[i].detach()
+        assert torch.all(om[:Lk].abs() <= 1 / math.sqrt(Lk)) and torch.all(om[Lk:] == 0)
+        assert int((om[:Lk] != 0).sum()) == Lk * 3  # dense, not a 0/1 alignment
+    assert not torch.equal(m.omega[1, :2], m.omega[2, :2])
+    alone = H2Tune(rank=3, omega_init="random", client_layers=[1, 2, 3])
+    alone.bind(Chain(1, L=3), [2], n_clients=3)  # client 2 alone in slot 0 of a pass
+    assert torch.equal(alone.omega[0], m.omega[2])
+    other = H2Tune(rank=3, omega_init="random", client_layers=[1, 2, 3], seed=1)  # another run seed
+    other.bind(Chain(1, L=3), [2], n_clients=3)
+    assert not torch.equal(other.omega[0], m.omega[2])
+
+
 def test_replicas_start_equal_and_first_target_is_R_init():
     G = 4  # two federations of two clients
     model = Chain(G)

@@ -20,7 +20,10 @@ business). One layer-relation matrix Ω_k ∈ R^{L_k×L_g} per client, shared by
 (§4.3 gives one Ω_k per client), trainable in step (1); L_g = ``global_layers``, default max_k L_k
 (docs/design.md §4.10; the paper's Table 6 also tries L_g > max L_k). Initial Ω_k: ``omega_init="identity"``
 Ω_k[l, j] = δ_lj, i.e. [I_{L_k} | 0] — layer l of the client ↔ global layer l (the identity when
-L_k = L_g); ``"depth"`` maps layer l to global layer round(l·(L_g−1)/(L_k−1)) (relative depth).
+L_k = L_g); ``"depth"`` maps layer l to global layer round(l·(L_g−1)/(L_k−1)) (relative depth);
+``"random"`` draws Ω_k[l, j] ~ U(−1/√L_k, 1/√L_k) per client (seeded by the federation's seed and the
+client) — the authors' code (AntarcticLu/H2Tune, finetune.py: ``kaiming_uniform_(a=√5)`` of their
+L_g×L_k relation matrix, our Ω_kᵀ); the paper gives no initialisation.
 
 Round (App. A, Algorithm 1; our reading where it is silent):
 * round start: the support of every Φ is re-chosen;
@@ -56,7 +59,8 @@ Round (App. A, Algorithm 1; our reading where it is silent):
 Initialisation. LoRALinear starts at R = 0, Φ = 1 (ΔW = s·BA). ``setup`` draws R_init ~
 N(0, r_init_std²) per (module type, layer) from a generator seeded with ``federation_seed(f)``
 (``seed[f]``, or ``seed + f`` for an integer seed) for federation f, identical on every replica of the federation (docs/design.md §4.10); layers
-≥ L_k are zeroed. A small non-zero R breaks the ties of the first support choice and of softmax(R).
+≥ L_k are zeroed. Each type takes max(L, L_g) draws in layer order, so layer l of a type gets the same
+R_init in models of any depth (clients with different base models, ``fedlora.llm.hetero``). A small non-zero R breaks the ties of the first support choice and of softmax(R).
 B keeps its PEFT init (B = 0, so ΔW = 0 for W0 = 0): the task gradient of R is ∝ B, so on a fresh
 model the very first step (1) moves nothing (the KL is also 0 there, see below); step (2) then makes
 B ≠ 0 and every later step (1) is live. The first KL target is the server mean of the replicas'
@@ -104,7 +108,7 @@ OutputFn = Callable[[Mapping[str, torch.Tensor], Any], torch.Tensor]
 SIGNS = {"paper": -1.0, "plus": 1.0}
 RECEIVE = ("target", "replace")
 SUPPORT_BY = ("phi_r", "phi")
-OMEGA_INIT = ("identity", "depth")
+OMEGA_INIT = ("identity", "depth", "random")
 
 
 def output_kl(y_new: torch.Tensor, y_old: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -143,7 +147,7 @@ class H2Tune(Method):
     L); ``global_layers`` L_g (default max L_k); ``nu`` ν of eq. 7 (not given in the paper; 1e-3);
     ``kl_weight`` λ on eq. 6's KL (1 as written); ``disentangle_sign`` 'paper' (−KL) | 'plus';
     ``output_fn`` (params, batch) → logits (G, …, C) for eq. 7's KL; ``receive`` 'target' | 'replace';
-    ``support_by`` 'phi_r' (|Φ⊙R|) | 'phi'; ``omega_init`` 'identity' | 'depth'; ``r_init_std`` and
+    ``support_by`` 'phi_r' (|Φ⊙R|) | 'phi'; ``omega_init`` 'identity' | 'depth' | 'random'; ``r_init_std`` and
     ``seed`` for the shared R init; ``optimizer`` 'sgd' (default: App. A's Algorithm 1 writes plain
     SGD steps with η, η′) | 'adamw' (weight decay 0: ν is explicit). With AdamW, moments of entries
     off the current support keep decaying while those entries are frozen.
@@ -247,6 +251,11 @@ class H2Tune(Method):
         # Ω_k padded to (L, L_g); rows l ≥ L_k stay 0 and get no gradient
         om = torch.zeros(G, L, L_g, dtype=dtype)
         for i, Lk in enumerate(self.layers):
+            if self.omega_init == "random":  # per client, not per slot: the same Ω_k whichever slot it trains in
+                f, k = i // self.n_clients, self.replica_clients[i]
+                gen = torch.Generator().manual_seed(self.federation_seed(f) * 1_000_003 + 7_919 * (k + 1))
+                om[i, :Lk] = ((torch.rand(Lk, L_g, generator=gen, dtype=torch.float64) * 2 - 1) / math.sqrt(Lk)).to(dtype)
+                continue
             for l in range(Lk):
                 j = l if self.omega_init == "identity" else (round(l * (L_g - 1) / (Lk - 1)) if Lk > 1 else 0)
                 om[i, l, j] = 1.0
@@ -278,11 +287,16 @@ class H2Tune(Method):
         for f, reps in enumerate(self.groups):
             gen = torch.Generator().manual_seed(self.federation_seed(f))
             for t in sorted(self.types):
-                for l, p in enumerate(self.types[t]):
-                    R = self.params[_pname(p, "lora_R")]
-                    init = (torch.randn(r, r, generator=gen, dtype=torch.float64) * self.r_init_std).to(R.dtype)
+                prefixes = self.types[t]
+                # max(L, L_g) draws per type, so R_init at (type, layer l) does not depend on this model's
+                # depth: clients of models of different depth (fedlora.llm.hetero) start from the same R
+                for l in range(max(len(prefixes), self.L_g)):
+                    init = torch.randn(r, r, generator=gen, dtype=torch.float64) * self.r_init_std
+                    if l >= len(prefixes):
+                        continue
+                    R = self.params[_pname(prefixes[l], "lora_R")]
                     for i in reps:
-                        R[i] = init if l < self.layers[i] else 0.0
+                        R[i] = init.to(R.dtype) if l < self.layers[i] else 0.0
 
     # views -----------------------------------------------------------------------------------
     def _leaf(self, leaf: str) -> list[torch.Tensor]:

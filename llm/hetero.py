@@ -1,0 +1,331 @@
+"""Heterogeneous client models: clients that fine-tune different base models on different tasks,
+federated by H²Tune ([H²Tune] §3–4; docs/design.md §4.10).
+
+``federation.client_models`` splits the clients into groups, each with its own base model (family,
+depth, width) and data (task): e.g. two clients classifying with a LLaMA-type model and one generating
+text with a Gemma-type model, as H²Tune's Table 3 mixes LLaMA-3B, Gemma-2B and SmolLM-1.7B on GLUE
+and MATHInstruct. The runtime keeps ONE frozen base per group (not one per client): each group is a
+``FederatedRun`` over its own model, data, slots and client state records — the same slot runtime as
+a homogeneous run — and this run is the client executor of ONE ``fedlora.server.Server`` over all
+clients: the server draws the round's participants among every client, each group trains its own
+participants in its passes, and the server aggregates every accepted upload.
+
+What makes this possible is H²Tune's upload: per shared module type one aligned (L_g, r_g, r_g) matrix
+R_{k→g} = R_k ×_layer Ω_k (eq. 4), whatever the client's width d and depth L_k; A_k, B_k never leave
+the client. So:
+
+* the module types (a target's name with its layer index replaced by ``*``, e.g.
+  ``model.layers.*.self_attn.q_proj``) must be the same in every group — LLaMA-type families (LLaMA,
+  Gemma, SmolLM, Qwen2) name them alike, classifier or causal LM; a group that adapts other module
+  types is refused in one line naming both sets;
+* L_g (``method.options.global_layers``) defaults to the deepest group's L (docs/design.md §4.10), and
+  each client's Ω_k ∈ R^{L_k×L_g} maps its own L_k = its model's adapted layers onto it;
+* the first KL target (eq. 6) is the server mean of every client's initial upload, as in a homogeneous
+  run (what round −1 would send), delivered to every client before round 1 (not counted: part of the
+  set-up, like the seeded R);
+* evaluation scores each client on its own task; means are per task (``eval["tasks"]``), never across
+  tasks whose metrics differ (accuracy beside BLEU).
+
+Per-client method options (``densities`` β_k, ``client_layers`` L_k) are lists over all clients; each
+group takes its clients' entries. Client ids are global (0..K−1); inside a group its clients are
+0..K_g−1 in the order of their global ids (their seeds — data sampler, dropout, adapter init — are the
+group's local ids with the run's seed).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from fedlora.errors import ConfigError
+from fedlora.io import write_bytes_atomic
+from fedlora.server import ClientFailure, ClientUpdate, Download, Federation, Server, UploadSpec
+
+from .config import RunConfig, group_configs
+from .runtime import FederatedRun, _chunks
+
+__all__ = ["HeteroRun", "module_types"]
+
+
+def module_types(targets: Sequence[str]) -> dict[str, int]:
+    """Module type → number of layers: each adapted module's name with every all-digit component
+    replaced by ``*`` (``model.layers.3.self_attn.q_proj`` → ``model.layers.*.self_attn.q_proj``), as
+    H²Tune groups its layers (``fedlora.methods.h2tune``)."""
+    out: dict[str, int] = {}
+    for t in targets:
+        key = ".".join("*" if part.isdigit() else part for part in t.split("."))
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
+class _ServerView:
+    """A group's window on the one server: its local client ids mapped to the run's (global) ids, so
+    the group's own ``_sync`` (evaluation, exports) downloads what that client lacks of the real state."""
+
+    def __init__(self, server: Server, ids: Sequence[int]) -> None:
+        self._server, self._ids = server, list(ids)
+        self.ledgers = [_LedgerView(server, self._ids)]
+
+    def download_for(self, client: int, shared_base: bool = False) -> Download:
+        return self._server.download_for(self._ids[client], shared_base)
+
+    @property
+    def states(self):
+        return self._server.states
+
+    @property
+    def increments(self):
+        return self._server.increments
+
+
+class _LedgerView:
+    def __init__(self, server: Server, ids: Sequence[int]) -> None:
+        self._server, self._ids = server, ids
+
+    def sync(self, client: int, round_idx: int) -> None:
+        self._server.ledgers[0].sync(self._ids[client], round_idx)
+
+
+class _StoreView:
+    """Every client's state record by global id, kept in its group's ``ClientStore``."""
+
+    def __init__(self, groups: Sequence[FederatedRun], where: Mapping[int, tuple[int, int]]) -> None:
+        self._groups, self._where = groups, where
+
+    def get(self, k: int) -> dict[str, torch.Tensor]:
+        g, local = self._where[k]
+        return self._groups[g].store.get(local)
+
+    def put(self, k: int, record: Mapping[str, torch.Tensor], copy: bool = True) -> None:
+        g, local = self._where[k]
+        self._groups[g].store.put(local, record, copy=copy)
+
+
+class HeteroRun(FederatedRun):
+    """A run whose clients hold different base models (``federation.client_models``): one
+    ``FederatedRun`` per group behind one ``Server``; the round loop, records, checkpoints and resume
+    are ``FederatedRun``'s own. See the module docstring."""
+
+    def __init__(self, cfg: RunConfig, **kwargs: Any) -> None:
+        super().__init__(cfg, **kwargs)
+        if self.runtime != "embedded":
+            raise ConfigError(f"--runtime {self.runtime}: heterogeneous client models (federation.client_models) "
+                              f"run on the embedded runtime only")
+        self.specs = group_configs(cfg)  # [(global ids, the group's RunConfig)]
+        self.where = {k: (g, i) for g, (ids, _) in enumerate(self.specs) for i, k in enumerate(ids)}
+
+    # ------------------------------------------------------------------------------------------
+    def check_data(self) -> dict[str, Any]:
+        """A dry run's data check, per group (``FederatedRun.check_data``)."""
+        return {"groups": [{"clients": ids, **FederatedRun(c, write=False).check_data()} for ids, c in self.specs]}
+
+    def prepare(self) -> "HeteroRun":
+        cfg, fc = self.cfg, self.cfg.federation
+        self._claim()
+        if cfg.train.threads is not None:
+            torch.set_num_threads(cfg.train.threads)
+        self.groups = [FederatedRun(c, write=False).prepare_model() for _, c in self.specs]
+        self._align_layers()
+        for run in self.groups:
+            run.prepare_clients()
+        self.method = self.groups[0].method  # the server's: H²Tune's aggregate and server_update are pure
+        self.method_options = self.groups[0].method_options
+        specs = [UploadSpec.of(run.method).tensors for run in self.groups]
+        for g, s in enumerate(specs[1:], 1):
+            if dict(s) != dict(specs[0]):
+                raise ConfigError(f"federation.client_models: group {g}'s upload {_spec_text(s)} differs from "
+                                  f"group 0's {_spec_text(specs[0])} (model.dtype must be the same in every group)")
+        K = fc.clients
+        self.K_train, self.centralized, self.P = K, False, max(run.P for run in self.groups)
+        self.sizes = [self.groups[g].sizes[i] for g, i in (self.where[k] for k in range(K))]
+        self.federation = Federation(n_groups=1, n_clients=K, client_weights=self.sizes,
+                                     sample_fraction=fc.sample_fraction, sample_seed=cfg.seed)
+        self.server = Server(self.method, self.federation, [self.method.initial_server_state(0)], cfg.train.rounds,
+                             min_clients=fc.min_clients, spec=UploadSpec(specs[0]))
+        for (ids, _), run in zip(self.specs, self.groups):
+            run.server = _ServerView(self.server, ids)
+        self.store = _StoreView(self.groups, self.where)
+        self._first_target()
+        self.clients_without_test = sorted(self.specs[g][0][i] for g, run in enumerate(self.groups)
+                                           for i in run.clients_without_test)
+        self.tasks: dict[str, list[int]] = {}  # task name → its clients (global ids)
+        for (ids, _), run in zip(self.specs, self.groups):
+            self.tasks.setdefault(run.task.name, []).extend(ids)
+        self.initial_record = self.store.get(0)
+        self.history = []
+        self.prepared = True
+        return self
+
+    def _align_layers(self) -> None:
+        """The module types every group adapts must agree (H²Tune shares R per type); L_g = the
+        run's ``global_layers`` or the deepest group's layers per type, set on every group's method."""
+        types = [module_types(run.targets) for run in self.groups]
+        for g, t in enumerate(types[1:], 1):
+            if set(t) != set(types[0]):
+                raise ConfigError(f"federation.client_models: H²Tune shares R per module type, but group 0 adapts "
+                                  f"{sorted(types[0])} and group {g} adapts {sorted(t)}; give model.target_modules "
+                                  f"that every model has under the same name (LLaMA-type families: q_proj, v_proj)")
+        depth = [max(t.values()) for t in types]
+        given = self.groups[0].method.global_layers
+        L_g = given if given is not None else max(depth)
+        if L_g < max(depth):
+            raise ConfigError(f"method.options.global_layers: must be ≥ the deepest group's {max(depth)} adapted "
+                              f"layers per module type, got {L_g}")
+        for run in self.groups:
+            run.method.global_layers = L_g
+        self.global_layers, self.depths = L_g, depth
+
+    @torch.no_grad()
+    def _first_target(self) -> None:
+        """Every client's first KL target R_g: the server mean of all clients' initial uploads (eq. 4,
+        what round −1 would send), delivered to each client's record (uncounted: set-up)."""
+        uploads = {}
+        for (ids, _), run in zip(self.specs, self.groups):
+            for chunk in _chunks(list(range(len(ids))), run.P):
+                run._bind(chunk)
+                run._load(chunk)
+                for i, local in enumerate(chunk):
+                    uploads[ids[local]] = run.method.upload(i)
+        K = self.K_train
+        state = self.method.aggregate([uploads[k] for k in range(K)], self.federation.round_weights(range(K)))
+        for (ids, _), run in zip(self.specs, self.groups):
+            run.deliver(-1, {i: Download(dict(state), counted=False) for i in range(len(ids))})
+
+    # the client executor of fedlora.server: each group runs its own participants ---------------------
+    def _split(self, clients: Sequence[int]) -> list[list[int]]:
+        by_group: list[list[int]] = [[] for _ in self.groups]
+        for k in clients:
+            by_group[self.where[k][0]].append(k)
+        return by_group
+
+    def train(self, rnd: int, clients: Sequence[int], downloads: Mapping[int, Download]
+              ) -> dict[int, ClientUpdate | ClientFailure]:
+        out: dict[int, ClientUpdate | ClientFailure] = {}
+        for run, ks in zip(self.groups, self._split(clients)):
+            if ks:
+                res = run.train(rnd, [self.where[k][1] for k in ks], {self.where[k][1]: downloads[k] for k in ks})
+                out.update({k: res[self.where[k][1]] for k in ks})
+        return out
+
+    def deliver(self, rnd: int, downloads: Mapping[int, Download]) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for run, ks in zip(self.groups, self._split(list(downloads))):
+            if ks:
+                got = run.deliver(rnd, {self.where[k][1]: downloads[k] for k in ks})
+                out.update({k: got[self.where[k][1]] for k in ks})
+        return out
+
+    def merge_into_base(self, state: Mapping[str, torch.Tensor]) -> None:
+        raise ConfigError("heterogeneous client models: no method that merges into a shared base runs here")
+
+    def evaluate_clients(self, clients: Sequence[int], rnd: int, downloads: Mapping[int, Download] | None = None
+                         ) -> dict[int, dict[str, dict[str, float]]]:
+        """Each client scored by its group on its own task (``FederatedRun.evaluate_clients``; the
+        group's view of the server gives it what it lacks of the current state)."""
+        out = {}
+        for run, ks in zip(self.groups, self._split(clients)):
+            if ks:
+                res = run.evaluate_clients([self.where[k][1] for k in ks], rnd)
+                out.update({k: res[self.where[k][1]] for k in ks})
+        return out
+
+    def evaluate(self, rnd: int) -> dict[str, Any]:
+        """Every client on its own task, and per task the clients' means (``eval["tasks"]``: main metric,
+        clients, test and validation summaries). H²Tune has no global model."""
+        from .metrics import aggregate_client_metrics
+
+        K = self.K_train
+        per_client = self.evaluate_clients(list(range(K)), rnd)
+        out: dict[str, Any] = {"round": rnd + 1, "clients": {str(k): per_client[k] for k in range(K)}, "tasks": {}}
+        for name, ks in self.tasks.items():
+            runs = [self.groups[self.where[k][0]] for k in ks]
+            local = [self.where[k][1] for k in ks]
+            out["tasks"][name] = {
+                "main_metric": runs[0].task.main_metric, "clients": list(ks),
+                "test": aggregate_client_metrics([per_client[k]["test"] for k in ks],
+                                                 [len(r.clients[i].test) for r, i in zip(runs, local)]),
+                "val": aggregate_client_metrics([per_client[k]["val"] for k in ks],
+                                                [len(r.clients[i].val) for r, i in zip(runs, local)])}
+        return out
+
+    # records ----------------------------------------------------------------------------------------
+    def _postfix(self, ev: Mapping[str, Any], rec: Mapping[str, Any]) -> dict[str, str]:
+        post = {f"{name}:{t['main_metric']}": f"{t['test']['mean'][t['main_metric']]:.3f}"
+                for name, t in ev["tasks"].items()}
+        return {**post, "loss": f"{np.mean(list(rec['train_loss'].values())):.3f}"}
+
+    def _plot(self, evals: list[dict[str, Any]], path: Path) -> None:
+        from .plots import plot_tasks_run
+
+        plot_tasks_run(self.history, evals, path, method=self.method.name, clients=self.K_train)
+
+    def _summary(self, evals: list[dict[str, Any]], wall: float) -> dict[str, Any]:
+        first, last = evals[0], evals[-1]
+        tasks = {}
+        for name, t in last["tasks"].items():
+            main = t["main_metric"]
+            best = max(evals[1:] or evals, key=lambda e: e["tasks"][name]["test"]["mean"].get(main, float("-inf")))
+            tasks[name] = {"main_metric": main, "clients": t["clients"], "round0_test": first["tasks"][name]["test"],
+                           "final_test": t["test"],
+                           "best_round": {"round": best["round"], "test": best["tasks"][name]["test"],
+                                          "selected_on": "test"}}
+        from fedlora.state import record_nbytes
+
+        s = {"method": self.method.name, "task": " + ".join(self.tasks), "tasks": tasks,
+             "rounds": self.cfg.train.rounds, "clients": self.K_train,
+             "groups": [{"clients": ids, "model": c.model.name, "task": run.task.name}
+                        for (ids, c), run in zip(self.specs, self.groups)],
+             "final_clients": last["clients"],
+             "bytes_up_total": sum(sum(r["bytes_up"].values()) for r in self.history),
+             "bytes_down_total": sum(sum(r["bytes_down"].values()) for r in self.history),
+             "wall_s": wall, "record_bytes_per_client": {str(k): record_nbytes(self.store.get(k))
+                                                         for k in range(self.K_train)},
+             "n_clients_without_test": len(self.clients_without_test),
+             "clients_without_test": list(self.clients_without_test)}
+        not_computed = {n: run.task.not_computed for n, run in zip(self.tasks, self.groups) if run.task.not_computed}
+        if not_computed:
+            s["metrics_not_computed"] = not_computed
+        return s
+
+    def describe(self) -> dict[str, Any]:
+        """config.json's ``resolved``: the run-wide H²Tune set-up and every group's own (``FederatedRun.describe``)."""
+        return {"heterogeneous": True, "runtime": self.runtime, "method_options": self.method_options,
+                "step_sizes": self.method.step_sizes(), "global_layers": self.global_layers,
+                "upload": {n: list(s) for n, (s, _) in self.server.spec.tensors.items()},
+                "groups": [{"clients": ids, "client_layers": run.method.client_layers or [d] * len(ids),
+                            **run.describe()}
+                           for (ids, _), run, d in zip(self.specs, self.groups, self.depths)]}
+
+    def client_adapter(self, client: int) -> dict[str, torch.Tensor]:
+        g, local = self.where[client]
+        return self.groups[g].client_adapter(local)
+
+    def merged_update(self) -> None:
+        return None
+
+    def save_adapters(self, folder: Path) -> list[Path]:
+        """``client_<k>.safetensors`` per client (global id k), its group's model in the metadata (the
+        tensors are that model's parameter names)."""
+        from safetensors.torch import save
+
+        from .export import config_digest
+
+        paths = []
+        for k in range(self.K_train):
+            g, local = self.where[k]
+            meta = {"method": self.method.name, "clients": str(self.K_train), "client": str(k), "group": str(g),
+                    "model": self.specs[g][1].model.name, "config_sha256": config_digest(self.cfg.to_dict())}
+            path = folder / f"client_{k}.safetensors"
+            write_bytes_atomic(path, save({n: v.contiguous() for n, v in self.client_adapter(k).items()},
+                                          metadata=meta))
+            paths.append(path)
+        return paths
+
+    def manifest(self) -> dict[str, Any]:
+        return {"groups": [run.manifest() for run in self.groups]}
+
+
+def _spec_text(spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> str:
+    return "{" + ", ".join(f"{n}: {tuple(s)} {str(d).replace('torch.', '')}" for n, (s, d) in spec.items()) + "}"
