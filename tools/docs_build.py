@@ -1,0 +1,70 @@
+"""Build helpers of the documentation site (mkdocs.yml names this file twice).
+
+* As an MkDocs hook: puts the measured results that live beside the code (``llm/results``,
+  ``synthetic/results``, ``bench/results``) and the bundled configs into the site under their repository
+  paths, so that the docs link to the very files the commands wrote — a missing figure is a broken link,
+  and a strict build fails on it — and no copy of a figure is kept in ``docs/``.
+* For mkdocstrings: griffe reads the code statically, but ``fedlora.llm``, ``fedlora.kernels`` and
+  ``fedlora.synthetic`` live in the folders ``llm/``, ``kernels/``, ``synthetic/`` (pyproject.toml's
+  ``package-dir``), which no static finder maps. :func:`stage_api_sources` lays out ``fedlora/`` as the
+  installed package is (symlinks under ``build/docs-api/site-packages``: mkdocstrings labels a source
+  below a ``site-packages`` folder by its path in the package, so "Source code in" reads
+  ``fedlora/llm/runtime.py`` — the module's path in an installed wheel; in the repository, ``llm/runtime.py``).
+"""
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+#: where the staged package lies (mkdocs.yml: plugins.mkdocstrings.handlers.python.paths)
+API_ROOT = ROOT / "build" / "docs-api" / "site-packages"
+#: repository folders whose files the site serves as they are (figures, CSV, JSON, markdown tables, configs)
+RESULT_DIRS = ("llm/results", "synthetic/results", "bench/results", "llm/configs")
+RESULT_SUFFIXES = {".png", ".csv", ".json", ".md", ".yaml", ".svg"}
+
+
+def package_dirs(root: Path = ROOT) -> dict[str, Path]:
+    """pyproject.toml's ``package-dir``: import name → folder."""
+    cfg = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))
+    return {name: root / folder for name, folder in cfg["tool"]["setuptools"]["package-dir"].items()}
+
+
+def stage_api_sources(root: Path = ROOT, out: Path = API_ROOT) -> Path:
+    """``out/fedlora`` as installed: the files of ``fedlora/`` and each mapped subpackage, as symlinks."""
+    dirs = package_dirs(root)
+    top = out / "fedlora"
+    if top.exists():
+        shutil.rmtree(top)
+    top.mkdir(parents=True)
+    sub = {name.split(".", 1)[1]: path for name, path in dirs.items() if name.startswith("fedlora.")}
+    for entry in sorted(dirs["fedlora"].iterdir()):
+        if entry.name not in sub and entry.name != "__pycache__":
+            (top / entry.name).symlink_to(entry)
+    for name, path in sub.items():
+        (top / name).symlink_to(path)
+    return out
+
+
+# --- MkDocs hook events ------------------------------------------------------------------------------
+def on_config(config, **kwargs):
+    stage_api_sources(ROOT)
+    return config
+
+
+def on_files(files, config, **kwargs):
+    from mkdocs.structure.files import File
+
+    for folder in RESULT_DIRS:
+        for path in sorted((ROOT / folder).rglob("*")):
+            if path.is_file() and path.suffix in RESULT_SUFFIXES and "runs" not in path.relative_to(ROOT).parts:
+                rel = path.relative_to(ROOT).as_posix()
+                files.append(File(rel, src_dir=str(ROOT), dest_dir=config["site_dir"],
+                                  use_directory_urls=config["use_directory_urls"]))
+    return files
