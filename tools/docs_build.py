@@ -4,6 +4,8 @@
   ``synthetic/results``, ``bench/results``) and the bundled configs into the site under their repository
   paths, so that the docs link to the very files the commands wrote — a missing figure is a broken link,
   and a strict build fails on it — and no copy of a figure is kept in ``docs/``.
+* The site's home page is the README (one text, not two): its links into ``docs/`` are made relative to
+  the site.
 * For mkdocstrings: griffe reads the code statically, but ``fedlora.llm``, ``fedlora.kernels`` and
   ``fedlora.synthetic`` live in the folders ``llm/``, ``kernels/``, ``synthetic/`` (pyproject.toml's
   ``package-dir``), which no static finder maps. :func:`stage_api_sources` lays out ``fedlora/`` as the
@@ -13,6 +15,7 @@
 """
 from __future__ import annotations
 
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -67,4 +70,11 @@ def on_files(files, config, **kwargs):
                 rel = path.relative_to(ROOT).as_posix()
                 files.append(File(rel, src_dir=str(ROOT), dest_dir=config["site_dir"],
                                   use_directory_urls=config["use_directory_urls"]))
+    files.append(File.generated(config, "index.md", content=readme_as_home(ROOT)))
     return files
+
+
+def readme_as_home(root: Path = ROOT) -> str:
+    """README.md with its links into ``docs/`` made relative to the site's root."""
+    text = (root / "README.md").read_text(encoding="utf-8")
+    return re.sub(r"\]\(docs/", "](", text)
