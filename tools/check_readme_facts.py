@@ -5,7 +5,10 @@
 Reads that commit's README.md with git and checks, against README.md and every page under docs/:
 
 * every non-empty line of the old README is present, verbatim, on some page (links compared by target
-  file, since the pages link relative to themselves); a line that is not is printed;
+  file, since the pages link relative to themselves; headings at any level); a line that is not must have an
+  edited counterpart — the most similar line of the pages, at least 60 % alike, holding every number and every
+  `code` span of the old line (a cross-reference such as "the table below" made a link) — and both are printed;
+  a line without one is lost;
 * every command line (```bash blocks and inline `fedlora …`, `python …`, `make …`, `.venv/bin/…` spans), every
   figure (![…](path)) and every number with a decimal point or unit is present somewhere.
 
@@ -15,6 +18,7 @@ build: every link, figure and anchor resolves; every figure has its command on i
 """
 from __future__ import annotations
 
+import difflib
 import re
 import subprocess
 import sys
@@ -26,6 +30,11 @@ ROOT = Path(__file__).resolve().parents[1]
 def _norm(line: str) -> str:
     line = re.sub(r"\]\((?:\.\./)*(?:docs/)?", "](", line)  # a link's target, wherever the page lies
     return re.sub(r"^#+ ", "# ", line.strip())  # a heading's level changes with its page
+
+
+def _unlink(line: str) -> str:
+    """A line with its links' targets left out (for comparing the words)."""
+    return re.sub(r"\]\([^)]*\)", "]", line)
 
 
 def _pages() -> list[str]:
@@ -41,7 +50,18 @@ def main(argv: list[str]) -> int:
     have_lines = {_norm(ln) for text in pages for ln in text.splitlines()}
     everything = "\n".join(_norm(ln) for text in pages for ln in text.splitlines())
     lines = [ln for ln in old.splitlines() if ln.strip()]
-    lost_lines = [ln for ln in lines if _norm(ln) not in have_lines]
+    missing = [ln for ln in lines if _norm(ln) not in have_lines]
+    candidates = sorted(have_lines)
+    edited, lost_lines = [], []
+    for ln in missing:
+        old_text = _unlink(_norm(ln))
+        best = max(candidates, key=lambda c: difflib.SequenceMatcher(None, old_text, _unlink(c)).quick_ratio())
+        ratio = difflib.SequenceMatcher(None, old_text, _unlink(best)).ratio()
+        kept = re.findall(r"`[^`]+`|\d+(?:\.\d+)?", ln)
+        if ratio >= 0.6 and all(k in best for k in kept):
+            edited.append((ln, best, ratio))
+        else:
+            lost_lines.append(ln)
     commands = [ln.split(" #")[0].strip() for b in re.findall(r"```bash\n(.*?)```", old, flags=re.S)
                 for ln in b.splitlines() if ln.strip() and not ln.startswith("#")]
     commands += re.findall(r"`((?:fedlora|python|make|\.venv/bin/\S+) [^`]*)`", old)
@@ -55,6 +75,9 @@ def main(argv: list[str]) -> int:
     }
     print(f"{commit}:README.md: {len(lines)} non-empty lines, {len(set(commands))} commands, {len(figures)} figures, "
           f"{len(numbers)} numbers")
+    print(f"  lines edited (a cross-reference made a link; every number and code span kept): {len(edited)}")
+    for ln, best, ratio in edited:
+        print(f"    - {ln.strip()}\n    + {best}  ({ratio:.0%} alike)")
     for what, items in lost.items():
         print(f"  {what} lost: {len(items)}")
         for item in items:

@@ -78,3 +78,36 @@ def readme_as_home(root: Path = ROOT) -> str:
     """README.md with its links into ``docs/`` made relative to the site's root."""
     text = (root / "README.md").read_text(encoding="utf-8")
     return re.sub(r"\]\(docs/", "](", text)
+
+
+# --- griffe extension (mkdocs.yml: mkdocstrings' extensions) -----------------------------------------------
+_ROLE = re.compile(r":(?:py:)?(?:mod|func|class|meth|attr|data|exc|obj):`(~?)([^`]+)`")
+
+
+def plain_roles(text: str) -> str:
+    """Sphinx cross-reference roles (``:func:`x```) as the inline code they stand for (``x``; ``~a.b`` → ``b``)."""
+    return _ROLE.sub(lambda m: "`" + (m.group(2).rsplit(".", 1)[-1] if m.group(1) else m.group(2)) + "`", text)
+
+
+try:
+    import griffe
+except ImportError:  # pragma: no cover - only the docs build loads the extension
+    griffe = None
+
+if griffe is not None:
+    class SphinxRoles(griffe.Extension):
+        """Docstrings written with Sphinx roles read as Markdown code (the docs are Markdown, not reST)."""
+
+        def on_package(self, *, pkg, **kwargs) -> None:
+            seen = set()
+
+            def walk(obj) -> None:
+                if obj.is_alias or id(obj) in seen:
+                    return
+                seen.add(id(obj))
+                if obj.docstring is not None and ":" in obj.docstring.value:
+                    obj.docstring.value = plain_roles(obj.docstring.value)
+                for member in obj.members.values():
+                    walk(member)
+
+            walk(pkg)
