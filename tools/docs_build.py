@@ -6,6 +6,9 @@
   and a strict build fails on it — and no copy of a figure is kept in ``docs/``.
 * The site's home page is the README (one text, not two): its links into ``docs/`` are made relative to
   the site.
+* A method's page lists its options as its constructor has them: ``<!-- options: fedlora.methods.x.Class -->``
+  becomes a table of the constructor's parameters and defaults, read by griffe at build time (never a copy
+  that could fall behind the code).
 * For mkdocstrings: griffe reads the code statically, but ``fedlora.llm``, ``fedlora.kernels`` and
   ``fedlora.synthetic`` live in the folders ``llm/``, ``kernels/``, ``synthetic/`` (pyproject.toml's
   ``package-dir``), which no static finder maps. :func:`stage_api_sources` lays out ``fedlora/`` as the
@@ -72,6 +75,32 @@ def on_files(files, config, **kwargs):
                                   use_directory_urls=config["use_directory_urls"]))
     files.append(File.generated(config, "index.md", content=readme_as_home(ROOT)))
     return files
+
+
+_OPTIONS = re.compile(r"<!-- options: ([\w.]+) -->")
+_PACKAGE = {}
+
+
+def options_table(path: str) -> str:
+    """The constructor parameters of the class at ``path`` (e.g. ``fedlora.methods.rolora.RoLoRA``), as a table."""
+    import griffe
+
+    if "fedlora" not in _PACKAGE:
+        _PACKAGE["fedlora"] = griffe.load("fedlora", search_paths=[str(API_ROOT)], resolve_aliases=True,
+                                          resolve_external=False)
+    cls = _PACKAGE["fedlora"][path.split(".", 1)[1]]
+    init = cls.all_members["__init__"]
+    rows = ["| option | default |", "|---|---|"]
+    for param in init.parameters:
+        if param.name in ("self", "cls") or param.kind.value in ("variadic positional", "variadic keyword"):
+            continue
+        default = "(required)" if param.default is None else f"`{param.default}`"
+        rows.append(f"| `{param.name}` | {default} |")
+    return "\n".join(rows)
+
+
+def on_page_markdown(markdown, page, config, files, **kwargs):
+    return _OPTIONS.sub(lambda m: options_table(m.group(1)), markdown)
 
 
 def readme_as_home(root: Path = ROOT) -> str:
