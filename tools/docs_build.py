@@ -59,6 +59,14 @@ def stage_api_sources(root: Path = ROOT, out: Path = API_ROOT) -> Path:
 
 
 # --- MkDocs hook events ------------------------------------------------------------------------------
+try:
+    from mkdocs.plugins import event_priority
+except ImportError:  # pragma: no cover - imported outside a docs build
+    def event_priority(priority):
+        return lambda f: f
+
+
+@event_priority(100)  # before mkdocstrings' on_config, which drops search paths that do not exist yet
 def on_config(config, **kwargs):
     stage_api_sources(ROOT)
     return config
