@@ -141,3 +141,22 @@ def test_every_figure_has_its_command_on_its_page_section():
                     bad.append(f"{page.relative_to(ROOT)}: {fig}")
     assert figures >= 6
     assert not bad, "figures without the command that made them in their section:\n" + "\n".join(bad)
+
+
+def test_every_registered_method_has_its_page_with_its_source():
+    """One page per method (issue 16): its registered name, its module's docstring and source, its options."""
+    from fedlora.methods import base, get_method
+
+    pages = {p: p.read_text(encoding="utf-8") for p in (ROOT / "docs" / "methods").glob("*.md") if p.name != "index.md"}
+    missing = []
+    for name in base.available_methods():
+        cls = get_method(name)
+        if not cls.__module__.startswith("fedlora.methods."):
+            continue  # a plugin's method
+        mod = cls.__module__
+        ok = [p for p, t in pages.items() if f"`{name}`" in t and f"::: {mod}\n" in t
+              and f"<!-- options: {mod}.{cls.__name__} -->" in t]
+        if not ok:
+            missing.append(f"{name} ({mod}.{cls.__name__})")
+    assert not missing, "methods without a page under docs/methods/ (name, ::: module, options marker):\n" + \
+        "\n".join(missing)

@@ -104,7 +104,18 @@ def options_table(path: str) -> str:
             continue
         default = "(required)" if param.default is None else f"`{param.default}`"
         rows.append(f"| `{param.name}` | {default} |")
-    return "\n".join(rows)
+    head = (f"**Head policy** (the class's `default_head` and `head_modes`): `model.head: auto` gives "
+            f"`{_class_value(cls, 'default_head')}`; the method supports `{_class_value(cls, 'head_modes')}`.")
+    return "\n".join(rows) + "\n\n" + head
+
+
+def _class_value(cls, name: str) -> str:
+    """A class attribute's value as written, from the class or the nearest base that assigns it."""
+    for klass in [cls, *cls.mro()]:
+        member = klass.members.get(name)
+        if member is not None and not member.is_alias:
+            return str(member.value).strip("'")
+    raise KeyError(f"{cls.path}.{name}")
 
 
 def on_page_markdown(markdown, page, config, files, **kwargs):
