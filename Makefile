@@ -4,14 +4,14 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 OUT    ?= runs/demo
 
-.PHONY: demo test bench env clean
+.PHONY: demo test bench env clean docs docs-serve
 
 env: $(VENV)/.installed
 
-$(VENV)/.installed: requirements/ci.txt pyproject.toml
+$(VENV)/.installed: requirements/ci.txt requirements/docs.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements/ci.txt
+	$(PY) -m pip install --quiet -r requirements/ci.txt -r requirements/docs.txt
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e . || $(PY) -m pip install --quiet --no-deps -e .
 	touch $@
 
@@ -26,8 +26,18 @@ demo: env
 test: env
 	$(VENV)/bin/pytest -q
 
+# The documentation site (mkdocs.yml): strict, so a broken link, a missing anchor or a docstring warning fails
+# the build; into build/site. NO_MKDOCS_2_WARNING: Material's banner about MkDocs 2.0 (not a build warning).
+docs: env
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+# A live preview at http://127.0.0.1:8000 (rebuilds on every change; DOCS_ADDR=0.0.0.0:8000 to serve others)
+DOCS_ADDR ?= 127.0.0.1:8000
+docs-serve: env
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --strict --dev-addr $(DOCS_ADDR)
+
 bench: env
 	$(VENV)/bin/pytest -q bench/ --benchmark-only
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs build/site build/docs-api

@@ -33,11 +33,12 @@ class LoRALinear(nn.Module):
     """y = x W0ᵀ + b + s₁ (x Aᵀ) Bᵀ + s₂ (x Cᵀ) Dᵀ with W0, b frozen.
 
     Args:
-        in_features, out_features: d_in, d_out.
+        in_features: d_in.
+        out_features: d_out.
         rank: r of the common adapter (≥ 1).
         client_rank: r̃ of the client adapter (0 = plain LoRA).
-        alpha, client_alpha: LoRA scaling numerators; s₁ = alpha / r, s₂ = client_alpha / r̃.
-            ``None`` means alpha = r (s = 1).
+        alpha: LoRA scaling numerator of the common adapter, s₁ = alpha / r; ``None`` means alpha = r (s₁ = 1).
+        client_alpha: the client adapter's, s₂ = client_alpha / r̃; ``None`` means client_alpha = r̃ (s₂ = 1).
         base_weight: frozen W0 (d_out, d_in); ``None`` means W0 = 0 (no base GEMM at all).
         base_bias: frozen bias (d_out,) or ``None``.
         stack: number of independent replicas G (``None`` = an ordinary layer).

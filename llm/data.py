@@ -684,11 +684,13 @@ def load_text_data(
     Args:
         columns: ColumnMap, or a mapping overriding the task's columns (keys text, text_pair,
             label, client_key).
-        train_split / test_split: split names (Hub / saved / folder sources).
+        train_split: split name of the training rows (Hub / saved / folder sources).
+        test_split: split name of the test rows (likewise).
         labels: the declared label set, in id order; any label outside it is an error. String
             labels are otherwise mapped to ids by the task's class names or sorted order.
         test_fraction: test share when a source has no test split (deterministic with ``seed``).
-        max_train_samples / max_test_samples: deterministic random subsample (seeded; order kept).
+        max_train_samples: deterministic random subsample of the training rows (seeded; order kept).
+        max_test_samples: the same for the test rows.
         seed: integer ≥ 0.
     Returns: ``(train, test, info)``: two TextDatasets sharing ``label_names``, and the TaskSpec
     actually used (for ``path`` / ``hf_name`` sources a new one named ``file:...`` / ``hf:...``

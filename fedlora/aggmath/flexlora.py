@@ -147,7 +147,8 @@ def flexlora_aggregate(Bs: Sequence[torch.Tensor], As: Sequence[torch.Tensor], w
     """FlexLoRA server step: exact ΔW = Σ_k w_k s_k B_k A_k, then each client's best rank-r'_k factors.
 
     Args:
-        Bs, As: client factors B_k (d_out, r_k), A_k (r_k, d_in); d_out, d_in shared, r_k free.
+        Bs: client factors B_k (d_out, r_k); d_out shared, r_k free.
+        As: client factors A_k (r_k, d_in), d_in shared; A_k pairs with B_k.
         weights: K non-negative numbers with positive sum (normalised here; w_k = n_k/Σn usually).
         scales: s_k of each client's upload (one number or K).
         ranks_out: rank r'_k to hand back to each of the ``len(ranks_out)`` receiving clients,

@@ -46,7 +46,8 @@ def bilevel_direction(
 
     Args:
         F: scalar loss F(x, y, batch) (differentiable twice in ``exact`` mode).
-        x, y: upper-level (common adapter) and lower-level (client adapter) tensors.
+        x: upper-level (common adapter) tensors.
+        y: lower-level (client adapter) tensors.
         alpha: lower-level SGD step size α.
         batches: (π, ξ, ξ̃, ζ) — four draws as in Algorithm 1 line 4 — or two (inner, outer):
             π = ζ = inner, ξ = ξ̃ = outer — our mapping (docs/design.md §4.9), not the pseudocode's: App. E only
