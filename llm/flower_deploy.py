@@ -454,6 +454,10 @@ def run_local(cfg, out: str | os.PathLike, *, overwrite: bool = False, tls: bool
     from fedlora.methods import get_method
 
     check_flower_method(get_method(cfg.method.name))
+    if cfg.federation.client_models is not None:
+        from .runtime import HETERO_EMBEDDED_ONLY
+
+        raise ConfigError(HETERO_EMBEDDED_ONLY)
     tmp = work is None
     work = Path(tempfile.mkdtemp(prefix="fedlora-flower-")) if tmp else Path(work)
     ok = False

@@ -44,7 +44,7 @@ from fedlora.io import write_bytes_atomic
 from fedlora.server import ClientFailure, ClientUpdate, Download, Federation, Server, UploadSpec
 
 from .config import RunConfig, group_configs
-from .runtime import FederatedRun, _chunks
+from .runtime import HETERO_EMBEDDED_ONLY, FederatedRun, _chunks
 
 __all__ = ["HeteroRun", "module_types"]
 
@@ -108,11 +108,12 @@ class HeteroRun(FederatedRun):
     ``FederatedRun`` per group behind one ``Server``; the round loop, records, checkpoints and resume
     are ``FederatedRun``'s own. See the module docstring."""
 
+    groups_of_models = True
+
     def __init__(self, cfg: RunConfig, **kwargs: Any) -> None:
         super().__init__(cfg, **kwargs)
         if self.runtime != "embedded":
-            raise ConfigError(f"--runtime {self.runtime}: heterogeneous client models (federation.client_models) "
-                              f"run on the embedded runtime only")
+            raise ConfigError(f"--runtime {self.runtime}: {HETERO_EMBEDDED_ONLY}")
         self.specs = group_configs(cfg)  # [(global ids, the group's RunConfig)]
         self.where = {k: (g, i) for g, (ids, _) in enumerate(self.specs) for i, k in enumerate(ids)}
 
@@ -203,8 +204,10 @@ class HeteroRun(FederatedRun):
     def train(self, rnd: int, clients: Sequence[int], downloads: Mapping[int, Download]
               ) -> dict[int, ClientUpdate | ClientFailure]:
         out: dict[int, ClientUpdate | ClientFailure] = {}
-        for run, ks in zip(self.groups, self._split(clients)):
+        for (ids, _), run, ks in zip(self.specs, self.groups, self._split(clients)):
             if ks:
+                hook = self.client_hook  # fault injection names the run's (global) client ids
+                run.client_hook = None if hook is None else (lambda local, r, ids=ids: hook(ids[local], r))
                 res = run.train(rnd, [self.where[k][1] for k in ks], {self.where[k][1]: downloads[k] for k in ks})
                 out.update({k: res[self.where[k][1]] for k in ks})
         return out

@@ -193,7 +193,7 @@ class QATask(Task):
                         return_offsets_mapping=True, padding="max_length")
         n_f = len(enc["input_ids"])
         example = list(enc["overflow_to_sample_mapping"]) if "overflow_to_sample_mapping" in enc else list(range(n_f))
-        offsets = torch.full((n_f, max_length, 2), -1, dtype=torch.long)
+        offsets = torch.full((n_f, max_length, 2), -1, dtype=torch.int32)  # characters: int32 halves SQuAD v2.0's 0.8 GB
         start_pos = torch.zeros(n_f, dtype=torch.long)
         end_pos = torch.zeros(n_f, dtype=torch.long)
         for f in range(n_f):

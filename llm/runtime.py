@@ -113,6 +113,11 @@ def _chunks(seq: Sequence[int], size: int) -> list[list[int]]:
     return [list(seq[i:i + size]) for i in range(0, len(seq), size)]
 
 
+#: where a config with heterogeneous client models cannot go (Flower's nodes build one model per run)
+HETERO_EMBEDDED_ONLY = ("federation.client_models: heterogeneous client models run on the embedded runtime only "
+                        "(`fedlora run CONFIG`; fedlora.llm.hetero.HeteroRun), not on Flower")
+
+
 class FederatedRun:
     """One federated fine-tuning run of a HF classifier (``fedlora run CONFIG``).
 
@@ -124,11 +129,16 @@ class FederatedRun:
     (``fedlora.io.claim_output_dir``: a folder that is not empty is refused unless ``overwrite``,
     which clears it) — or ``output``, a folder the caller has claimed (the command line)."""
 
+    #: a run over one base model; ``fedlora.llm.hetero.HeteroRun`` (one base per group) sets it True
+    groups_of_models = False
+
     def __init__(self, cfg: RunConfig, *, progress: bool = False, model=None, tokenizer=None,
                  write: bool = True, overwrite: bool = False, output: OutputDir | None = None,
                  runtime: str = "embedded") -> None:
         if runtime not in RUNTIMES:
             raise ConfigError(f"--runtime: one of {', '.join(RUNTIMES)}, got {runtime!r}")
+        if cfg.federation.client_models is not None and not self.groups_of_models:
+            raise ConfigError(HETERO_EMBEDDED_ONLY)
         self.cfg, self.runtime = cfg, runtime
         self.progress, self.write = progress, write
         self.overwrite, self.output = overwrite, output

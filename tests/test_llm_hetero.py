@@ -319,12 +319,22 @@ def test_groups_that_adapt_different_module_types_are_refused(tmp_path):
         HeteroRun(RunConfig.from_dict(data), write=False).prepare()
 
 
-def test_flower_and_compare_refuse_hetero_runs(tmp_path):
+def test_flower_and_compare_refuse_hetero_runs(tmp_path, capsys):
     cfg = _cfg(tmp_path / "f")
-    with pytest.raises(ConfigError, match="--runtime flower: heterogeneous client models"):
+    with pytest.raises(ConfigError, match="--runtime flower: federation.client_models: heterogeneous client models "
+                                          "run on the embedded runtime only"):
         HeteroRun(cfg, runtime="flower")
+    with pytest.raises(ConfigError, match="^federation.client_models: heterogeneous client models run on the embedded"):
+        FederatedRun(cfg)  # e.g. a Flower node or ServerApp building one model from such a config
     path = tmp_path / "het.yaml"
     path.write_text(yaml.safe_dump(CONFIG))
+    for argv in (["run", str(path), "--runtime", "flower", "--out", str(tmp_path / "o1")],
+                 ["flower", "app", str(path), "--out", str(tmp_path / "app")],
+                 ["flower", "local", str(path), "--out", str(tmp_path / "o2")]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert "heterogeneous client models run on the embedded runtime only" in err and err.count("\n") == 1, argv
+        assert not (tmp_path / "app").exists()
     from fedlora.llm.compare import run_compare
 
     with pytest.raises(ConfigError, match="compare: federation.client_models"):
@@ -418,3 +428,24 @@ def test_fedlora_plot_refuses_a_hetero_run_in_one_line(hetero, tmp_path, capsys)
     assert main(["plot", str(out), "--out", str(tmp_path / "p")]) == 2
     err = capsys.readouterr().err
     assert "federates clients on different tasks" in err and err.count("\n") == 1
+
+
+def test_a_failing_client_is_named_by_its_run_id_and_left_out_of_the_mean(tmp_path):
+    """A client of the Gemma group that raises (client 2 = its group's local client 0) is recorded as client 2's
+    failure; the server averages the two LLaMA clients' uploads alone."""
+    cfg = _cfg(tmp_path / "x", train={"rounds": 1, "local_steps": 1, "batch_size": 4})
+    run = HeteroRun(cfg)
+    cap = _Capture(run)
+
+    def hook(client, rnd):
+        if client == 2:
+            raise RuntimeError("CUDA out of memory")
+
+    run.client_hook = hook
+    run.run()
+    rec = _records(tmp_path / "x")[1]
+    assert rec["failures"] == {"2": {"kind": "error", "why": "RuntimeError: CUDA out of memory"}}
+    assert sorted(rec["bytes_up"]) == ["0", "1"]
+    for name in TYPES:
+        mean = torch.stack([cap.rounds[0][k].upload.tensors[name] for k in (0, 1)]).mean(0)
+        torch.testing.assert_close(run.server.states[0][name], mean, rtol=1e-6, atol=1e-7)

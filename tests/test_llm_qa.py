@@ -53,6 +53,7 @@ def test_windows_overlap_by_the_stride_and_label_the_answer_where_a_window_holds
     enc = _task(stride=4).encode(ds, tok, 24)
     ex = enc["qa_example"].tolist()
     assert ex.count(0) >= 3 and ex.count(1) == 1 and ex.count(2) == 1  # long context: several windows
+    assert enc["qa_offsets"].dtype == torch.int32  # (n_f, L, 2) characters: SQuAD v2.0's would be 0.8 GB as int64
     ctx_tokens = []
     for f in range(len(ex)):
         off = enc["qa_offsets"][f]
