@@ -76,7 +76,7 @@ def _ieee_spills(c, named_args, br) -> bool:
     """Whether config ``c`` spills registers on sm_90 for fp32 IEEE dots (so the autotuner never tries it).
 
     IEEE fp32 ``tl.dot`` runs on FMA units with the accumulator and the operand tiles in registers.
-    From ``python -m fedlora.kernels.aot`` (README, "AOT compile check"): per thread (T = 32·warps) an
+    From ``python -m fedlora.kernels.aot`` (docs/concepts/kernels.md, "AOT compile check"): per thread (T = 32·warps) an
     accumulator above 32 values or operand tiles (BM·BK + BK·BN)/T above 96 values spill (up to ~50 KB
     for 128×256); with a wide low-rank epilogue (BLOCK_R ≥ 64) the L·Rt tiles spill above 2048
     outputs or 64 rows, the fused shrink above 1024 outputs.

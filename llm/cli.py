@@ -17,7 +17,7 @@ def register_run(subparsers: argparse._SubParsersAction) -> None:
         "run", help="federated LoRA fine-tuning of a HuggingFace model (one config file)",
         description="Federate a HF classifier with any method: `fedlora run CONFIG [--set key=value …]`. "
                     "CONFIG is a YAML/TOML/JSON file or the name of a bundled one "
-                    "(--list-configs); every field is described in llm/config.py and the README.")
+                    "(--list-configs); every field is described in llm/config.py and the docs (docs/tutorials/glue-sst2.md).")
     run.add_argument("config", nargs="?", help="config file, or a bundled config's name (e.g. minilm-debian)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override a field, e.g. --set train.rounds=5 --set method.name=rolora (repeatable)")
@@ -29,7 +29,7 @@ def register_run(subparsers: argparse._SubParsersAction) -> None:
                           "--set may be left out; if given they must equal the run's config)")
     run.add_argument("--runtime", default="embedded", choices=("embedded", "flower"),
                      help="embedded (clients in this process, default) or flower (Flower's simulation engine: "
-                          "one SuperNode per client; needs flwr — README 'Flower')")
+                          "one SuperNode per client; needs flwr — docs/how-to/flower.md)")
     run.add_argument("--dry-run", action="store_true", help="validate and print the resolved config; train nothing")
     run.add_argument("--list-configs", action="store_true", help="list the bundled configs and exit")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -154,7 +154,7 @@ def register_flower(subparsers: argparse._SubParsersAction) -> None:
     fl = subparsers.add_parser(
         "flower", help="run on a Flower deployment: certificates, the app, SuperLink/SuperNode, or all on this machine",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="A Flower 1.42 deployment of `fedlora run` (README 'Flower on one machine and on several').",
+        description="A Flower 1.42 deployment of `fedlora run` (docs/how-to/flower.md, 'Flower on one machine and on several').",
         epilog="on one machine (SuperLink, one SuperNode per client, TLS, all stopped at the end):\n"
                "  fedlora flower local tiny-smoke --out runs/flower\n"
                "on several: on the server  fedlora flower certs --out certs --host server.example.org\n"

@@ -122,7 +122,7 @@ class FederationConfig:
     similarity(s), by_key (needs ``data.client_column``). sample_fraction: share of clients drawn
     each round. clients_per_pass: slots — clients trained together in one base forward (1 = the
     classic sequential loop; on a GPU more slots are faster, one launch per layer for all of them; on
-    a 2-core CPU 1–2 were fastest — README "Memory and speed"). ``auto`` (default): 1 on a CPU (the
+    a 2-core CPU 1–2 were fastest — docs/results/memory-speed.md). ``auto`` (default): 1 on a CPU (the
     measured best), on CUDA every participant of a round as far as the free GPU memory allows
     (``fedlora.llm.runtime.auto_clients_per_pass``); config.json records the value chosen. store: where client state records
     live between rounds, ``memory`` or ``disk`` (safetensors files under ``output_dir/clients``).

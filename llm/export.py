@@ -170,7 +170,7 @@ def export_peft(run_dir: str | Path, client: int, out: str | Path, dtype: torch.
     ``from_pretrained`` resolves (the MiniLM package's folder, not its package name), the run's
     tokenizer is saved beside it, and ``fedlora_export.json`` carries the labels (``num_labels``,
     ``id2label``, ``label2id``) to pass when loading — the base model's own config does not have them:
-    ``AutoPeftModelForSequenceClassification.from_pretrained(out, **labels)`` (README)."""
+    ``AutoPeftModelForSequenceClassification.from_pretrained(out, **labels)`` (docs/how-to/export-peft.md)."""
     import peft
     from safetensors.torch import save_file
 

@@ -17,7 +17,7 @@ same numbers as the embedded runtime.
 
 Deployment: ``write_app_dir(path)`` writes the Flower app folder ``flwr run`` submits; the SuperLink,
 the SuperNodes (one per client, ``--node-config 'partition-id=K num-partitions=N'``) and TLS are
-described in the README ("Flower").
+described in docs/how-to/flower.md.
 """
 from __future__ import annotations
 

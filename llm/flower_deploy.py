@@ -1,4 +1,4 @@
-"""A real Flower deployment of ``fedlora run`` (README "Flower on one machine and on several"; docs/design.md §9).
+"""A real Flower deployment of ``fedlora run`` (docs/how-to/flower.md, "Flower on one machine and on several"; docs/design.md §9).
 
 Flower 1.42 splits a deployment into long-running processes: one **SuperLink** (the server's endpoint:
 one HTTPS port for the Fleet, Control and Runtime APIs; it starts one ``flwr-serverapp`` process per run,

@@ -15,7 +15,7 @@ need for batched generation. Decoding follows the task's paper (``TaskSpec.decod
 (``fedlora.llm.textmetrics``).
 
 Linearisations (how a structured input becomes the prompt; the papers leave the format to LoRA's code —
-ours is documented here and in README):
+ours is documented here and in docs/tutorials/generation.md):
 
 * ``e2e``: the meaning representation ``name[The Vaults], eatType[pub]`` → ``name : The Vaults | eatType : pub``;
 * ``webnlg``: the modified triples ``s | p | o`` → ``s : p : o`` joined by `` | ``;

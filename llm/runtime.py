@@ -716,7 +716,7 @@ class FederatedRun:
 
     # ------------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
-        """All rounds with evaluation; writes ``output_dir`` (see README "fedlora run"), claimed before
+        """All rounds with evaluation; writes ``output_dir`` (see docs/reference/run-folder.md), claimed before
         any work (``_claim``). ``run.json`` says whether the run is running, complete, interrupted or
         failed; a run that stops early (an error, SIGINT/SIGTERM) marks or removes it (``_abandon``)."""
         self._claim()  # an unusable or occupied output folder is found before any work
@@ -1177,7 +1177,7 @@ def run_class(cfg: RunConfig) -> type[FederatedRun]:
 def auto_clients_per_pass(device: torch.device, participants: int, model=None, batch_size: int = 16,
                           max_length: int = 128) -> int:
     """``federation.clients_per_pass: auto``. On a CPU: 1 — batched passes were slower there
-    (README "Memory and speed": 1.03× the sequential loop at 2 slots, 1.65× at 8, on 2 cores;
+    (docs/results/memory-speed.md: 1.03× the sequential loop at 2 slots, 1.65× at 8, on 2 cores;
     element-wise ops fall out of cache). On CUDA: all of a round's participants, as many as fit in
     half of the free GPU memory by an activation estimate per client of
     ``batch_size · max_length · hidden · layers · 64`` bytes (about 16 saved fp32 activations of

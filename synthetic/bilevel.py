@@ -51,7 +51,7 @@ vanishes and h = ∇_x f(x, y*(x)) = ∇Φ(x): the hypergradient without the mix
 and their bias is bounded by a multiple of ‖y^t − y*(x^t)‖ as well — Lemma A.5's bound holds for
 them too (the triangle inequality in its proof does not see the sign, and L ≤ A for α = 1/(4L)),
 so Theorem 7.2's proof, and with it the O(1/T) rate, goes through without the mixed term. Measured:
-all three reach the same stationary point with the same slope (README). A check that the
+all three reach the same stationary point with the same slope (docs/results/bilevel-convergence.md). A check that the
 hypergradient is the right one must therefore look at the hypergradient itself: here f is quadratic
 in y with a constant mixed Hessian H_xy, so the quantity Lemma A.5 bounds is known exactly,
 

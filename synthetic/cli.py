@@ -202,7 +202,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          description="Run one method on one federation of `synthetic compare`'s testbed with every "
                                      "client on its own Flower SuperNode; history.json holds the round records "
                                      "(participants, bytes up/down, every client's training loss), and the same "
-                                     "run embedded is compared with it (README 'Flower').")
+                                     "run embedded is compared with it (docs/how-to/flower.md).")
     fl.add_argument("--method", required=True, help="a registered method, e.g. fedavg, rolora, lora-a2, pf2lora, h2tune")
     fl.add_argument("--lr", type=float, required=True, help="the method's step size")
     fl.add_argument("--task", default="regression", help="regression (default) or classification")

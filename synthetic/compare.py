@@ -50,13 +50,13 @@ CLIENT_SGD_LR = 0.1
 
 #: per-method defaults as a function of the common rank r and the number of clients M (besides
 #: ``rank`` = r itself, which every method whose constructor takes one receives). Everything not
-#: listed keeps the constructor's (paper's) default. Reasons: README "compare".
+#: listed keeps the constructor's (paper's) default. Reasons: docs/results/synthetic-compare.md.
 _DEFAULTS: dict[str, Any] = {
     "pf2lora": lambda r, M: {"lower_lr": CLIENT_SGD_LR},
     "perfedavg": lambda r, M: {"inner_lr": CLIENT_SGD_LR},
     # ranks r_k ∈ [1, 2r] by PF2LoRA's recipe (the paper's synthetic run uses r_max = 3r); AdamW as
     # most methods here, so that the step-size grid means much the same (the paper's default is SGD).
-    # H²Tune keeps its constructor default, plain SGD as App. A's Algorithm 1 writes it (README).
+    # H²Tune keeps its constructor default, plain SGD as App. A's Algorithm 1 writes it (docs/results/synthetic-compare.md).
     "hetlora": lambda r, M: {"r_min": 1, "r_max": 2 * r, "optimizer": "adamw"},
     # global rank r_G = 2r, every client's budget r_k = r: the same upload as RoLoRA at rank r, and
     # the adaptive selection has something to choose from
@@ -264,7 +264,7 @@ def _mean(xs) -> float:
 
 
 def run_compare(cfg: CompareConfig, *, log=print) -> dict[str, Any]:
-    """Run the comparison; return the JSON-serialisable result (schema: README "compare.json")."""
+    """Run the comparison; return the JSON-serialisable result (schema: docs/results/synthetic-compare.md, "compare.json")."""
     cfg.validate()
     S, K, H = cfg.seeds, cfg.clients, len(cfg.heterogeneity)
     results, references, runs_log = [], [], []

@@ -33,7 +33,7 @@ __all__ = ["RankRecoveryConfig", "PRESETS", "run_rank_recovery", "summarise"]
 METHODS = ("pf2lora", "hetlora")
 
 #: ``paper``: App. C verbatim. ``tuned``: chosen by the grid of ``fedlora synthetic tune``
-#: (selection on training loss of held-out seeds; see README "Choosing the tuned preset").
+#: (selection on training loss of held-out seeds; see docs/tutorials/rank-recovery.md, "Choosing the tuned preset").
 PRESETS: dict[str, dict[str, Any]] = {
     "paper": dict(steps=2000, upper_lr=0.005, lower_lr=0.002, het_lr=0.002),
     "tuned": dict(steps=3000, upper_lr=0.05, lower_lr=0.1, upper_schedule="cosine", het_lr=0.05),
@@ -318,7 +318,7 @@ def _start_workers(cfg: RankRecoveryConfig, names: list[str]) -> dict[str, _Work
 
 
 def run_rank_recovery(cfg: RankRecoveryConfig, *, log=print) -> dict[str, Any]:
-    """Run the experiment and return the JSON-serialisable result (schema: README "metrics.json").
+    """Run the experiment and return the JSON-serialisable result (schema: docs/reference/metrics-json.md).
 
     With ``cfg.jobs`` ≠ 1 the first method (PF2LoRA by default, the longest) runs in this process
     and the others in worker processes started first; the result is the same either way.

@@ -294,7 +294,7 @@ def run_method(name: str, data: StackedData, *, lr: float, rounds: int, local_st
     error = None
     try:
         with warnings.catch_warnings():
-            if data.task == "regression":  # expected: H²Tune's output KL is for classifiers (README)
+            if data.task == "regression":  # expected: H²Tune's output KL is for classifiers (docs/methods/h2tune.md)
                 warnings.filterwarnings("ignore", message="h2tune: no output_fn")
             history = run_rounds(method, fed, objective, sample, rounds, local_steps, evaluate)
     except (RuntimeError, ValueError, ArithmeticError) as e:

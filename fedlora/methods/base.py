@@ -194,7 +194,7 @@ class Method(abc.ABC):
     #: the main step size per optimizer when a real-model run (``fedlora run``) names none: LoRA on a
     #: pretrained encoder, batch 16 — AdamW 2e-3 (the bundled MiniLM run's step), SGD 0.2 (H²Tune on
     #: that run: 0.5 learns fastest for 7 rounds and then two clients' losses blow up; 2.0 diverges in
-    #: round 2; README "Each method in the LLM runtime"). The constructor's ``lr`` default is the testbed's.
+    #: round 2; docs/methods/index.md, "Each method in the LLM runtime"). The constructor's ``lr`` default is the testbed's.
     llm_lr: ClassVar[dict[str, float]] = {"adamw": 2e-3, "sgd": 0.2}
     #: other options a real-model run uses unless its config sets them: the paper's own LLM setting
     llm_options: ClassVar[dict[str, Any]] = {}

@@ -45,7 +45,7 @@ def check_lora_options(method: str, rank, lr, optimizer, weight_decay) -> None:
 
 
 class FactorLoRA(AveragedFactors):
-    """Base of the plain-LoRA methods — and the public base for a method of your own (README
+    """Base of the plain-LoRA methods — and the public base for a method of your own (docs/tutorials/own-method.md,
     "Writing your own method"): factors ``lora_A`` (G, r, d_in), ``lora_B`` (G, d_out, r) of G
     replicas (clients), the weighted-mean server of ``AveragedFactors``, one optimizer per client.
 

@@ -45,7 +45,7 @@ class FFALoRA(FactorLoRA):
     name = "ffa"
     #: B alone over a frozen random A (and, in its paper's setup, a frozen random head) learns slowly at
     #: FedAvg's step; Sun et al. train FFA-LoRA with a larger one. MiniLM run: 2e-3 ends at 0.534 after
-    #: 10 rounds (loss 1.38 → 1.30); 2-round probes 1e-2 / 3e-2 → 0.457 / 0.533 (README).
+    #: 10 rounds (loss 1.38 → 1.30); 2-round probes 1e-2 / 3e-2 → 0.457 / 0.533 (docs/results/minilm-every-method.md).
     llm_lr = {"adamw": 3e-2, "sgd": 0.2}
     default_head = "frozen"  # Sun et al.'s setup (docs/design.md §8)
 

@@ -7,7 +7,7 @@ y ← y − α∇_y F (SGD, line 5), then x is updated along the hypergradient o
 paper's choice for language models, §4) or SGD (line 6 as written).
 
 Not in the paper: ``upper_schedule="cosine"`` decays the upper-level step to 0 over
-``total_steps`` (App. C uses constant steps; the synthetic tuned preset uses the decay, README).
+``total_steps`` (App. C uses constant steps; the synthetic tuned preset uses the decay, docs/tutorials/rank-recovery.md).
 Optimizer moments and AdamW step counts are per client (``fedlora.optim.StackedAdamW``).
 """
 from __future__ import annotations

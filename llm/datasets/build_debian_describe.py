@@ -3,8 +3,8 @@
 Each sample is one binary package's record, its structured fields linearised as the prompt —
 ``package : alsa-topology-conf | section : libs | priority : optional | depends : …`` — and its maintainers'
 short description as the target (``ALSA topology configuration files``): real English written by people for
-exactly these records, the shape of E2E's meaning representation → text (README "Generation: the offline
-demo"). Run (reproducible from the same records file)::
+exactly these records, the shape of E2E's meaning representation → text (docs/tutorials/generation.md,
+"The offline demo"). Run (reproducible from the same records file)::
 
     python -m fedlora.llm.datasets.build_debian_describe --records /var/lib/dpkg/status --out llm/datasets/debian_describe
 

@@ -1,4 +1,4 @@
-"""Builds the README's MiniLM table and figure from finished runs (`fedlora run minilm-debian …`).
+"""Builds the MiniLM table and figure (docs/results/minilm-every-method.md) from finished runs (`fedlora run minilm-debian …`).
 
     python llm/results/make_minilm_table.py RUN_DIR [RUN_DIR …] --out llm/results/minilm_debian
 """
