@@ -145,9 +145,9 @@ class FederationConfig:
     #: heterogeneous client models (H²Tune only): groups of clients, each with its own base model and
     #: data — ``[{clients: [0, 1], model: {...}, data: {...}}, …]``; every client 0..clients−1 in exactly
     #: one group. A group's ``model`` / ``data`` section, when given, is the whole section (fields it leaves
-    #: out take their defaults, as in any config); without one the group takes the run's. ``partition``,
-    #: ``val_fraction``, train and eval settings are the run's, applied within each group
-    #: (``fedlora.llm.hetero``)
+    #: out take their defaults, as in any config); without one the group takes the run's. ``partition``
+    #: splits the group's data among its clients (default: the run's ``partition``); ``val_fraction``, train
+    #: and eval settings are the run's, applied within each group (``fedlora.llm.hetero``)
     client_models: list | None = None
 
 
@@ -367,7 +367,7 @@ class RunConfig:
 
 # --------------------------------------------------------------------------------------------------
 # heterogeneous client models
-GROUP_KEYS = ("clients", "model", "data")
+GROUP_KEYS = ("clients", "model", "data", "partition")
 #: methods that federate clients of different base models (an upload that does not depend on the width)
 HETERO_METHODS = ("h2tune",)
 #: method options with one entry per client (H²Tune's β_k and L_k): each group takes its clients' entries
@@ -430,7 +430,8 @@ def group_configs(cfg: RunConfig) -> list[tuple[list[int], RunConfig]]:
         # the group's store (federation.store: disk) lives in the run's clients/ folder
         data = {**base, **sections, "method": method, "output_dir": f"{cfg.output_dir}/clients/group_{g}",
                 "federation": {**base["federation"], "clients": len(ids), "client_models": None,
-                               "sample_fraction": 1.0, "min_clients": 1}}
+                               "sample_fraction": 1.0, "min_clients": 1,
+                               "partition": entry.get("partition", base["federation"]["partition"])}}
         try:
             group = RunConfig.from_dict(data)
         except ConfigError as e:

@@ -217,6 +217,15 @@ def test_the_first_kl_target_is_the_mean_of_every_clients_initial_upload(tmp_pat
     assert any(float(targets[0][n][2].abs().sum()) > 0.0 for n in TYPES)
 
 
+def test_a_group_may_split_its_data_its_own_way(tmp_path):
+    data = copy.deepcopy(CONFIG)
+    data["federation"]["client_models"][1]["partition"] = "by_key(section)"
+    (_, a), (_, b) = group_configs(RunConfig.from_dict(data))
+    assert a.federation.partition == "iid" and b.federation.partition == "by_key(section)"
+    data["federation"]["client_models"][0]["partition"] = "bogus(1)"
+    _refused(data, r"federation.client_models\[0\]: federation.partition")
+
+
 def test_per_client_options_go_to_each_clients_group(tmp_path):
     cfg = _cfg(tmp_path / "d", method={"name": "h2tune", "rank": RANK, "lr": 5e-3,
                                        "options": {"densities": [1.0, 0.5, 0.25]}})
