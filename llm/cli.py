@@ -237,10 +237,10 @@ def _cmd_flower(args: argparse.Namespace) -> int:
         if args.config is None and (args.set or args.run_dir is not None or args.overwrite_run):
             raise ConfigError("app: --set, --run-dir and --overwrite-run go with a CONFIG (they write run.toml)")
         cfg = load_config(args.config, args.set) if args.config is not None else None
-        if cfg is not None and cfg.federation.client_models is not None:
-            from .runtime import HETERO_EMBEDDED_ONLY
+        if cfg is not None:
+            from .flower import check_flower_config
 
-            raise ConfigError(HETERO_EMBEDDED_ONLY)
+            check_flower_config(cfg)
         out = check_output_dir(args.out)
         app = write_app_dir(out)
         print(f"wrote {app}/pyproject.toml")

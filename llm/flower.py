@@ -37,7 +37,7 @@ from fedlora.payload import Payload
 from fedlora.server import ClientFailure, ClientUpdate, Download
 
 __all__ = ["FlowerExecutor", "server_app", "client_app", "simulate", "run_simulation", "write_app_dir",
-           "tensors_to_record", "record_to_tensors", "check_flower_method"]
+           "tensors_to_record", "record_to_tensors", "check_flower_method", "check_flower_config"]
 
 #: torch dtypes numpy lacks travel as raw bytes under this stype (flwr's own helpers go through numpy)
 _RAW_STYPE = "torch.raw"
@@ -88,6 +88,18 @@ def check_flower_method(method) -> None:
         raise ConfigError(f"--runtime flower: {method.name} is not supported on Flower (it needs "
                           f"{'one base model shared by every client' if method.incremental_download else 'the clients pooled in one process'}); "
                           f"run it embedded")
+
+
+def check_flower_config(cfg) -> None:
+    """A ``RunConfig`` the Flower runtime can run: its method (``check_flower_method``) and one base model
+    per run — heterogeneous client models (``federation.client_models``) run embedded only."""
+    from fedlora.methods import get_method
+
+    from .runtime import HETERO_EMBEDDED_ONLY
+
+    check_flower_method(get_method(cfg.method.name))
+    if cfg.federation.client_models is not None:
+        raise ConfigError(HETERO_EMBEDDED_ONLY)
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -450,14 +450,9 @@ def run_local(cfg, out: str | os.PathLike, *, overwrite: bool = False, tls: bool
     SuperLink and one SuperNode per client on loopback, TLS — and stop it all; the run's summary.json.
     ``work``: where the deployment keeps its certificates, state and logs (a temporary folder, removed
     after a complete run, kept and named in the error otherwise)."""
-    from .flower import check_flower_method
-    from fedlora.methods import get_method
+    from .flower import check_flower_config
 
-    check_flower_method(get_method(cfg.method.name))
-    if cfg.federation.client_models is not None:
-        from .runtime import HETERO_EMBEDDED_ONLY
-
-        raise ConfigError(HETERO_EMBEDDED_ONLY)
+    check_flower_config(cfg)
     tmp = work is None
     work = Path(tempfile.mkdtemp(prefix="fedlora-flower-")) if tmp else Path(work)
     ok = False

@@ -71,14 +71,6 @@ class _ServerView:
     def download_for(self, client: int, shared_base: bool = False) -> Download:
         return self._server.download_for(self._ids[client], shared_base)
 
-    @property
-    def states(self):
-        return self._server.states
-
-    @property
-    def increments(self):
-        return self._server.increments
-
 
 class _LedgerView:
     def __init__(self, server: Server, ids: Sequence[int]) -> None:
@@ -154,7 +146,6 @@ class HeteroRun(FederatedRun):
         self.tasks: dict[str, list[int]] = {}  # task name → its clients (global ids)
         for (ids, _), run in zip(self.specs, self.groups):
             self.tasks.setdefault(run.task.name, []).extend(ids)
-        self.initial_record = self.store.get(0)
         self.history = []
         self.prepared = True
         return self
@@ -201,24 +192,31 @@ class HeteroRun(FederatedRun):
             by_group[self.where[k][0]].append(k)
         return by_group
 
-    def train(self, rnd: int, clients: Sequence[int], downloads: Mapping[int, Download]
-              ) -> dict[int, ClientUpdate | ClientFailure]:
-        out: dict[int, ClientUpdate | ClientFailure] = {}
+    def _by_group(self, clients: Sequence[int], call) -> dict[int, Any]:
+        """``call(run, local, ids)`` for each group with clients among ``clients`` — ``local``: their
+        run-wide id → local id, ``ids``: the group's run-wide ids — its result ({local id: value}) keyed
+        back by run-wide id."""
+        out: dict[int, Any] = {}
         for (ids, _), run, ks in zip(self.specs, self.groups, self._split(clients)):
             if ks:
-                hook = self.client_hook  # fault injection names the run's (global) client ids
-                run.client_hook = None if hook is None else (lambda local, r, ids=ids: hook(ids[local], r))
-                res = run.train(rnd, [self.where[k][1] for k in ks], {self.where[k][1]: downloads[k] for k in ks})
-                out.update({k: res[self.where[k][1]] for k in ks})
+                local = {k: self.where[k][1] for k in ks}
+                res = call(run, local, ids)
+                out.update({k: res[i] for k, i in local.items()})
         return out
 
+    def train(self, rnd: int, clients: Sequence[int], downloads: Mapping[int, Download]
+              ) -> dict[int, ClientUpdate | ClientFailure]:
+        hook = self.client_hook  # fault injection names the run's (global) client ids
+
+        def call(run, local, ids):
+            run.client_hook = None if hook is None else (lambda i, r: hook(ids[i], r))
+            return run.train(rnd, list(local.values()), {i: downloads[k] for k, i in local.items()})
+
+        return self._by_group(clients, call)
+
     def deliver(self, rnd: int, downloads: Mapping[int, Download]) -> dict[int, int]:
-        out: dict[int, int] = {}
-        for run, ks in zip(self.groups, self._split(list(downloads))):
-            if ks:
-                got = run.deliver(rnd, {self.where[k][1]: downloads[k] for k in ks})
-                out.update({k: got[self.where[k][1]] for k in ks})
-        return out
+        return self._by_group(list(downloads), lambda run, local, ids: run.deliver(
+            rnd, {i: downloads[k] for k, i in local.items()}))
 
     def merge_into_base(self, state: Mapping[str, torch.Tensor]) -> None:
         raise ConfigError("heterogeneous client models: no method that merges into a shared base runs here")
@@ -227,12 +225,7 @@ class HeteroRun(FederatedRun):
                          ) -> dict[int, dict[str, dict[str, float]]]:
         """Each client scored by its group on its own task (``FederatedRun.evaluate_clients``; the
         group's view of the server gives it what it lacks of the current state)."""
-        out = {}
-        for run, ks in zip(self.groups, self._split(clients)):
-            if ks:
-                res = run.evaluate_clients([self.where[k][1] for k in ks], rnd)
-                out.update({k: res[self.where[k][1]] for k in ks})
-        return out
+        return self._by_group(clients, lambda run, local, ids: run.evaluate_clients(list(local.values()), rnd))
 
     def evaluate(self, rnd: int) -> dict[str, Any]:
         """Every client on its own task, and per task the clients' means (``eval["tasks"]``: main metric,
@@ -305,9 +298,6 @@ class HeteroRun(FederatedRun):
         g, local = self.where[client]
         return self.groups[g].client_adapter(local)
 
-    def merged_update(self) -> None:
-        return None
-
     def save_adapters(self, folder: Path) -> list[Path]:
         """``client_<k>.safetensors`` per client (global id k), its group's model in the metadata (the
         tensors are that model's parameter names)."""
@@ -325,9 +315,6 @@ class HeteroRun(FederatedRun):
                                           metadata=meta))
             paths.append(path)
         return paths
-
-    def manifest(self) -> dict[str, Any]:
-        return {"groups": [run.manifest() for run in self.groups]}
 
 
 def _spec_text(spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> str:

@@ -39,33 +39,17 @@ def plot_run(history: Sequence[Mapping[str, Any]], evals: Sequence[Mapping[str, 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(1, 3, figsize=(13, 3.6))
     rounds = [e["round"] for e in evals]
-    ax[0].plot(rounds, [e["test"]["mean"][metric] for e in evals], "o-", label="clients (mean)")
-    lo = [e["test"]["min"][metric] for e in evals]
-    hi = [e["test"]["max"][metric] for e in evals]
-    ax[0].fill_between(rounds, lo, hi, alpha=0.2, label="clients (min–max)")
+    _clients_panel(ax[0], rounds, [e["test"] for e in evals], metric)
     if all("global" in e for e in evals):
         ax[0].plot(rounds, [e["global"][metric] for e in evals], "s--", label="global model")
-    ax[0].set(xlabel="round", ylabel=f"test {metric}")
     ax[0].legend(fontsize=8)
-    _loss_bytes_panels(ax[1], ax[2], history)
-    ax[2].legend(fontsize=8)
-    for a in ax:
-        a.xaxis.set_major_locator(MaxNLocator(integer=True))
     if title is None:
         last = max((h["round"] for h in history), default=None)
         title = run_title(method, task, clients, last)
-    if title:
-        fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _finish(fig, ax, history, title, path)
 
 
 # ============================================================================ across runs: fedlora plot
@@ -76,14 +60,38 @@ SPLIT_COLUMNS = ("run", "part", "client", "label", "count")
 _PARTS = ("train", "val", "test")
 
 
-def _loss_bytes_panels(ax_loss, ax_bytes, history: Sequence[Mapping[str, Any]]) -> None:
-    """The participants' mean training loss and the bytes up / down per round (all clients)."""
+def _clients_panel(ax, rounds: Sequence[int], tests: Sequence[Mapping[str, Any]], metric: str) -> None:
+    """The clients' mean test ``metric`` per round with their min–max band (``tests``: each evaluation's
+    summary of the clients, ``aggregate_client_metrics``)."""
+    ax.plot(rounds, [t["mean"][metric] for t in tests], "o-", label="clients (mean)")
+    ax.fill_between(rounds, [t["min"][metric] for t in tests], [t["max"][metric] for t in tests], alpha=0.2,
+                    label="clients (min–max)")
+    ax.set(xlabel="round", ylabel=f"test {metric}")
+
+
+def _finish(fig, ax, history: Sequence[Mapping[str, Any]], title: str | None, path: str | Path) -> Path:
+    """The last two panels (the participants' mean training loss, the bytes up / down per round, all
+    clients), whole-number round ticks, the title; saved to ``path``."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
     r = [h["round"] for h in history]
-    ax_loss.plot(r, [participants_mean_loss(h) for h in history], "o-")
-    ax_loss.set(xlabel="round", ylabel="training loss (participants' mean)")
-    ax_bytes.plot(r, [sum(h["bytes_up"].values()) for h in history], "o-", label="up")
-    ax_bytes.plot(r, [sum(h["bytes_down"].values()) for h in history], "s--", label="down")
-    ax_bytes.set(xlabel="round", ylabel="bytes (all clients)")
+    ax[-2].plot(r, [participants_mean_loss(h) for h in history], "o-")
+    ax[-2].set(xlabel="round", ylabel="training loss (participants' mean)")
+    ax[-1].plot(r, [sum(h["bytes_up"].values()) for h in history], "o-", label="up")
+    ax[-1].plot(r, [sum(h["bytes_down"].values()) for h in history], "s--", label="down")
+    ax[-1].set(xlabel="round", ylabel="bytes (all clients)")
+    ax[-1].legend(fontsize=8)
+    for a in ax:
+        a.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def plot_tasks_run(history: Sequence[Mapping[str, Any]], evals: Sequence[Mapping[str, Any]], path: str | Path, *,
@@ -94,30 +102,18 @@ def plot_tasks_run(history: Sequence[Mapping[str, Any]], evals: Sequence[Mapping
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
 
     names = list(evals[0]["tasks"])
     fig, ax = plt.subplots(1, len(names) + 2, figsize=(4.4 * (len(names) + 2), 3.6))
     rounds = [e["round"] for e in evals]
     for a, name in zip(ax, names):
-        m = evals[0]["tasks"][name]["main_metric"]
-        tests = [e["tasks"][name]["test"] for e in evals]
-        a.plot(rounds, [t["mean"][m] for t in tests], "o-", label="clients (mean)")
-        a.fill_between(rounds, [t["min"][m] for t in tests], [t["max"][m] for t in tests], alpha=0.2,
-                       label="clients (min–max)")
-        a.set(xlabel="round", ylabel=f"test {m}", title=f"{name} (clients {evals[0]['tasks'][name]['clients']})")
+        _clients_panel(a, rounds, [e["tasks"][name]["test"] for e in evals], evals[0]["tasks"][name]["main_metric"])
+        a.set(title=f"{name} (clients {evals[0]['tasks'][name]['clients']})")
         a.legend(fontsize=8)
-    _loss_bytes_panels(ax[-2], ax[-1], history)
-    ax[-1].legend(fontsize=8)
-    for a in ax:
-        a.xaxis.set_major_locator(MaxNLocator(integer=True))
     last = history[-1]["round"] if history else 0
-    fig.suptitle(f"{method or ''} — heterogeneous clients: {', '.join(names)} — {clients} clients, {last} rounds")
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _finish(fig, ax, history, f"{method or ''} — heterogeneous clients: {', '.join(names)} — {clients} clients, "
+                                     f"{last} rounds", path)
+
 
 def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)

@@ -38,12 +38,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch.func import functional_call
 
-from fedlora.aggregation import normalise_weights
 from fedlora.errors import ConfigError
-from fedlora.methods import create_method, get_method
 from fedlora.methods.base import Method
 from fedlora.payload import Payload
 from fedlora.io import OutputDir, claim_output_dir, write_bytes_atomic, write_json_atomic
@@ -722,9 +719,9 @@ class FederatedRun:
         self._claim()  # an unusable or occupied output folder is found before any work
         try:
             if self.runtime == "flower":
-                from .flower import check_flower_method, run_simulation
+                from .flower import check_flower_config, run_simulation
 
-                check_flower_method(get_method(self.cfg.method.name))
+                check_flower_config(self.cfg)
                 if self.executor_factory is None:  # no Flower deployment given: Flower's simulation engine
                     return run_simulation(self)
             return self._run()
