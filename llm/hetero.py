@@ -280,7 +280,7 @@ class HeteroRun(FederatedRun):
                                                          for k in range(self.K_train)},
              "n_clients_without_test": len(self.clients_without_test),
              "clients_without_test": list(self.clients_without_test)}
-        not_computed = {n: run.task.not_computed for n, run in zip(self.tasks, self.groups) if run.task.not_computed}
+        not_computed = {run.task.name: run.task.not_computed for run in self.groups if run.task.not_computed}
         if not_computed:
             s["metrics_not_computed"] = not_computed
         return s

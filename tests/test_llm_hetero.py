@@ -460,3 +460,22 @@ def test_a_failing_client_is_named_by_its_run_id_and_left_out_of_the_mean(tmp_pa
     for name in TYPES:
         mean = torch.stack([cap.rounds[0][k].upload.tensors[name] for k in (0, 1)]).mean(0)
         torch.testing.assert_close(run.server.states[0][name], mean, rtol=1e-6, atol=1e-7)
+
+
+def test_groups_sharing_a_task_are_one_task_and_its_metrics_not_computed_are_named(tmp_path):
+    """Two models on debian-sections and one on debian-describe: two tasks, the classifiers' mean over both
+    models' clients, and what the generation task could not compute (METEOR without WordNet) named under it."""
+    data = copy.deepcopy(CONFIG)
+    data["federation"]["client_models"] = [
+        {"clients": [0], "model": LLAMA, "data": CONFIG["federation"]["client_models"][0]["data"]},
+        {"clients": [1], "model": {**GEMMA, "from_config": {**GEMMA["from_config"], "num_hidden_layers": 2}},
+         "data": CONFIG["federation"]["client_models"][0]["data"]},
+        CONFIG["federation"]["client_models"][1]]
+    data["train"] = {"rounds": 1, "local_steps": 1, "batch_size": 4}
+    data["output_dir"] = str(tmp_path / "t")
+    run = HeteroRun(RunConfig.from_dict(data))
+    summary = run.run()
+    assert summary["tasks"]["debian-sections"]["clients"] == [0, 1]
+    assert summary["tasks"]["debian-describe"]["clients"] == [2]
+    describe = run.groups[2].task.not_computed
+    assert summary.get("metrics_not_computed", {}) == ({"debian-describe": describe} if describe else {})
