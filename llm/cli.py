@@ -15,7 +15,9 @@ def register_run(subparsers: argparse._SubParsersAction) -> None:
     """Add ``run`` (federate a HF model from one config file) to the ``fedlora`` command's subparsers."""
     run = subparsers.add_parser(
         "run", help="federated LoRA fine-tuning of a HuggingFace model (one config file)",
-        description="Federate a HF classifier with any method: `fedlora run CONFIG [--set key=value …]`. "
+        description="Federate a HF model — classifier, causal LM (generation) or extractive QA — with any method; "
+                    "with H²Tune, clients may hold different models and tasks (federation.client_models): "
+                    "`fedlora run CONFIG [--set key=value …]`. "
                     "CONFIG is a YAML/TOML/JSON file or the name of a bundled one "
                     "(--list-configs); every field is described in llm/config.py and the docs (docs/tutorials/glue-sst2.md).")
     run.add_argument("config", nargs="?", help="config file, or a bundled config's name (e.g. minilm-debian)")
