@@ -50,7 +50,8 @@ def plugin_dir(tmp_path, monkeypatch):
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: mylab-fedprox\nVersion: 0.1\n")
     (dist / "entry_points.txt").write_text("[fedlora.methods]\nfedprox-lora = mylab_fedprox:FedProxLoRA\n"
-                                           "broken = mylab_missing:Nothing\nfedavg = mylab_fedprox:Shadow\n")
+                                           "broken = mylab_missing:Nothing\nfedavg = mylab_fedprox:Shadow\n"
+                                           "fedprox = mylab_fedprox:FedProxLoRA\n")  # class name: fedprox-lora
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
     monkeypatch.setattr(base, "_PLUGIN_ERRORS", {})
@@ -94,6 +95,24 @@ def test_an_entry_point_plugin_is_a_method_by_name_and_cannot_replace_a_builtin(
     msg = str(e.value)
     assert "method 'broken' is unavailable: its plugin 'mylab_missing:Nothing' failed to load" in msg
     assert "\n" not in msg
+
+
+def test_an_entry_point_whose_name_is_not_its_classs_name_is_refused(plugin_dir, capsys):
+    """``fedprox = mylab_fedprox:FedProxLoRA`` whose class says ``name = "fedprox-lora"``: a run asked for
+    ``fedprox`` would record ``fedprox-lora`` (summary, config.json, compare), so the entry point is refused,
+    in one line naming both names; the method stays available under the entry point that agrees."""
+    from fedlora.cli import main
+
+    assert "fedprox" not in base.available_methods() and "fedprox-lora" in base.available_methods()
+    with pytest.raises(ConfigError) as e:
+        get_method("fedprox")
+    msg = str(e.value)
+    assert ("method 'fedprox' is unavailable: its plugin 'mylab_fedprox:FedProxLoRA' failed to load: TypeError: "
+            "the entry point is named 'fedprox' but mylab_fedprox:FedProxLoRA.name is 'fedprox-lora'") in msg, msg
+    assert "\n" not in msg
+    assert main(["run", "tiny-smoke", "--dry-run", "--set", "method.name=fedprox"]) == 2
+    err = capsys.readouterr().err
+    assert "the entry point is named 'fedprox'" in err and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize("name", ["fedprox-lora", "mylab_fedprox:FedProxLoRA"])

@@ -61,8 +61,11 @@ def _load_plugins() -> None:
             continue
         try:
             cls = ep.load()
-            if not (isinstance(cls, type) and issubclass(cls, Method)) or cls.name != ep.name:
+            if not (isinstance(cls, type) and issubclass(cls, Method)):
                 raise TypeError(f"{ep.value} must be a Method subclass whose name is {ep.name!r}")
+            if cls.name != ep.name:  # runs, records and configs name the class's name: they must agree
+                raise TypeError(f"the entry point is named {ep.name!r} but {ep.value}.name is {cls.name!r}; "
+                                f"the two must be the same")
         except Exception as e:  # a broken plugin must not break the other methods
             _PLUGIN_ERRORS[ep.name] = f"its plugin {ep.value!r} failed to load: {type(e).__name__}: {e}"
             continue
