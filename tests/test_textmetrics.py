@@ -117,6 +117,20 @@ def test_cider_hand_computed():
     assert s == pytest.approx(want, rel=1e-12)
 
 
+def test_cider_d_clips_a_repeated_n_gram_at_its_reference_count():
+    """CIDEr-D's clipping (coco-caption's ``min(vec_hyp, vec_ref) · vec_ref``): "cat cat cat" against "cat sat"
+    counts "cat" once, not three times. Every n-gram has df 1 of 2 items, idf log 2 (written l):
+    item 0, n=1: hyp {cat: 3l}, ref {cat: l, sat: l}: min(3l, l)·l / (3l · √2 l) = 1/(3√2) (unclipped: 1/√2);
+    n=2: (cat, cat) not in the ref: 0; lengths (bigram counts) 2 vs 1: penalty exp(−1/72).
+    item 1, "dog" vs "dog ran": n=1 cosine 1/√2, no bigram; lengths 0 vs 1: exp(−1/72)."""
+    s = T.cider(["cat cat cat", "dog"], [["cat sat"], ["dog ran"]])
+    item0 = 10 * (1 / (3 * math.sqrt(2))) / 4 * math.exp(-1 / 72)
+    item1 = 10 * (1 / math.sqrt(2)) / 4 * math.exp(-1 / 72)
+    assert s == pytest.approx((item0 + item1) / 2, rel=1e-12)
+    unclipped = (10 * (1 / math.sqrt(2)) / 4 * math.exp(-1 / 72) + item1) / 2
+    assert abs(s - unclipped) > 0.1  # the case tells clipped from unclipped
+
+
 def test_squad_normalisation_and_scores_hand_made():
     assert T.squad_normalize("The  Eiffel-Tower!") == "eiffeltower"
     assert T.squad_normalize("an apple, a pear") == "apple pear"
@@ -129,6 +143,16 @@ def test_squad_normalisation_and_scores_hand_made():
     assert m["NoAns_exact"] == 100.0 and m["HasAns_exact"] == pytest.approx(100 / 3)
     assert T.squad_metrics(["something"], [[]])["exact"] == 0.0  # answering an unanswerable question
     assert "HasAns_exact" not in T.squad_metrics(["x"], [["x"]])  # v1.1: no split
+
+
+def test_squad_scores_take_the_best_gold_answer_wherever_it_is_listed():
+    """Per question the max over ALL its gold answers, the best one not first: "tower" matches the second gold
+    exactly (EM 1; the first, "eiffel", scores 0); "big red tower" scores F1 against "tower" 2·(1/3·1)/(4/3) = 1/2,
+    against "big red house" 2/3 (p = r = 2/3) and against "a tower" 1/2 — the best is the middle one."""
+    m = T.squad_metrics(["tower", "big red tower"], [["eiffel", "the tower", "big tower"],
+                                                     ["tower", "big red house", "a tower"]])
+    assert m["exact"] == pytest.approx(50.0)  # question 1: no gold equals it
+    assert m["f1"] == pytest.approx(100 * (1 + 2 / 3) / 2)
 
 
 @pytest.mark.parametrize("call, match", [
