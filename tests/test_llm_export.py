@@ -55,6 +55,33 @@ def _client_logits(run, client, batch):
         return run._forward(None, batch)
 
 
+def _assert_the_export_is_the_clients_own(run, run_dir, client, out, info):
+    """The files belong to the client asked for: ``adapters/client_<k>.safetensors`` holds what the run's
+    client store holds for client k (its record's parameters and buffers), not the other client's, and
+    the exported PEFT factors are those of that record — not of the other client's record."""
+    from safetensors.torch import load_file
+
+    def record(k):  # the run's own state of client k, as adapter tensors
+        return {n.split(":", 1)[1]: v for n, v in run.store.get(k).items() if n.startswith(("param:", "buffer:"))}
+
+    mine, other = record(client), record(1 - client)
+    saved = load_file(str(run_dir / "adapters" / f"client_{client}.safetensors"))
+    assert saved and set(saved) <= set(mine)
+    for n, v in saved.items():
+        assert torch.equal(v, mine[n]), n
+    assert any(not torch.equal(v, other[n]) for n, v in saved.items())  # the two clients' records differ
+    layers = info["resolved"]["layers"]
+    exported = load_file(str(out / "adapter_model.safetensors"))
+    theirs = lora_factors(other, layers)
+    for name, (a, b) in lora_factors(mine, layers).items():
+        ea, eb = (exported[f"base_model.model.{name}.lora_{x}.weight"].double() for x in "AB")
+        torch.testing.assert_close(ea, a, rtol=1e-6, atol=1e-7, msg=name)
+        torch.testing.assert_close(eb, b, rtol=1e-6, atol=1e-7, msg=name)
+    assert any(not torch.allclose(exported[f"base_model.model.{n}.lora_B.weight"].double() @
+                                  exported[f"base_model.model.{n}.lora_A.weight"].double(), b @ a, atol=1e-6)
+               for n, (a, b) in theirs.items())
+
+
 CASES = [("pf2lora", {"rank": 4, "client_rank": 2, "lower_lr": 0.05}, "auto", 1, 0.02),  # two-level, trained head
          ("h2tune", {"rank": 4, "densities": [0.5, 1.0]}, "auto", 0, 0.02),  # TriLoRA (half support), personal head
          ("ffa", {"rank": 4}, "frozen", 1, 0.02)]                                            # the run's own frozen head
@@ -79,6 +106,8 @@ def test_peft_export_loads_in_peft_with_the_same_logits_and_merges_round_trip(tm
         theirs = model(**batch).logits
     torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
     assert float((ours - base_logits).abs().max()) > 1e-4  # the adapter matters
+    if method in ("pf2lora", "h2tune"):  # personal factors: each client's adapter is its own
+        _assert_the_export_is_the_clients_own(run, tmp_path / method, client, out, info)
 
     fresh, _ = load_run_base_model(info)
     backup = merge_adapters(fresh, adapter, info["resolved"]["layers"], info["resolved"]["head_linear"])
