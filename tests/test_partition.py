@@ -221,6 +221,35 @@ def test_pathological_k_classes_when_shards_align():
         assert (hist.sum(1) == 100).all()
 
 
+def test_pathological_gives_each_client_k_whole_shards_drawn_at_random():
+    """Every label distinct (labels = 0..n−1), so the label sort is the identity and shard s is exactly
+    the indices [s·size, (s+1)·size): each client must hold exactly k whole shards, every shard once; and
+    which shards a client gets is a uniform random draw — over 400 seeds each (client, shard) pair comes
+    up about 400·k/(M·k) = 100 times (sd ≈ 8.7), the shards of a client are not always neighbours (a
+    sorted, consecutive deal), and the draw changes with the seed."""
+    M, k, size = 4, 2, 5
+    n = M * k * size
+    labels = np.arange(n)[::-1].copy()  # distinct labels, not in index order: the sort must happen
+    counts = np.zeros((M, M * k), dtype=int)
+    adjacent, draws = 0, set()
+    for seed in range(400):
+        parts = pathological(labels, M, k, seed)
+        owned = []
+        for j, p in enumerate(parts):
+            shards_of_j = np.unique((n - 1 - p) // size)  # shard of each index: by rank of its label
+            assert shards_of_j.size == k and p.size == k * size, (seed, j, p)
+            assert all(np.sum((n - 1 - p) // size == s) == size for s in shards_of_j)  # whole shards
+            counts[j, shards_of_j] += 1
+            adjacent += int(np.all(np.diff(shards_of_j) == 1))
+            owned.append(tuple(shards_of_j))
+        assert sorted(s for o in owned for s in o) == list(range(M * k)), seed  # every shard exactly once
+        draws.add(tuple(owned))
+    assert counts.min() >= 60 and counts.max() <= 140, counts
+    # P(a client's 2 of 8 shards are neighbours) = 7 / C(8, 2) = 1/4: about 400 of the 1600 hands
+    assert 300 <= adjacent <= 500, adjacent
+    assert len(draws) > 350
+
+
 def test_disjoint_more_clients_more_heterogeneity():
     y = balanced_labels(10, 300)
     glob = np.bincount(y) / y.size
