@@ -230,6 +230,10 @@ def test_a_client_with_a_nan_loss_is_a_failure_and_keeps_its_record(tmp_path):
         torch.testing.assert_close(seen["state"][1][n], want[n], msg=n)
         assert torch.isfinite(seen["state"][1][n]).all()
     assert sorted(_rounds(out)[3]["train_loss"]) == ["0", "1", "2", "3"]
+    # bytes: in round 2 every client, client 1 too, received the whole server state of round 1 (FedAvg: every
+    # entry changed in round 1); a failure after the download does not undo it
+    full = Payload(dict(seen["state"][0])).nbytes
+    assert full > 0 and r2["bytes_down"] == {str(k): full for k in range(K)}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -327,3 +331,8 @@ def test_a_rejected_upload_is_recorded_and_has_no_effect(kind, raised, tmp_path)
         assert torch.equal(state["tensors"][n], v), n
     for key in ("participants", "train_loss", "bytes_up", "ranks"):
         assert recs[1][key] == ref_recs[1][key], key
+    # bytes: round 2 is the last, so everyone also takes the final state. Client 1 received its download before
+    # its upload was rejected (charged: 2 states); where it raised before receiving anything, only the final one
+    full = Payload(dict(run.server_state)).nbytes
+    assert recs[1]["bytes_down"] == {str(k): 2 * full for k in range(K)}
+    assert ref_recs[1]["bytes_down"] == {"0": 2 * full, "1": full, "2": 2 * full, "3": 2 * full}
