@@ -68,6 +68,10 @@ class LoRALinear(nn.Module):
                                ("rank", rank, 1), ("client_rank", client_rank, 0)):
             if not isinstance(val, int) or val < low:
                 raise ConfigError(f"{name} must be an integer ≥ {low}, got {val!r}")
+        for name, val in (("alpha", alpha), ("client_alpha", client_alpha)):  # s = α/r: α = 0 trains nothing
+            if val is not None and not (isinstance(val, (int, float)) and not isinstance(val, bool)
+                                        and math.isfinite(val) and val > 0):
+                raise ConfigError(f"{name} must be a finite number > 0 (or None: the rank, scale 1), got {val!r}")
         if stack is not None and (not isinstance(stack, int) or stack < 1):
             raise ConfigError(f"stack must be None or an integer ≥ 1, got {stack!r}")
         if base_weight is not None and tuple(base_weight.shape) != (out_features, in_features):

@@ -421,6 +421,19 @@ def test_bad_options_raise(cls, kw, match):
         cls(**kw)
 
 
+@pytest.mark.parametrize("name", ["alpha", "client_alpha"])
+@pytest.mark.parametrize("value", [0, 0.0, -2.0, float("nan"), float("inf"), True])
+def test_a_zero_or_bad_lora_alpha_is_refused_by_the_layer(name, value):
+    """s = α/r: α = 0 makes the adapter contribute nothing and train nothing (B's and A's gradients are
+    s-scaled), silently. Every path builds LoRALinear (the LLM runtime from model.lora_alpha, which the
+    config refuses too; the synthetic testbed from the methods' adapter_kwargs): it refuses, one line."""
+    with pytest.raises(ConfigError) as e:
+        LoRALinear(4, 3, 2, client_rank=1, **{name: value})
+    assert str(e.value) == f"{name} must be a finite number > 0 (or None: the rank, scale 1), got {value!r}"
+    layer = LoRALinear(4, 3, 2, client_rank=1, **{name: 0.5})  # any positive α: s = α / r
+    assert (layer.scale, layer.client_scale) == ((0.25, 1.0) if name == "alpha" else (1.0, 0.5))
+
+
 @pytest.mark.parametrize("cls", [FFALoRA, RoLoRA])
 def test_setup_broadcasts_the_initial_adapter_and_the_frozen_a_is_checked(cls):
     layer = _layer(4)  # independent A, B per replica, as LoRALinear draws them
