@@ -134,3 +134,12 @@ def test_every_numeric_field_accepts_its_bound_and_refuses_past_it(field, values
     with pytest.raises(ConfigError) as e:
         load_config("tiny-smoke", [*extra, f"{field}={bad}"])
     assert str(e.value).startswith(field + ":"), str(e.value)
+
+
+@pytest.mark.parametrize("value", ["0", "0.0", "-4"])
+def test_lora_alpha_zero_is_refused_in_one_line_saying_what_is_allowed(capsys, value):
+    """s = α/r: α = 0 would train an adapter that changes nothing; the run and its dry run refuse it."""
+    assert main(["run", "tiny-smoke", "--dry-run", "--set", f"model.lora_alpha={value}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fedlora: error: model.lora_alpha: must be a finite number > 0, got ") and \
+        err.count("\n") == 1, err
