@@ -76,6 +76,59 @@ def test_windows_overlap_by_the_stride_and_label_the_answer_where_a_window_holds
     assert tail == head
 
 
+def test_an_answer_on_a_windows_first_or_last_token_is_labelled_in_that_window(tok):
+    """Windows of LONG at max_length 24, stride 4 (question "where ?": [CLS] where ? [SEP], context from token 4
+    to 22): window 0 ends on "pi", window 1 runs "omicron … four" (om ##ic ##ron pi r ##ho … one two three four),
+    window 2 starts "one two three four". An answer ending on a window's last context token, or starting on its
+    first, is that window's label (start and end tokens by hand); a window missing one of its tokens says CLS."""
+    ds = _ds([("where ?", LONG, ["xi omicron pi"]), ("where ?", LONG, ["omicron pi rho"]),
+              ("where ?", LONG, ["three four"])])
+    enc = _task(stride=4).encode(ds, tok, 24)
+    ex = enc["qa_example"].tolist()
+    assert ex == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    labels = list(zip(enc["start_positions"].tolist(), enc["end_positions"].tolist()))
+    # the windows are as the docstring says: last context token of window 0 is "pi", window 1 is om … four
+    off = enc["qa_offsets"]
+    assert LONG[int(off[0, 22, 0]):int(off[0, 22, 1])] == "pi" and int(off[0, 23, 0]) == -1
+    assert LONG[int(off[1, 4, 0]):int(off[1, 22, 1])] == LONG[LONG.index("omicron"):LONG.index(" five")]
+    assert LONG[int(off[2, 4, 0]):int(off[2, 7, 1])] == "one two three four"
+    assert labels[0:3] == [(18, 22), (0, 0), (0, 0)]  # xi(18) om ##ic ##ron pi(22): window 0's last token
+    assert labels[3:6] == [(0, 0), (4, 9), (0, 0)]  # om(4) … ##ho(9): window 1's first token
+    assert labels[6:9] == [(0, 0), (21, 22), (6, 7)]  # ends on window 1's last token; inside window 2
+    for f, (s, e) in enumerate(labels):
+        if s:
+            assert LONG[int(off[f, s, 0]):int(off[f, e, 1])] == ds.references[ex[f]][0]
+
+
+def test_n_best_keeps_only_the_best_starts_and_ends_of_a_window():
+    """A window of 8 context tokens (longer than n_best_size): only the n_best_size highest start logits and
+    end logits are paired. Starts rank w6 (9) > w7 (8) > w3 (6) > w4 (2); ends rank w1 (9) > w2 (8) > w4 (6) >
+    w5 (2). n_best 2: starts {w6, w7}, ends {w1, w2}, no end after a start — no answer; n_best 3 adds w3 and
+    w4: w3–w4 (6 + 6 = 12); a full search gives the same 12 (w6–w6 is 9, w7–w8 8); ends taken from the start
+    logits would give w6 (9 + 0); the lowest instead of the highest would give w1–w6."""
+    ctx = "w1 w2 w3 w4 w5 w6 w7 w8"
+    off = np.array([[-1, -1]] + [[3 * i, 3 * i + 2] for i in range(8)])
+    s = np.array([0.0, 0.0, 1.0, 6.0, 2.0, 0.0, 9.0, 8.0, 0.0])
+    e = np.array([0.0, 9.0, 8.0, 1.0, 6.0, 2.0, 0.0, 0.0, 0.0])
+    kw = dict(max_answer_length=30, null_threshold=0.0, allow_empty=False)
+    assert best_answer(ctx, [s], [e], [off], n_best_size=2, **kw) == ""
+    assert best_answer(ctx, [s], [e], [off], n_best_size=3, **kw) == "w3 w4"
+    assert best_answer(ctx, [s], [e], [off], n_best_size=20, **kw) == "w3 w4"
+    # each side alone: starts w7 (9), w8 (8), w2 (7); ends w3 (9), w8 (1): n_best 2 pairs only w7/w8 with w8
+    # (w7–w8, 9 + 1 = 10), though w2–w3 (16) is the best span with w2 the third start; and the mirror image:
+    # starts w6 (9), w1 (1); ends w1 (9), w2 (8), w7 (7): w1–w1 (10), though w6–w7 (16) uses the third end
+    s3, e3 = np.zeros(9), np.zeros(9)
+    s3[7], s3[8], s3[2], e3[3], e3[8] = 9.0, 8.0, 7.0, 9.0, 1.0
+    assert best_answer(ctx, [s3], [e3], [off], n_best_size=2, **kw) == "w7 w8"
+    assert best_answer(ctx, [s3], [e3], [off], n_best_size=3, **kw) == "w2 w3"
+    s4, e4 = np.zeros(9), np.zeros(9)
+    s4[6], s4[1], e4[1], e4[2], e4[7] = 9.0, 1.0, 9.0, 8.0, 7.0
+    assert best_answer(ctx, [s4], [e4], [off], n_best_size=2, **kw) == "w1"
+    assert best_answer(ctx, [s4], [e4], [off], n_best_size=3, **kw) == "w6 w7"
+    # per window: with the windows together the n-best of each applies (w3–w4 of the first stays out)
+    assert best_answer(ctx, [s, s3], [e, e3], [off, off], n_best_size=2, **kw) == "w7 w8"
+
+
 def test_best_answer_takes_the_best_valid_span_over_windows():
     ctx = "aa bb cc dd"
     off = np.array([[-1, -1], [0, 2], [3, 5], [6, 8], [9, 11], [-1, -1]])
@@ -106,6 +159,12 @@ def test_the_null_score_decides_unanswerable_questions_by_the_threshold():
     # the null score is the minimum over windows: a window with a low CLS score lets the span through
     s_low = np.array([-5.0, 0.0, 0.0])
     assert best_answer(ctx, [s, s_low], [e, e], [off, off], allow_empty=True, null_threshold=0.0, **kw) == "aa"
+    # ... in any position, not the last window's nor the first's: null scores 6, −2, 6 → min −2 < span 4
+    for order in ([s_low, s], [s, s_low, s]):
+        assert best_answer(ctx, order, [e] * len(order), [off] * len(order), allow_empty=True, null_threshold=0.0,
+                           **kw) == "aa"
+    # and every window high: the null score 6 beats the span 4 whatever the order
+    assert best_answer(ctx, [s, s], [e, e], [off, off], allow_empty=True, null_threshold=0.0, **kw) == ""
 
 
 def test_the_slot_loss_is_the_mean_start_end_cross_entropy_of_its_features():
