@@ -78,6 +78,18 @@ def test_compare_chooses_on_validation_and_reports_the_chosen_runs(tmp_path, mon
         assert row["test_per_seed"] == tests
         assert row["test_mean"] == pytest.approx(statistics.fmean(tests), abs=1e-12)
         assert row["test_std"] == pytest.approx(statistics.stdev(tests), abs=1e-12)
+        glob = [json.loads((c / "summary.json").read_text()).get("final_global", {}).get("accuracy") for c in chosen]
+        if m == "fedavg":  # a global model: its mean ± std over the seeds too
+            assert row["global_mean"] == pytest.approx(statistics.fmean(glob), abs=1e-12)
+            assert row["global_std"] == pytest.approx(statistics.stdev(glob), abs=1e-12)
+        # the seed replicates are different runs: each folder's config has its own seed, and what the seed
+        # decides (split, initialisation, batches) gives each replicate its own numbers
+        for lr in (1e-3, 5e-2):
+            reps = [out / "runs" / m / f"lr_{lr:g}" / f"seed_{s}" for s in (0, 1)]
+            assert [json.loads((r / "config.json").read_text())["config"]["seed"] for r in reps] == [0, 1]
+            losses = [[json.loads(line)["train_loss"] for line in (r / "rounds.jsonl").read_text().splitlines()
+                       if "train_loss" in json.loads(line)] for r in reps]
+            assert losses[0] and losses[0] != losses[1], (m, lr)
     table = (out / "compare.md").read_text()
     assert "| fedavg | **" in table and "| pf2lora | **" in table
     assert (out / "compare.png").stat().st_size > 10_000
