@@ -34,7 +34,8 @@ def register_run(subparsers: argparse._SubParsersAction) -> None:
                           "one SuperNode per client; needs flwr — docs/how-to/flower.md)")
     run.add_argument("--dry-run", action="store_true", help="validate and print the resolved config; train nothing")
     run.add_argument("--list-configs", action="store_true", help="list the bundled configs and exit")
-    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--no-progress", action="store_true",
+                     help="no progress bar: one line per round instead (as when stderr is not a terminal)")
     run.set_defaults(handler=_cmd_run)
 
 
@@ -333,7 +334,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     folder = claim_output_dir(cfg.output_dir, "--out" if args.out is not None else "output_dir", writes=RUN_WRITES,
                               overwrite=args.overwrite)
-    _report(run_class(cfg)(cfg, progress=not args.no_progress, output=folder, runtime=args.runtime).run(), folder.path)
+    bar, log = _progress_and_log(args)
+    _report(run_class(cfg)(cfg, progress=bar, output=folder, runtime=args.runtime, log=log).run(), folder.path)
     return 0
 
 
@@ -344,7 +346,8 @@ def _resume(args: argparse.Namespace) -> int:
     for flag, bad in (("--out", args.out is not None), ("--overwrite", args.overwrite), ("--dry-run", args.dry_run)):
         if bad:
             raise ConfigError(f"{flag}: not with --resume (a resumed run continues in its own folder)")
-    run = FederatedRun.resume(args.resume, args.config, args.set, progress=not args.no_progress)
+    bar, log = _progress_and_log(args)
+    run = FederatedRun.resume(args.resume, args.config, args.set, progress=bar, log=log)
     ck = run._resume_from
     for path, why in ck.skipped:
         print(f"fedlora: skipped checkpoint {path}: {why}")
@@ -353,9 +356,32 @@ def _resume(args: argparse.Namespace) -> int:
     return 0
 
 
+def _progress_and_log(args: argparse.Namespace):
+    """``fedlora run``'s progress: a bar on stderr when it is a terminal (not with --no-progress), and one
+    line per round on stdout (``FederatedRun._round_line``) where there is no bar or stdout is not a terminal
+    (a log file). Returns (bar, the run's ``log``)."""
+    import sys
+
+    bar = not args.no_progress and sys.stderr.isatty()
+    return bar, (_print_flushed if not bar or not sys.stdout.isatty() else None)
+
+
+def _print_flushed(line: str) -> None:
+    print(line, flush=True)  # a log file sees each round as it ends
+
+
+def _wall_text(summary) -> str:
+    """summary.json's wall time; a resumed run's with its parts (``wall_s_parts``: one per start)."""
+    parts = summary.get("wall_s_parts") or [summary["wall_s"]]
+    if len(parts) == 1:
+        return f"{summary['wall_s']:.1f} s"
+    each = " + ".join("?" if p is None else f"{p:.1f}" for p in parts)
+    return f"{summary['wall_s']:.1f} s ({each} s: stopped and resumed {len(parts) - 1}×)"
+
+
 def _report(summary, out) -> None:
     print(f"{summary['method']} on {summary['task']}: {summary['clients']} clients, {summary['rounds']} rounds, "
-          f"{summary['wall_s']:.1f} s")
+          f"{_wall_text(summary)}")
     if "tasks" in summary:  # heterogeneous client models: each task's clients' mean (fedlora.llm.hetero)
         for g in summary["groups"]:
             print(f"clients {g['clients']}: {g['model']} on {g['task']}")

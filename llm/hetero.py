@@ -252,6 +252,11 @@ class HeteroRun(FederatedRun):
                 for name, t in ev["tasks"].items()}
         return {**post, "loss": f"{np.mean(list(rec['train_loss'].values())):.3f}"}
 
+    def _eval_text(self, ev: Mapping[str, Any]) -> str:
+        """An evaluation in a round's line: each task's clients' mean test main metric."""
+        return ", ".join(f"{name} test {t['main_metric']} {t['test']['mean'][t['main_metric']]:.4f}"
+                         for name, t in ev["tasks"].items())
+
     def _plot(self, evals: list[dict[str, Any]], path: Path) -> None:
         from .plots import plot_tasks_run
 

@@ -131,13 +131,16 @@ class FederatedRun:
 
     def __init__(self, cfg: RunConfig, *, progress: bool = False, model=None, tokenizer=None,
                  write: bool = True, overwrite: bool = False, output: OutputDir | None = None,
-                 runtime: str = "embedded") -> None:
+                 runtime: str = "embedded", log: Callable[[str], None] | None = None) -> None:
         if runtime not in RUNTIMES:
             raise ConfigError(f"--runtime: one of {', '.join(RUNTIMES)}, got {runtime!r}")
         if cfg.federation.client_models is not None and not self.groups_of_models:
             raise ConfigError(HETERO_EMBEDDED_ONLY)
         self.cfg, self.runtime = cfg, runtime
         self.progress, self.write = progress, write
+        #: called with one line per finished round (``_round_line``) — ``fedlora run`` passes ``print`` when
+        #: there is no progress bar or stdout is not a terminal; None: silent
+        self.log = log
         self.overwrite, self.output = overwrite, output
         self._given_model, self._given_tokenizer = model, tokenizer
         self.prepared = False
@@ -149,10 +152,15 @@ class FederatedRun:
         self.executor = self
         self.executor_factory: Callable[["FederatedRun"], Any] | None = None
         self._lines: list[str] = []  # rounds.jsonl as written
+        self._done = 0  # the round records (round ≥ 1) in _lines: run.json's rounds_done
+        #: wall seconds of the earlier parts of a resumed run (from the checkpoint; None: not recorded)
+        self._wall_before: list[float | None] = []
+        self._t0: float | None = None  # when this part's rounds started (time.perf_counter)
 
     @classmethod
     def resume(cls, run_dir: str | os.PathLike, config: RunConfig | str | os.PathLike | None = None,
-               overrides: Sequence[str] = (), progress: bool = False) -> "FederatedRun":
+               overrides: Sequence[str] = (), progress: bool = False,
+               log: Callable[[str], None] | None = None) -> "FederatedRun":
         """A run that continues the interrupted run in ``run_dir`` from its newest intact checkpoint
         (``fedlora run --resume RUN_DIR``); ``.run()`` finishes it, bit for bit as if it had never
         stopped (CPU). ``config`` / ``overrides``: optional, and must then equal the run's own config
@@ -187,7 +195,8 @@ class FederatedRun:
                               f"{str(folder / 'config.json')!r}")
         cfg = RunConfig.from_dict({**given.to_dict(), "output_dir": str(folder)})
         runtime = info["resolved"].get("runtime", "embedded")
-        run = run_class(cfg)(cfg, progress=progress, output=OutputDir(folder, None, RUN_WRITES), runtime=runtime)
+        run = run_class(cfg)(cfg, progress=progress, output=OutputDir(folder, None, RUN_WRITES), runtime=runtime,
+                             log=log)
         run._resume_from = ckpt
         return run
 
@@ -748,9 +757,8 @@ class FederatedRun:
             self._append(out, {"round": 0, "eval": evals[0]})
         if self.write:
             self._write_status("running")
-        bar = self._bar = _progress(cfg.train.rounds, self.progress)
-        bar.update(start)
-        t0 = time.perf_counter()
+        bar = self._bar = _progress(cfg.train.rounds, self.progress, initial=start)  # a resumed run's bar: at start
+        self._t0 = time.perf_counter()
         with _deferred_signals() as pending:
             for rnd in range(start, cfg.train.rounds):
                 rec = self.run_round(rnd)  # after the last round: the final global state to every client (counted)
@@ -768,6 +776,8 @@ class FederatedRun:
                 ev = rec.get("eval")
                 if ev is not None and rec["train_loss"]:
                     bar.set_postfix(self._postfix(ev, rec))
+                if self.log is not None:
+                    self.log(self._round_line(rec, self._wall_total(self._wall_parts())))
                 if pending and not last:  # SIGINT/SIGTERM during the round: it finished and is checkpointed
                     from fedlora.errors import Interrupted
 
@@ -777,7 +787,9 @@ class FederatedRun:
         if remote is not None:  # on Flower the final records live on the clients' nodes: the adapters come from them
             for k, rec in remote().items():
                 self.store.put(k, rec, copy=False)
-        summary = self._summary(evals, time.perf_counter() - t0)
+        parts = self._wall_parts()  # a resumed run: each part's rounds, the total in wall_s
+        summary = self._summary(evals, self._wall_total(parts))
+        summary["wall_s_parts"] = parts
         if self.write:
             self.save_adapters(out / "adapters")
             write_json_atomic(out / "summary.json", summary)
@@ -820,7 +832,9 @@ class FederatedRun:
 
         return write_checkpoint(Path(self.cfg.output_dir) / CHECKPOINTS, rounds_done, self.checkpoint_files(),
                                 meta={"config_sha256": config_digest(_comparable(self.cfg.to_dict())),
-                                      "rounds": self.cfg.train.rounds, "method": self.method.name})
+                                      "rounds": self.cfg.train.rounds, "method": self.method.name,
+                                      # the rounds' wall time so far, per part (a resumed run adds one)
+                                      "wall_s_parts": self._wall_parts()})
 
     def _restore(self, ckpt) -> tuple[int, list[dict[str, Any]]]:
         """Put the run in the state of ``ckpt`` (a verified ``fedlora.checkpoint.Checkpoint``): server,
@@ -842,18 +856,23 @@ class FederatedRun:
         torch.set_rng_state(runtime["rng:torch"])
         self._lines = [ln for ln in ckpt.files["rounds.jsonl"].decode().splitlines() if ln]
         recs = [json.loads(ln) for ln in self._lines]
+        self._done = sum(r.get("round", 0) >= 1 for r in recs)
+        parts = ckpt.meta.get("wall_s_parts")  # a checkpoint of an older fedlora has none: that part is unknown
+        self._wall_before = list(parts) if isinstance(parts, list) else [None]
         self.history = [r for r in recs if r.get("round", 0) >= 1]
         evals = [r["eval"] for r in recs if "eval" in r]
         if self.write:
             write_bytes_atomic(Path(self.cfg.output_dir) / "rounds.jsonl", ckpt.files["rounds.jsonl"])
         return self.server.round, evals
 
-    def _write_status(self, status: str, **extra: Any) -> None:
+    def _write_status(self, status: str, done: int | None = None, **extra: Any) -> None:
         """``run.json`` (atomic): ``status`` — running, complete, interrupted or failed — the rounds
-        planned and the rounds finished (those in rounds.jsonl), and what stopped it (``signal`` or ``error``)."""
+        planned and the rounds finished (``done``, else counted in rounds.jsonl), and what stopped it
+        (``signal`` or ``error``)."""
         out = Path(self.cfg.output_dir)
+        done = _rounds_done(out / "rounds.jsonl") if done is None else done
         write_json_atomic(out / "run.json", {"status": status, "rounds": self.cfg.train.rounds,
-                                             "rounds_done": _rounds_done(out / "rounds.jsonl"), **extra})
+                                             "rounds_done": done, **extra})
 
     def _abandon(self, e: BaseException) -> None:
         """The run stopped early with ``e``. With a finished round in rounds.jsonl the folder stays,
@@ -885,11 +904,45 @@ class FederatedRun:
         _add_note(e, note)
 
     def _append(self, out: Path, rec: Mapping[str, Any]) -> None:
+        """One record to rounds.jsonl, then run.json (atomic) with ``rounds_done`` counting it: a reader —
+        or a run killed with SIGKILL — finds run.json saying as many rounds as rounds.jsonl holds."""
         line = json.dumps(rec, allow_nan=True)
         self._lines.append(line)
+        self._done += rec.get("round", 0) >= 1
         if self.write:
             with open(out / "rounds.jsonl", "a") as f:
                 f.write(line + "\n")
+            self._write_status("running", self._done)
+
+    def _wall_parts(self) -> list[float | None]:
+        """Wall seconds of the rounds, per part of the run: the parts before a resume (each up to the
+        checkpoint the next part started from; None where an older checkpoint did not record it), then
+        this part's so far — one part for a run that never stopped."""
+        now = [] if self._t0 is None else [time.perf_counter() - self._t0]
+        return [*self._wall_before, *now]
+
+    @staticmethod
+    def _wall_total(parts: Sequence[float | None]) -> float:
+        return float(sum(p for p in parts if p is not None))
+
+    def _round_line(self, rec: Mapping[str, Any], wall: float) -> str:
+        """The line printed per round without a progress bar: mean training loss, the evaluation's
+        figures where the round was evaluated (``_eval_text``), bytes up and down, failed clients, time."""
+        losses = [v for v in rec["train_loss"].values() if math.isfinite(v)]
+        parts = [f"training loss {np.mean(losses):.4f}" if losses else "no finite training loss"]
+        if "eval" in rec:
+            parts.append(self._eval_text(rec["eval"]))
+        parts.append(f"bytes up {sum(rec['bytes_up'].values()):,}, down {sum(rec['bytes_down'].values()):,}")
+        failed = rec.get("failures") or {}
+        if failed:
+            which = ", ".join(f"{k} ({v['kind']})" for k, v in failed.items())
+            parts.append(f"failed: client{'s' if len(failed) > 1 else ''} {which}")
+        return f"round {rec['round']}/{self.cfg.train.rounds}: {', '.join(parts)} ({wall:.1f} s)"
+
+    def _eval_text(self, ev: Mapping[str, Any]) -> str:
+        """An evaluation in a round's line: the clients' mean test main metric."""
+        main = self.task.main_metric
+        return f"test {main} {ev['test']['mean'][main]:.4f} (clients' mean)"
 
     def _postfix(self, ev: Mapping[str, Any], rec: Mapping[str, Any]) -> dict[str, str]:
         """The progress bar's figures after an evaluated round: the clients' mean test main metric, the loss."""
@@ -1089,8 +1142,12 @@ def _deferred_signals():
                 signal.signal(s_, signal.SIG_IGN)
             raise Interrupted(signum)
         pending.append(signum)
-        print(f"fedlora: {signal.Signals(signum).name}: finishing this round to checkpoint it "
-              f"(send it again to stop now)", file=sys.stderr, flush=True)
+        from tqdm.auto import tqdm
+
+        # on its own line: tqdm.write clears a progress bar's line first and draws the bar again below
+        tqdm.write(f"fedlora: {signal.Signals(signum).name}: finishing this round to checkpoint it "
+                   f"(send it again to stop now)", file=sys.stderr)
+        sys.stderr.flush()
 
     old = {s_: signal.getsignal(s_) for s_ in sigs}
     for s_, h in old.items():
@@ -1140,10 +1197,11 @@ def _eager_attention(model) -> None:
         model.config._attn_implementation = "eager"
 
 
-def _progress(total: int, enabled: bool):
+def _progress(total: int, enabled: bool, initial: int = 0):
+    """The rounds' progress bar (stderr); ``initial``: the rounds already done (a resumed run)."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc="rounds", unit="round", disable=not enabled)
+    return tqdm(total=total, initial=initial, desc="rounds", unit="round", disable=not enabled)
 
 
 def run(config: RunConfig | Mapping[str, Any] | str | os.PathLike, overrides: Sequence[str] = (),

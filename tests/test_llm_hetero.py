@@ -287,6 +287,15 @@ def test_the_command_line_runs_a_hetero_config_and_reports_each_task(tmp_path, c
     out = capsys.readouterr().out
     assert "clients [2]: google/gemma-2b on debian-describe" in out
     assert "debian-sections test accuracy (mean of clients [0, 1]): round 0" in out
+    # without a progress bar one line per round, with each task's clients' mean test main metric
+    lines = [ln for ln in out.splitlines() if ln.startswith("round ")]
+    recs = _records(tmp_path / "o")[1:]
+    assert len(lines) == len(recs) == 2
+    for line, rec in zip(lines, recs):
+        tasks = rec["eval"]["tasks"]
+        want = ", ".join(f"{name} test {t['main_metric']} {t['test']['mean'][t['main_metric']]:.4f}"
+                         for name, t in tasks.items())
+        assert f"round {rec['round']}/2: training loss " in line and want in line and len(tasks) == 2, line
     assert main(["run", str(path), "--dry-run"]) == 0
     dry = json.loads(capsys.readouterr().out)
     groups = dry["resolved"]["data"]["groups"]
