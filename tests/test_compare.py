@@ -113,6 +113,40 @@ def test_every_methods_numbers_mean_what_they_say(tiny_run):
         assert r["lr"] == min(scores, key=lambda k: (scores[k], k)), r["method"]
 
 
+def test_seed_replicates_are_different_federations_and_the_spread_is_theirs(tiny_run):
+    """Each seed is its own draw of the clients (its data, its truth W_k*): the reference of the truth's
+    test MSE, recomputed here from each seed's own clients (make_heterogeneous_clients with that seed), has
+    the mean ± std over seeds that compare.json reports; every method's clients score differently in the
+    two seeds; and each summary's mean ± std is that of the seeds' own values (sample std)."""
+    import statistics
+
+    _, res = tiny_run
+    c = res["config"]
+    for ref in (r for r in res["references"] if r["task"] == "regression"):
+        h = ref["heterogeneity"]
+        per_seed = []
+        for s in range(c["seeds"]):
+            clients = make_heterogeneous_clients(
+                "regression", c["seed_offset"] + s, h, n_clients=c["clients"], d_in=c["dim"], d_out=c["dim"],
+                shared_rank=c["shared_rank"], private_rank=c["private_rank"], n_train=tuple(c["n_train"]),
+                n_test=c["n_test"], noise_std=c["noise_std"], singular_value=c["signal"])
+            per_seed.append(statistics.fmean(float(((k.X_test @ k.W_star - k.Y_test) ** 2).mean())
+                                             for k in clients))
+        assert per_seed[0] != per_seed[1]
+        assert ref["bayes_test_loss"]["unweighted"]["mean"] == pytest.approx(statistics.fmean(per_seed), rel=1e-9)
+        assert ref["bayes_test_loss"]["unweighted"]["std"] == pytest.approx(statistics.stdev(per_seed), rel=1e-9)
+    for r in res["results"]:
+        a, b = r["seeds"]
+        assert all(x["test_loss"] != y["test_loss"] for x, y in zip(a["clients"], b["clients"])), r["method"]
+        for metric in ("test_loss", "test_accuracy"):
+            if f"{metric}_mean" not in r["summary"]:
+                continue
+            vals = [statistics.fmean(cl[metric] for cl in s["clients"]) for s in r["seeds"]]
+            assert [s[f"{metric}_mean"] for s in r["seeds"]] == pytest.approx(vals, rel=1e-12)
+            assert r["summary"][f"{metric}_mean"]["mean"] == pytest.approx(statistics.fmean(vals), rel=1e-12)
+            assert r["summary"][f"{metric}_mean"]["std"] == pytest.approx(statistics.stdev(vals), rel=1e-9, abs=1e-15)
+
+
 def _numbers(res):
     """Everything but wall-clock times."""
     def strip(x):
