@@ -197,9 +197,10 @@ def check_output_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
     return p
 
 
-#: what ``--resume`` says until runs write checkpoints (the server issue brings them)
-RESUME_LATER = ("--resume: resuming an interrupted run comes with the server issue (runs do not write "
-                "checkpoints yet); start afresh with --overwrite or in another folder")
+#: what ``--resume`` says to a command that keeps no checkpoints (the ``fedlora synthetic`` experiments: they
+#: take seconds to minutes); ``fedlora run`` writes checkpoints and resumes (``fedlora run --resume RUN_DIR``)
+RESUME_LATER = ("--resume: this command keeps no checkpoints, so an interrupted run cannot be continued; run it "
+                "again from the start with --overwrite (clears only its own results) or with another --out")
 
 _CHECK_PREFIX = ".fedlora-write-check-"
 
@@ -289,7 +290,10 @@ def claim_output_dir(path: str | os.PathLike, flag: str = "--out", *, writes: It
       is one the command writes (``writes``, the atomic writer's leftover temp files). A folder holding
       anything else (your own files, another command's results), the filesystem root or the home folder
       is never cleared: refused in one line naming what is foreign.
-    * ``resume``: refused in one line (``RESUME_LATER``) until runs write checkpoints.
+    * ``resume``: refused in one line (``RESUME_LATER``): a command that keeps no checkpoints cannot resume.
+    * ``mine``: entry name → a check of the file's content; an entry it names is this command's only when
+      the check passes (``fedlora flower app``: a ``pyproject.toml`` it did not write — a project's own — is
+      foreign, never cleared).
     * ``clear=False`` (with ``overwrite``): every refusal above is made, but nothing is removed yet — the
       command clears with ``OutputDir.clear()`` once its own checks have passed (``fedlora plot``: a bad
       RUN_DIR never costs the earlier results).

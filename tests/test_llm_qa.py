@@ -186,7 +186,8 @@ FAMILY_RUN = {"bert": ("bert-base-uncased", "[query,value]"),
               "deberta-v2": ("microsoft/deberta-v3-base", "[query_proj,value_proj]")}
 
 
-def _qa_run(tmp_path, method: str, family: str, task: str = "squad", *extra: str):
+def _qa_run(tmp_path, method: str, family: str, task: str = "squad", *extra: str, watch=None):
+    """A tiny run of ``method`` on ``family``; ``watch(run)``, when given, is called before it runs."""
     from fedlora.llm.config import load_config
     from fedlora.llm.runtime import FederatedRun
 
@@ -198,6 +199,8 @@ def _qa_run(tmp_path, method: str, family: str, task: str = "squad", *extra: str
                                         f"model.target_modules={targets}", "train.local_steps=2",
                                         f"output_dir={tmp_path / 'run'}", *extra])
     run = FederatedRun(cfg)
+    if watch is not None:
+        watch(run)
     return run, run.run()
 
 
@@ -221,14 +224,47 @@ def test_every_method_federates_squad_format_qa(method, family, tmp_path, monkey
 
 def test_training_rows_are_features_and_a_clients_weight_is_its_feature_count(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    run, _ = _qa_run(tmp_path, "fedavg", "bert", "squad", "train.rounds=1", "data.doc_stride=4",
-                     "model.max_length=20")
+    predicted = []
+    run, summary = _qa_run(tmp_path, "fedavg", "bert", "squad", "train.rounds=1", "data.doc_stride=4",
+                           "model.max_length=20", watch=lambda r: _watch_test_predictions(r, predicted))
     ex = run.enc_train["qa_example"].numpy()
     assert len(ex) > len(run.train_data)  # short windows: more features than questions
     for k, c in enumerate(run.clients):
         feats = run.train_sets[k]
         assert set(ex[feats]) == set(c.train.tolist())  # exactly its questions' features, none of the others'
         assert run.sizes[k] == len(feats) == int(np.isin(ex, c.train).sum())
+    # the reported EM/F1 are those of the answers it predicted (questions of several windows), scored here
+    final = _final_answers(run, predicted)
+    mine = [_squad_by_hand(final[k], [run.test_data.references[q] for q in run.clients[k].test]) for k in (0, 1)]
+    for k in (0, 1):
+        reported = summary["final_clients"][str(k)]["test"]
+        assert (reported["exact"], reported["f1"]) == pytest.approx(mine[k], abs=1e-9), k
+    assert summary["final_test"]["mean"]["f1"] == pytest.approx((mine[0][1] + mine[1][1]) / 2, abs=1e-9)
+    assert all(0 < f1 and em < f1 for em, f1 in mine)  # partly right spans: F1 above EM, an informative value
+
+
+def _watch_test_predictions(run, predicted: list) -> None:
+    """Append (row sets, predictions) of every prediction the run makes on its test set to ``predicted``."""
+    predict = run._predict
+
+    def spy(enc, row_sets, params):
+        out = predict(enc, row_sets, params)
+        if enc is run.enc_test:
+            predicted.append(([np.asarray(r).tolist() for r in row_sets], out))
+        return out
+
+    run._predict = spy
+
+
+def _final_answers(run, predicted) -> dict[int, list[str]]:
+    """Each client's answers on its test rows in the run's last evaluation (the last prediction on its rows)."""
+    out = {}
+    for rows, preds in predicted:
+        for r, (answers, _) in zip(rows, preds):
+            for k, c in enumerate(run.clients):
+                if r == c.test.tolist():
+                    out[k] = answers
+    return out
 
 
 def test_a_clients_scores_are_what_its_exported_model_answers(tmp_path, monkeypatch):
@@ -242,10 +278,20 @@ def test_a_clients_scores_are_what_its_exported_model_answers(tmp_path, monkeypa
     from fedlora.llm.export import export_merged, export_peft, load_run_base_model
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    predicted = []
     # local: every client's adapters and span head are its own, so client k's model is no other's
     run, summary = _qa_run(tmp_path, "local", "bert", "squad_v2", "train.rounds=1", "federation.sample_fraction=1",
-                           "federation.clients_per_pass=2", "method.lr=0.05")
+                           "federation.clients_per_pass=2", "method.lr=0.05",
+                           watch=lambda r: _watch_test_predictions(r, predicted))
     assert run.P == 2
+    # the reported EM/F1 are those of the answers the run predicted, scored here by the official script's rules
+    final = _final_answers(run, predicted)
+    mine = [_squad_by_hand(final[k], [run.test_data.references[q] for q in run.clients[k].test]) for k in (0, 1)]
+    for k in (0, 1):
+        reported = summary["final_clients"][str(k)]["test"]
+        assert (reported["exact"], reported["f1"]) == pytest.approx(mine[k], abs=1e-9), k
+    assert summary["final_test"]["mean"]["f1"] == pytest.approx((mine[0][1] + mine[1][1]) / 2, abs=1e-9)
+    assert 0 < mine[0][1] + mine[1][1] and mine[0] != mine[1]  # the numbers are informative (not all 0, not equal)
     info = json.loads((tmp_path / "run" / "config.json").read_text())
     assert info["resolved"]["head_linear"] == ["qa_outputs"]
     for k in (0, 1):
@@ -261,6 +307,33 @@ def test_a_clients_scores_are_what_its_exported_model_answers(tmp_path, monkeypa
             reported = summary["final_clients"][str(k)]["test"]
             assert got["exact"] == pytest.approx(reported["exact"], abs=1e-9)
             assert got["f1"] == pytest.approx(reported["f1"], abs=1e-9)
+
+
+def _squad_by_hand(preds, golds):
+    """(EM, F1) in [0, 100] as SQuAD v2.0's evaluate script computes them: lower case, punctuation and articles
+    removed, whitespace collapsed; per question the max over its gold answers; a question without one is right
+    only with an empty prediction."""
+    import collections
+    import re
+    import string
+
+    def norm(t):
+        t = "".join(ch for ch in t.lower() if ch not in set(string.punctuation))
+        return " ".join(re.sub(r"\b(a|an|the)\b", " ", t).split())
+
+    def f1(p, g):
+        p, g = norm(p).split(), norm(g).split()
+        if not p or not g:
+            return float(p == g)
+        same = sum((collections.Counter(p) & collections.Counter(g)).values())
+        return 0.0 if same == 0 else 2 * same / (len(p) + len(g))
+
+    ems, f1s = [], []
+    for p, gs in zip(preds, golds):
+        gs = [g for g in gs if norm(g)] or [""]
+        ems.append(max(float(norm(p) == norm(g)) for g in gs))
+        f1s.append(max(f1(p, g) for g in gs))
+    return 100 * sum(ems) / len(ems), 100 * sum(f1s) / len(f1s)
 
 
 def _answers_scored(run, k, model):
