@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 import signal
 import sys
 import threading
@@ -64,14 +65,75 @@ EXIT_USAGE = 2
 _DIST = "fedlora"
 
 
+#: what argparse takes for a negative number (a value, not an option): -1, -.5, -1e-3, -1e-3,5e-3
+_NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?(,.*)?$")
+
+
 class _Parser(argparse.ArgumentParser):
     """The parser class of every (sub)command: its errors are one line, no usage dump.
     ``unavailable``: command name → why it cannot run (its plugin failed to load)."""
 
     unavailable: dict[str, str]
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # a negative number is a value, in any notation and as a list's first item (`--lr-grid -1e-3,5e-3`):
+        # the command then says what it allows, instead of argparse's "expected one argument"
+        self._negative_number_matcher = _NEGATIVE_NUMBER
+
     def error(self, message: str) -> None:
+        missing = _missing_command(self, message)
+        if missing is not None:  # `fedlora` or `fedlora synthetic` alone: the usage, not argparse's dest name
+            self.print_help()
+            raise ConfigError(f"`{self.prog}` needs a command: {', '.join(missing.choices)} "
+                              f"(`{self.prog} COMMAND --help` says what each one takes)")
         raise ConfigError(message)
+
+
+def _missing_command(parser: argparse.ArgumentParser, message: str) -> argparse._SubParsersAction | None:
+    """The required subcommand ``message`` (argparse's "the following arguments are required: …") says is
+    missing, if it names one of ``parser``'s; else None."""
+    prefix = "the following arguments are required: "
+    if not message.startswith(prefix):
+        return None
+    names = [n.strip() for n in message[len(prefix):].split(",")]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and argparse._get_action_name(action) in names:
+            return action
+    return None
+
+
+def version_text() -> str:
+    """``fedlora --version``: the installed package's version (its metadata; ``__version__`` without one)
+    and, in a git checkout, the commit it runs from (``+ changes`` when the work tree differs from it)."""
+    import os
+    import subprocess
+
+    from . import __version__
+
+    try:
+        version = metadata.version(_DIST)
+    except metadata.PackageNotFoundError:
+        version = __version__
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        git = dict(cwd=here, capture_output=True, text=True, timeout=5, check=True)
+        commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], **git).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], **git).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = dirty = ""
+    return f"fedlora {version}" + (f" (commit {commit}{' + changes' if dirty else ''})" if commit else "")
+
+
+class _Version(argparse.Action):
+    """``--version``: computed when asked (a git call), not each time the parser is built."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(version_text())
+        parser.exit(0)
 
 
 def _dist_name(ep: metadata.EntryPoint) -> str | None:
@@ -124,6 +186,7 @@ def _build_parser(command: str | None = None) -> _Parser:
     one, with that one only: running a command loads no other plugin (``fedlora synthetic …`` does not
     import the LLM layer, and a broken plugin costs nothing to the commands it does not provide)."""
     p = _Parser(prog="fedlora", description="Federated LoRA fine-tuning research toolkit.")
+    p.add_argument("--version", action=_Version, help="print the version (and the git commit of a checkout) and exit")
     sub = p.add_subparsers(dest="group", required=True, parser_class=_Parser)
     p.unavailable = {}
     eps = command_entry_points()

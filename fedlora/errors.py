@@ -14,6 +14,12 @@ def did_you_mean(key: str, allowed, cutoff: float = 0.6) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def plural(n: int, word: str, words: str | None = None) -> str:
+    """``n`` and the noun in its number: ``plural(1, "round")`` → "1 round", ``plural(3, "class", "classes")``
+    → "3 classes" (``words`` for a plural that is not ``word + "s"``)."""
+    return f"{n} {word if n == 1 else (words or word + 's')}"
+
+
 class Interrupted(KeyboardInterrupt):
     """SIGINT or SIGTERM, raised in the main thread by the ``fedlora`` command's handlers: a
     ``KeyboardInterrupt``, so whatever cleans up after Ctrl-C (a run marking its folder incomplete)

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ConfigError
+from .errors import ConfigError, plural
 
 __all__ = [
     "validate_partition_spec",
@@ -220,7 +220,7 @@ def dirichlet(
     else:
         raise ConfigError(
             f"{where}: no draw in max_tries={max_tries} gave every one of the {n_clients} clients "
-            f"≥ min_size={min_size} samples (alpha={alpha}, n={n}, {n_classes} classes; smallest "
+            f"≥ min_size={min_size} samples (alpha={alpha}, n={n}, {plural(n_classes, 'class', 'classes')}; smallest "
             f"client in the last draw: {int(held.min())}). Lower min_size, raise alpha, use fewer "
             "clients, pass balance=True, or raise max_tries."
         )
@@ -588,7 +588,7 @@ def parse_partition(spec: str) -> tuple[str, dict[str, Any]]:
         raise ConfigError(f"partition spec {spec!r} is not of the form name or name(args)")
     name = _ALIASES.get(name, name)
     if name not in PARTITIONERS:
-        raise ConfigError(f"unknown partition {name!r}; choose one of {sorted(PARTITIONERS)}")
+        raise ConfigError(f"unknown partition {name!r}; choose one of {', '.join(sorted(PARTITIONERS))}")
     _, _, main = PARTITIONERS[name]
     params: dict[str, Any] = {}
     if args:
@@ -614,7 +614,7 @@ def validate_partition_spec(spec: str, extra: Mapping[str, Any] | None = None) -
     allowed = [p for p in inspect.signature(fn).parameters][1:]
     unknown = sorted(set(sp) - set(allowed) - {"column"})
     if unknown:
-        raise ConfigError(f"partition {name!r}: unknown parameter(s) {unknown}; allowed: {allowed}")
+        raise ConfigError(f"partition {name!r}: unknown parameter(s) {unknown}; allowed: {', '.join(allowed)}")
     if main is not None and main not in ("n_clients", "column") and main not in sp:
         if inspect.signature(fn).parameters[main].default is inspect.Parameter.empty:
             raise ConfigError(f"partition {spec!r}: missing parameter {main} (e.g. '{name}(<{main}>)')")
@@ -675,7 +675,7 @@ def partition(
     allowed = [p for p in inspect.signature(fn).parameters][1:]
     unknown = sorted(set(sp) - set(allowed))
     if unknown:
-        raise ConfigError(f"partition {name!r}: unknown parameter(s) {unknown}; allowed: {allowed}")
+        raise ConfigError(f"partition {name!r}: unknown parameter(s) {unknown}; allowed: {', '.join(allowed)}")
     if n_clients is None and name not in ("by_key", "pathological_pairs"):
         raise ConfigError(f"partition {spec!r}: n_clients is required")
     if main is not None and main not in ("n_clients", "column") and main not in sp:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 from fedlora.cli import check_output_dir, claim_output_dir
 from fedlora.errors import ConfigError
@@ -19,7 +20,8 @@ def register_run(subparsers: argparse._SubParsersAction) -> None:
                     "with H²Tune, clients may hold different models and tasks (federation.client_models): "
                     "`fedlora run CONFIG [--set key=value …]`. "
                     "CONFIG is a YAML/TOML/JSON file or the name of a bundled one "
-                    "(--list-configs); every field is described in llm/config.py and the docs (docs/tutorials/glue-sst2.md).")
+                    "(--list-configs). Every field, with its type and default: docs/reference/config.md (the documentation "
+                    "site's Reference → Config fields).")
     run.add_argument("config", nargs="?", help="config file, or a bundled config's name (e.g. minilm-debian)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override a field, e.g. --set train.rounds=5 --set method.name=rolora (repeatable)")
@@ -310,10 +312,13 @@ def _flower_local(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     from fedlora.llm.config import bundled_configs, load_config
 
+    from .flower import check_flower_config
     if args.list_configs:
         for name, path in bundled_configs().items():
-            first = next((ln[1:].strip() for ln in path.read_text().splitlines() if ln.startswith("#")), "")
-            print(f"{name:22} {first}")
+    check_flower_config(cfg)  # a method or config Flower cannot run is refused before anything is said or started
+            print(textwrap.fill(first_sentence(leading_comment(path.read_text())), width=width,
+                                initial_indent=f"{name:22} ", subsequent_indent=" " * 23, break_long_words=False,
+                                break_on_hyphens=False))
         return 0
     if args.resume is not None:
         return _resume(args)
@@ -341,10 +346,38 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _resume(args: argparse.Namespace) -> int:
     """``fedlora run [CONFIG] --resume RUN_DIR``: finish an interrupted run from its newest intact checkpoint."""
+#: a full stop that ends no sentence: an abbreviation (et al., App., e.g., i.i.d.) or an initial
+_ABBREVIATION = re.compile(r"(?:\b(?:al|App|Apps|Fig|Figs|Tab|Eq|Sec|cf|vs|etc|no|e\.g|i\.e|i\.i\.d)|\b[A-Z])\.$")
+
+
+def leading_comment(text: str) -> str:
+    """A config file's opening comment block (its ``#`` lines up to the first example command or setting),
+    as one line."""
+    lines = []
+    for ln in text.splitlines():
+        if not ln.startswith("#") or ln.startswith("#  "):  # a setting, or an indented example command
+            break
+        lines.append(ln[1:].strip())
+    return " ".join(" ".join(lines).split())
+
+
+def first_sentence(text: str) -> str:
+    """The first sentence of ``text``, whole: up to the first full stop followed by a space (or the end)
+    that does not close an abbreviation; all of ``text`` if none."""
+    for m in re.finditer(r"\.(?=\s|$)", text):
+        if not _ABBREVIATION.search(text[:m.end()]):
+            return text[:m.end()]
+    return text
+
+
     from fedlora.llm.runtime import FederatedRun
 
     for flag, bad in (("--out", args.out is not None), ("--overwrite", args.overwrite), ("--dry-run", args.dry_run)):
         if bad:
+        import shutil
+        import textwrap
+
+        width = max(60, min(120, shutil.get_terminal_size().columns))
             raise ConfigError(f"{flag}: not with --resume (a resumed run continues in its own folder)")
     bar, log = _progress_and_log(args)
     run = FederatedRun.resume(args.resume, args.config, args.set, progress=bar, log=log)
@@ -380,8 +413,13 @@ def _wall_text(summary) -> str:
 
 
 def _report(summary, out) -> None:
-    print(f"{summary['method']} on {summary['task']}: {summary['clients']} clients, {summary['rounds']} rounds, "
-          f"{_wall_text(summary)}")
+    from fedlora.errors import plural
+
+    print(f"{summary['method']} on {summary['task']}: {plural(summary['clients'], 'client')}, "
+          f"{plural(summary['rounds'], 'round')}, {_wall_text(summary)}")
+    if "wall_s_engine" in summary:  # --runtime flower: the simulation engine's start and stop come on top
+        print(f"Flower's simulation engine: {summary['wall_s_engine']:.1f} s in all — the time above counts the "
+              f"rounds (and evaluations); the rest is Ray starting and stopping")
     if "tasks" in summary:  # heterogeneous client models: each task's clients' mean (fedlora.llm.hetero)
         for g in summary["groups"]:
             print(f"clients {g['clients']}: {g['model']} on {g['task']}")

@@ -1,6 +1,6 @@
 """``fedlora compare``: several methods on one ``fedlora run`` config, each with its step size chosen on the
-clients' validation splits, over several seeds — one table and one figure, as the papers' tables are written
-(issue 15 item 7). The testbed's counterpart is ``fedlora synthetic compare``.
+clients' validation splits, over several seeds — one table and one figure, as the papers' tables are written.
+The testbed's counterpart is ``fedlora synthetic compare``.
 
 Protocol, in three phases whose order is the point:
 
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from fedlora.errors import ConfigError, did_you_mean
+from fedlora.errors import ConfigError, did_you_mean, plural
 
 __all__ = ["COMPARE_WRITES", "parse_lr_grid", "validation_score", "choose_step_size", "read_test", "run_compare",
            "to_markdown", "plot_compare"]
@@ -179,26 +179,45 @@ def run_compare(config: str, overrides: Sequence[str], methods: Sequence[str], g
                      "wall_s": statistics.fmean(t["wall_s"] for t in tests),
                      "runs": [str(folders[m, chosen[m], i]) for i in range(seeds)]})
     return {"schema_version": 1, "config": config, "overrides": list(overrides), "metric": metric,
-            "task": base.data.task, "model": base.model.name, "clients": base.federation.clients,
+            "task": base.data.task, "model": model_label(base), "clients": base.federation.clients,
             "rounds": base.train.rounds, "seeds": [base.seed + i for i in range(seeds)],
             "selection": "the clients' mean validation metric after the last round, mean over seeds; ties → smaller",
             "methods": rows}
 
 
+def model_label(cfg) -> str:
+    """The model a run of ``cfg`` trains, as a title names it: ``model.name`` for a pretrained model, the
+    architecture and size of a random one (``model.from_config``, which ``tiny: true`` sets; ``model.name``
+    then gives only the tokenizer, or the model the tiny variant stands in for)."""
+    m = cfg.model
+    if m.from_config is not None:
+        fc = m.from_config
+        size = ", ".join(what.format(fc[key]) for key, what in (("num_hidden_layers", "{} layers"),
+                                                                  ("hidden_size", "width {}")) if key in fc)
+        tiny = f"; tiny=true: a stand-in for {m.name}" if getattr(cfg, "tiny", False) else ""
+        return f"a random {fc['model_type']}" + (f" ({size}{tiny})" if size or tiny else "")
+    return m.name
+
+
+def _spread(mean: float, std: float, n: int) -> str:
+    """``mean ± std`` over ``n`` seeds; with one seed there is no spread to show, the mean alone."""
+    return f"{mean:.4f} ± {std:.4f}" if n > 1 else f"{mean:.4f}"
+
+
 def to_markdown(res: Mapping[str, Any], command: str) -> str:
     """compare.md: the table (clients' mean ± std over seeds at each method's chosen step size)."""
-    m = res["metric"]
-    lines = [f"# `fedlora compare`: {res['model']} on {res['task']}, {res['clients']} clients, {res['rounds']} rounds, "
-             f"seeds {', '.join(map(str, res['seeds']))}", "", f"`{command}`", "",
+    m, n = res["metric"], len(res["seeds"])
+    lines = [f"# `fedlora compare`: {res['model']} on {res['task']}, {plural(res['clients'], 'client')}, "
+             f"{plural(res['rounds'], 'round')}, seed{'s' * (n != 1)} {', '.join(map(str, res['seeds']))}", "", f"`{command}`", "",
              f"Step size per method chosen on the clients' validation {m} (never the test split); test numbers "
-             f"are the clients' mean (mean ± std over seeds).", "",
+             f"are the clients' mean" + (" (mean ± std over seeds)." if n > 1 else " (one seed: no spread)."), "",
              f"| method | step size (grid) | test {m}, clients' mean | global model | validation {m} at the chosen step "
              f"| MB / round | wall s / run |", "|---|---|---|---|---|---|---|"]
     for r in res["methods"]:
         grid = ", ".join(f"{x:g}" for x in r["grid"])
-        g = f"{r['global_mean']:.4f} ± {r['global_std']:.4f}" if r["global_mean"] is not None else "—"
+        g = _spread(r["global_mean"], r["global_std"], n) if r["global_mean"] is not None else "—"
         v = _val_mean(r["val"][f"{r['lr']:g}"])
-        lines.append(f"| {r['method']} | **{r['lr']:g}** ({grid}) | {r['test_mean']:.4f} ± {r['test_std']:.4f} | {g} | "
+        lines.append(f"| {r['method']} | **{r['lr']:g}** ({grid}) | {_spread(r['test_mean'], r['test_std'], n)} | {g} | "
                      f"{v:.4f} | {r['bytes_per_round'] / 1e6:.3f} | {r['wall_s']:.1f} |")
     return "\n".join(lines) + "\n"
 
@@ -240,8 +259,8 @@ def plot_compare(res: Mapping[str, Any], path: Path) -> None:
     bx.set_ylabel(f"validation {res['metric']} (clients' mean, mean over seeds)")
     bx.set_title("choice on the validation split (large dot: chosen)")
     bx.legend(fontsize=7, ncol=2)
-    fig.suptitle(f"{res['model']} on {res['task']}: {res['clients']} clients, {res['rounds']} rounds, "
-                 f"{len(res['seeds'])} seeds", fontsize=10)
+    fig.suptitle(f"{res['model']} on {res['task']}: {plural(res['clients'], 'client')}, {plural(res['rounds'], 'round')}, "
+                 f"{len(res['seeds'])} seed{'s' * (len(res['seeds']) != 1)}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from fedlora.errors import ConfigError
+from fedlora.errors import ConfigError, plural
 from fedlora.partition import label_histograms, parse_partition
 from fedlora.partition import partition as _partition
 
@@ -156,7 +156,7 @@ class ColumnMap:
             allowed = [f.name for f in dataclasses.fields(cls)]
             unknown = sorted(set(columns) - set(allowed))
             if unknown:
-                raise ConfigError(f"data.columns: unknown key(s) {unknown}; allowed: {allowed}")
+                raise ConfigError(f"data.columns: unknown key(s) {unknown}; allowed: {', '.join(allowed)}")
             fields = dataclasses.asdict(base) if base is not None else {"text": "text"}
             fields.update(columns)
             for k, v in fields.items():
@@ -823,8 +823,8 @@ def split_clients(
         raise ConfigError("split_clients: the training set is empty")
     name, params = parse_partition(partition)
     n_classes_present = int(np.unique(train.labels).size)
-    what = (f"partition {partition!r} of {n} training samples ({n_classes_present} classes) into "
-            + (f"{n_clients} clients" if n_clients is not None else "one client per key"))
+    what = (f"partition {partition!r} of {n} training samples ({plural(n_classes_present, 'class', 'classes')}) into "
+            + (plural(n_clients, "client") if n_clients is not None else "one client per key"))
     if name == "by_key" and train.keys is None:
         raise ConfigError(f"{what}: by_key needs a client key column; set data.client_column")
     if name == "pathological":
@@ -832,7 +832,7 @@ def split_clients(
         if isinstance(k, numbers.Integral) and k > n_classes_present:
             raise ConfigError(
                 f"{what}: pathological(k={k}) deals each client {k} label-sorted shards but the data has only "
-                f"{n_classes_present} classes; use k ≤ {n_classes_present} (k = 1 or 2 is the usual setting)"
+                f"{plural(n_classes_present, 'class', 'classes')}; use k ≤ {n_classes_present} (k = 1 or 2 is the usual setting)"
             )
     if n_clients is not None and n_clients > n:
         raise ConfigError(f"{what}: more clients than training samples; use n_clients ≤ {n} (or more data)")

@@ -21,11 +21,14 @@ described in docs/how-to/flower.md.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import math
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -435,6 +438,33 @@ def _config_nbytes(msg) -> int:
     return sum(len(str(k)) + len(str(v)) for rec in msg.content.config_records.values() for k, v in rec.items())
 
 
+class _DropDeprecation(logging.Filter):
+    """Flower's "DEPRECATED FEATURE: `run_simulation` …" banner: addressed to Flower's API users, not to
+    someone running ``fedlora run --runtime flower`` (who can do nothing about it)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "DEPRECATED FEATURE" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_engine():
+    """While the simulation engine runs: without Flower's deprecation banner and Ray's FutureWarning about
+    a future default for accelerator variables (its behaviour now, which fedlora relies on, is unchanged) —
+    messages the user cannot act on. Every other warning and log line of both still shows."""
+    handlers = list(logging.getLogger("flwr").handlers)  # Flower's console handler (its child loggers' too)
+    drop = _DropDeprecation()
+    for h in handlers:
+        h.addFilter(drop)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*Ray will no longer override accelerator visible devices",
+                                    category=FutureWarning)
+            yield
+    finally:
+        for h in handlers:
+            h.removeFilter(drop)
+
+
 def simulate(main, n_clients: int):
     """Run ``main(grid)`` as the ServerApp of Flower's simulation engine (Ray) with ``n_clients`` SuperNodes
     running ``client_app``; ``main``'s return value (its exception is raised here: the engine swallows it)."""
@@ -453,10 +483,11 @@ def simulate(main, n_clients: int):
             box["error"] = e
 
     cpus = max(1, min(n_clients, os.cpu_count() or 1))
-    flwr_run_simulation(server_app=sapp, client_app=client_app, num_supernodes=n_clients, backend_name="ray",
-                        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                                        "init_args": {"num_cpus": cpus, "include_dashboard": False,
-                                                      "logging_level": 40}})
+    with _quiet_engine():
+        flwr_run_simulation(server_app=sapp, client_app=client_app, num_supernodes=n_clients, backend_name="ray",
+                            backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                                            "init_args": {"num_cpus": cpus, "include_dashboard": False,
+                                                          "logging_level": 40}})
     if "error" in box:
         raise box["error"]
     if "out" not in box:
@@ -471,7 +502,11 @@ def run_simulation(run) -> dict[str, Any]:
         run.executor_factory = lambda r: FlowerExecutor(grid, r, timeout=r.cfg.federation.timeout_s)
         return run._run()
 
-    return simulate(main, run.cfg.federation.clients)  # one SuperNode per client (pooled training is refused)
+    t0 = time.perf_counter()
+    summary = simulate(main, run.cfg.federation.clients)  # one SuperNode per client (pooled training is refused)
+    # the run's wall_s counts its rounds; the engine's start (Ray) and shutdown come on top: said, not hidden
+    summary["wall_s_engine"] = time.perf_counter() - t0
+    return summary
 
 
 # the deployment entry points ([tool.flwr.app.components] of write_app_dir's pyproject.toml)

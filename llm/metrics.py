@@ -62,10 +62,10 @@ def compute_metrics(
 
     names = [names] if isinstance(names, str) else list(names)
     if not names:
-        raise ConfigError(f"compute_metrics: no metric names given; choose from {sorted(METRICS)}")
+        raise ConfigError(f"compute_metrics: no metric names given; choose from {', '.join(sorted(METRICS))}")
     unknown = [n for n in names if n not in METRICS]
     if unknown:
-        raise ConfigError(f"compute_metrics: unknown metric(s) {unknown}; allowed: {sorted(METRICS)}")
+        raise ConfigError(f"compute_metrics: unknown metric(s) {unknown}; allowed: {', '.join(sorted(METRICS))}")
     if num_labels is not None and (not isinstance(num_labels, numbers.Integral) or num_labels < 1):
         raise ConfigError(f"compute_metrics: num_labels must be a positive integer (got {num_labels!r})")
     if num_labels is not None:

@@ -111,8 +111,8 @@ def plot_tasks_run(history: Sequence[Mapping[str, Any]], evals: Sequence[Mapping
         a.set(title=f"{name} (clients {evals[0]['tasks'][name]['clients']})")
         a.legend(fontsize=8)
     last = history[-1]["round"] if history else 0
-    return _finish(fig, ax, history, f"{method or ''} — heterogeneous clients: {', '.join(names)} — {clients} clients, "
-                                     f"{last} rounds", path)
+    return _finish(fig, ax, history, f"{method or ''} — heterogeneous clients: {', '.join(names)} — "
+                                     f"{run_title(None, None, clients, last)}", path)
 
 
 def _number(v: Any) -> bool:

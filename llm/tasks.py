@@ -251,15 +251,16 @@ def get_task(name: str) -> TaskSpec:
     Raises ConfigError naming the closest registered names when ``name`` is unknown.
     """
     if not isinstance(name, str) or not name.strip():
-        raise ConfigError(f"task must be a non-empty string, one of {available_tasks()} (got {name!r})")
+        raise ConfigError(f"task must be a non-empty string, one of {', '.join(available_tasks())} (got {name!r})")
     key = name.strip().lower()
     key = _ALIASES.get(key, key)
     if key in TASKS:
         return TASKS[key]
     close = difflib.get_close_matches(key, list(TASKS) + list(_ALIASES), n=3, cutoff=0.5)
     close = list(dict.fromkeys(_ALIASES.get(c, c) for c in close))
-    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-    raise ConfigError(f"unknown task {name!r}{hint} Registered tasks: {available_tasks()}")
+    hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+    raise ConfigError(f"unknown task {name!r}{hint}; registered tasks: {', '.join(available_tasks())} (or give "
+                      f"data.path for your own file, data.hf_name for a HF dataset)")
 
 
 @dataclasses.dataclass

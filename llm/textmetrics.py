@@ -1,4 +1,4 @@
-"""Text-generation and extractive-QA metrics (issue 15 item 3), pure functions of strings.
+"""Text-generation and extractive-QA metrics, pure functions of strings.
 
 Scales follow the papers' tables (PF2LoRA Tables 3, 14, 15 report E2E's official script's numbers):
 BLEU, chrF, TER, METEOR and ROUGE-L in [0, 1]; NIST and CIDEr on their own scales; SQuAD EM/F1 in [0, 100]
@@ -141,12 +141,17 @@ def _ngrams(words: list[str], n: int) -> collections.Counter:
     return c
 
 
+#: a CIDEr-D below this is reported as 0: only the length penalty of a far too long hypothesis gets there
+CIDER_FLOOR = 1e-9
+
+
 def cider(hyps: Sequence[str], refs: Sequence[Sequence[str]], n: int = 4, sigma: float = 6.0) -> float:
     """CIDEr-D (Vedantam et al., CVPR 2015) as coco-caption's ``Cider`` scorer computes it, the one E2E's
     official script calls: tf-idf vectors of 1..n-grams with document frequencies over the items' reference
     sets (idf = log(#items) − log(max(1, df))), per n the clipped cosine (min(hyp, ref) · ref / ‖hyp‖‖ref‖)
     times exp(−δ²/2σ²) of the length difference, mean over n, mean over references, × 10, mean over items.
-    The length is coco-caption's: its count of bigrams (a quirk of the reference code, kept)."""
+    The length is coco-caption's: its count of bigrams (a quirk of the reference code, kept). A score below
+    ``CIDER_FLOOR`` (1e-9: a hypothesis far longer than its references) is 0."""
     refs = _check(hyps, refs)
     if not hyps:
         return 0.0
@@ -183,7 +188,9 @@ def cider(hyps: Sequence[str], refs: Sequence[Sequence[str]], n: int = 4, sigma:
                     val /= nh[k] * nr[k]
                 score[k] += val * math.exp(-((lh - lr) ** 2) / (2 * sigma ** 2))
         total += sum(score) / n / len(rs) * 10.0
-    return total / len(hyps)
+    # a hypothesis that shares n-grams with its references but is far longer (a degenerate repetition) keeps
+    # exp(−δ²/2σ²) ≈ 1e-20 of them: a zero at any precision a table prints, stored as 0 (not 1e-18)
+    return total / len(hyps) if total / len(hyps) >= CIDER_FLOOR else 0.0
 
 
 _GENERATION = {"bleu": bleu, "chrf": chrf, "ter": ter, "rouge_l": rouge_l, "nist": nist, "meteor": meteor,

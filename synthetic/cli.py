@@ -219,7 +219,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         (fl, _cmd_flower)):
         parser.add_argument("--overwrite", action="store_true",
                             help="clear --out first (only a folder that holds nothing but this experiment's results)")
-        parser.add_argument("--resume", action="store_true", help="continue an interrupted run (not yet: refused)")
+        parser.add_argument("--resume", action="store_true",
+                            help="not available: these experiments keep no checkpoints (they take seconds to "
+                                 "minutes); rerun an interrupted one with --overwrite")
         parser.set_defaults(handler=_single_threaded(cmd))
 
 

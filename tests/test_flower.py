@@ -5,6 +5,7 @@ the embedded runtime's records: participants, per-client losses, bytes up and do
 evaluation, for FedAvg-LoRA, RoLoRA, LoRA-A², PF2LoRA and H²Tune with client sampling on."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -45,7 +46,12 @@ def test_flower_simulation_gives_the_embedded_records(method, tmp_path, monkeypa
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     common = ["run", "tiny-smoke", "--set", f"method.name={method}", "--no-progress"]
     assert main([*common, "--out", str(tmp_path / "embedded")]) == 0
+    capsys.readouterr()
     assert main([*common, "--out", str(tmp_path / "flower"), "--runtime", "flower"]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out  # the wall time says what it covers: the rounds, and Ray's start-up beside them
+    engine = float(re.search(r"Flower's simulation engine: ([\d.]+) s in all", out).group(1))
+    rounds_s = float(re.search(r"clients?, \d+ rounds?, ([\d.]+) s", out).group(1))
+    assert engine > rounds_s
     emb, flw = _records(tmp_path / "embedded"), _records(tmp_path / "flower")
     assert len(emb) == 3 and any(len(r.get("participants", [0, 1, 2])) < 3 for r in emb)  # sampling was on
     _close(emb, flw)

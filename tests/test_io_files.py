@@ -145,5 +145,5 @@ def test_resume_is_refused_in_one_line_until_runs_write_checkpoints(tmp_path):
     for out in (tmp_path / "new", tmp_path):
         with pytest.raises(ConfigError) as e:
             claim_output_dir(out, writes=WRITES, resume=True)
-        assert str(e.value) == RESUME_LATER and "server issue" in RESUME_LATER
+        assert str(e.value) == RESUME_LATER and "--overwrite" in RESUME_LATER and "issue" not in RESUME_LATER
     assert not (tmp_path / "new").exists()

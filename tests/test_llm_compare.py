@@ -56,6 +56,9 @@ def test_compare_chooses_on_validation_and_reports_the_chosen_runs(tmp_path, mon
                  "--set", "train.rounds=2", "--out", str(out)]) == 0
     res = json.loads((out / "compare.json").read_text())
     assert res["metric"] == "accuracy" and res["seeds"] == [0, 1]
+    # the model the runs trained (tiny-smoke's from_config), not model.name (the tokenizer's, MiniLM)
+    assert res["model"] == "a random roberta (2 layers, width 32)"
+    assert (out / "compare.md").read_text().startswith("# `fedlora compare`: a random roberta (2 layers, width 32) on ")
     assert any(row["lr"] != 1e-3 for row in res["methods"])  # a choice other than the grid's first (PF2LoRA's)
     kinds = [e[0] for e in events]
     assert kinds == ["choose", "choose"] + ["read_test"] * 4  # every choice before any test number
