@@ -325,3 +325,21 @@ def test_resume_skips_a_corrupt_newest_checkpoint_says_so_and_still_ends_where_t
                          f"manifest.json (truncated or corrupted)",
                          f"resuming {out} after round 1 of {ROUNDS} (round_000001)"]
     assert_same_run(runs / "whole", out)
+
+
+def test_a_checkpoint_without_wall_times_resumes_with_that_part_unknown(runs, tmp_path, capsys):
+    """A checkpoint written before wall_s_parts existed (its manifest's meta has none): the resumed run
+    finishes; its first part is null (unknown, never a made-up 0), wall_s counts the part it knows, and the
+    printed time says '?' for the unknown part."""
+    out = _copy(runs, tmp_path)
+    for manifest in (out / "checkpoints").glob("round_*/manifest.json"):
+        m = json.loads(manifest.read_text())
+        assert isinstance(m["meta"].pop("wall_s_parts"), list)
+        manifest.write_text(json.dumps(m))
+    assert main(["run", "--resume", str(out), "--no-progress"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["wall_s_parts"][0] is None and len(summary["wall_s_parts"]) == 2
+    assert summary["wall_s"] == summary["wall_s_parts"][1] > 0
+    assert f"{ROUNDS} rounds, {summary['wall_s']:.1f} s (? + {summary['wall_s']:.1f} s: stopped and resumed 1×)\n" \
+        in capsys.readouterr().out
+    assert_same_run(runs / "whole", out)
