@@ -191,6 +191,54 @@ def test_each_client_is_scored_on_its_own_task_and_means_are_per_task(hetero):
     assert (out / "rounds.png").stat().st_size > 0 and json.loads((out / "run.json").read_text())["status"] == "complete"
 
 
+def _weighted(values, sizes):
+    return sum(v * n for v, n in zip(values, sizes)) / sum(sizes)
+
+
+def test_per_task_weighted_means_weight_each_client_by_its_own_rows(hetero):
+    """eval["tasks"][task]: "weighted_mean" = Σ n_k m_k / Σ n_k over the task's clients, n_k the client's
+    own test rows for the test summary and its own validation rows for the validation one — recomputed
+    from the per-client values of the same record. The two classifying clients hold 14 and 16 test rows
+    (unequal, so a wrong weight shows), and score differently in some round."""
+    run, _, _, out = hetero
+    g0 = run.groups[0]
+    n_test, n_val = [len(c.test) for c in g0.clients], [len(c.val) for c in g0.clients]
+    assert n_test[0] != n_test[1] and min(n_val) > 0
+    differ = False
+    for rec in [r for r in _records(out) if "eval" in r]:
+        ev = rec["eval"]
+        sections = ev["tasks"]["debian-sections"]
+        for split, sizes in (("test", n_test), ("val", n_val)):
+            acc = [ev["clients"][str(k)][split]["accuracy"] for k in (0, 1)]
+            differ |= acc[0] != acc[1]
+            assert sections[split]["weighted_mean"]["accuracy"] == pytest.approx(_weighted(acc, sizes), rel=1e-12)
+            assert sections[split]["mean"]["accuracy"] == pytest.approx(sum(acc) / 2, rel=1e-12)
+        bleu = ev["clients"]["2"]["test"]["bleu"]
+        assert ev["tasks"]["debian-describe"]["test"]["weighted_mean"]["bleu"] == pytest.approx(bleu, rel=1e-12)
+    assert differ  # else the weights could not show
+
+
+def _draw(seed: int, rnd: int, n: int, m: int) -> list[int]:
+    """The documented client draw (fedlora.server.Federation), written out: a seeded permutation per round."""
+    g = torch.Generator().manual_seed((seed * 1_000_003 + rnd) * 7_919 + 0)
+    return sorted(torch.randperm(n, generator=g)[:m].tolist())
+
+
+def test_the_participant_draw_follows_the_runs_seed_across_groups(tmp_path):
+    """One draw among all clients, from the run's seed: at seed 3 (not the default 0) the server's
+    participants of every round are the documented draw with seed 3 — and differ from seed 0's, so the seed
+    reaches it; the Federation draw itself matches the written-out draw for several seeds."""
+    from fedlora.server import Federation
+
+    for seed in (0, 1, 3, 7, 12):
+        fed = Federation(n_groups=1, n_clients=3, sample_fraction=0.5, sample_seed=seed)
+        assert [fed.participants(r, 0) for r in range(10)] == [_draw(seed, r, 3, 2) for r in range(10)], seed
+    run = HeteroRun(_cfg(tmp_path / "s", seed=3, federation__sample_fraction=0.5), write=False).prepare()
+    drawn = [run.server.participants(r) for r in range(10)]
+    assert drawn == [_draw(3, r, 3, 2) for r in range(10)]
+    assert drawn != [_draw(0, r, 3, 2) for r in range(10)]
+
+
 def test_the_first_kl_target_is_the_mean_of_every_clients_initial_upload(tmp_path):
     """Before round 1 every client — LLaMA or Gemma — holds the same R_g: the mean over all three clients,
     not its own group's (the Gemma client's third layer makes the two groups' own means differ)."""
@@ -478,7 +526,7 @@ def test_groups_sharing_a_task_are_one_task_and_its_metrics_not_computed_are_nam
     data["federation"]["client_models"] = [
         {"clients": [0], "model": LLAMA, "data": CONFIG["federation"]["client_models"][0]["data"]},
         {"clients": [1], "model": {**GEMMA, "from_config": {**GEMMA["from_config"], "num_hidden_layers": 2}},
-         "data": CONFIG["federation"]["client_models"][0]["data"]},
+         "data": {**CONFIG["federation"]["client_models"][0]["data"], "max_test_samples": 12}},
         CONFIG["federation"]["client_models"][1]]
     data["train"] = {"rounds": 1, "local_steps": 1, "batch_size": 4}
     data["output_dir"] = str(tmp_path / "t")
@@ -486,5 +534,12 @@ def test_groups_sharing_a_task_are_one_task_and_its_metrics_not_computed_are_nam
     summary = run.run()
     assert summary["tasks"]["debian-sections"]["clients"] == [0, 1]
     assert summary["tasks"]["debian-describe"]["clients"] == [2]
+    # the shared task's mean weights each client by its own group's test rows (30 and 12: each group
+    # splits its own data), from the per-client values
+    sizes = [len(run.groups[g].clients[0].test) for g in (0, 1)]
+    acc = [summary["final_clients"][str(k)]["test"]["accuracy"] for k in (0, 1)]
+    assert sizes[0] != sizes[1] and acc[0] != acc[1], (sizes, acc)
+    assert summary["tasks"]["debian-sections"]["final_test"]["weighted_mean"]["accuracy"] == \
+        pytest.approx(_weighted(acc, sizes), rel=1e-12)
     describe = run.groups[2].task.not_computed
     assert summary.get("metrics_not_computed", {}) == ({"debian-describe": describe} if describe else {})
