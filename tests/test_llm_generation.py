@@ -113,6 +113,40 @@ def test_one_generate_call_equals_separate_peft_models(family, decoding, tok):
     assert len({tuple(batched[p * b:(p + 1) * b]) for p in range(S)}) > 1
 
 
+def _boost_eos(model, factor: float = 3.0):
+    """Scale EOS's (102) output-embedding row: the random tiny models then end beams at different lengths (without
+    it no beam ever ends before max_new_tokens, and the length penalty has nothing to rank)."""
+    with torch.no_grad():
+        model.get_output_embeddings().weight[102] *= factor
+    return model
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_length_penalty_changes_the_batched_beams_as_in_hf_generate(family, tok):
+    """Beam search ranks finished beams by log-probability / length^length_penalty: −2 prefers short outputs, +2
+    long ones. The ONE batched generate gives every client, for each setting, exactly the tokens HF's generate
+    gives its own PEFT model with that setting — and the two settings give different (shorter / longer) texts."""
+    S, b = 4, 2
+    model, targets = _slot_model(family, S)
+    _boost_eos(model)
+    enc = _prompts(GenerationTask(get_task("e2e")), tok, S, b)
+    out = {lp: generate_slots(model, tok, enc["prompt_ids"], enc["prompt_mask"],
+                              {"num_beams": 4, "length_penalty": lp, "max_new_tokens": 8}) for lp in (-2.0, 2.0)}
+    n_tokens = {lp: sum(len(tok(x, add_special_tokens=False)["input_ids"]) for x in texts) for lp, texts in out.items()}
+    assert out[-2.0] != out[2.0] and n_tokens[-2.0] < n_tokens[2.0], n_tokens
+    for p in range(S):
+        pm = _boost_eos(_peft_model(family, model, targets, p))
+        for j in range(b):
+            i = p * b + j
+            ids = enc["prompt_ids"][i][enc["prompt_mask"][i].bool()].unsqueeze(0)
+            for lp, texts in out.items():
+                row = pm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=4,
+                                  length_penalty=lp, no_repeat_ngram_size=0, max_new_tokens=8, eos_token_id=102,
+                                  pad_token_id=0, early_stopping=True)[0, ids.shape[1]:].tolist()
+                row = row[:row.index(102)] if 102 in row else row
+                assert texts[i] == tok.decode(row, skip_special_tokens=True).strip(), (p, j, lp)
+
+
 def test_encoding_trains_the_target_only(tok):
     """Labels are −100 on the prompt and its separator and on padding; the target tokens and the closing EOS
     are trained; prompts for generate are left-padded and end with the separator."""
