@@ -218,6 +218,26 @@ def test_per_task_weighted_means_weight_each_client_by_its_own_rows(hetero):
     assert differ  # else the weights could not show
 
 
+def test_each_adapter_file_is_its_own_clients_record(hetero):
+    """adapters/client_<k>.safetensors: client k's own tensors — equal to its record in its group's client
+    store (A_k, B_k, R … never leave the client, so no two clients share them) and not another client's of
+    the same model — with its own id, group and model in the metadata."""
+    from safetensors import safe_open
+
+    run, _, _, out = hetero
+    files = {}
+    for k in range(3):
+        with safe_open(str(out / "adapters" / f"client_{k}.safetensors"), framework="pt") as f:
+            files[k] = (f.metadata(), {n: f.get_tensor(n) for n in f.keys()})
+    for k, (meta, tensors) in files.items():
+        g = run.where[k][0]
+        assert (meta["client"], meta["group"], meta["model"]) == (str(k), str(g), (LLAMA, GEMMA)[g]["name"])
+        rec = {n.split(":", 1)[1]: v for n, v in run.store.get(k).items() if n.startswith(("param:", "buffer:"))}
+        assert tensors and all(torch.equal(v, rec[n]) for n, v in tensors.items()), k
+    t0, t1 = files[0][1], files[1][1]  # the two LLaMA clients: same names, different tensors
+    assert t0.keys() == t1.keys() and any(not torch.equal(t0[n], t1[n]) for n in t0)
+
+
 def _draw(seed: int, rnd: int, n: int, m: int) -> list[int]:
     """The documented client draw (fedlora.server.Federation), written out: a seeded permutation per round."""
     g = torch.Generator().manual_seed((seed * 1_000_003 + rnd) * 7_919 + 0)
