@@ -7,9 +7,9 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 from .errors import ConfigError
 
@@ -205,11 +205,29 @@ RESUME_LATER = ("--resume: this command keeps no checkpoints, so an interrupted 
 _CHECK_PREFIX = ".fedlora-write-check-"
 
 
+def _is_pattern(name: str) -> bool:
+    return any(c in name for c in "*?[")
+
+
 def _ours(name: str, writes: Iterable[str]) -> bool:
-    """Whether a folder entry is one a command that ``writes`` these names leaves: one of them, an
-    atomic writer's temp file of one (``.NAME.*.tmp``, left by a killed process), or a write check's."""
+    """Whether a folder entry is one a command that ``writes`` these names leaves: one of them (an entry
+    of ``writes`` holding ``*``, ``?`` or ``[`` is an fnmatch pattern, e.g. ``model-*-of-*.safetensors``),
+    an atomic writer's temp file of one (``.NAME.*.tmp``, left by a killed process), or a write check's."""
     return name.startswith(_CHECK_PREFIX) or any(
-        name == w or fnmatch.fnmatchcase(name, f".{_glob_escape(w)}.*.tmp") for w in writes)
+        (fnmatch.fnmatchcase(name, w) if _is_pattern(w) else name == w)
+        or fnmatch.fnmatchcase(name, f".{w if _is_pattern(w) else _glob_escape(w)}.*.tmp") for w in writes)
+
+
+def _mine(path: Path, writes: Iterable[str], mine: Mapping[str, Callable[[Path], bool]]) -> bool:
+    """``_ours`` by name, and for an entry ``mine`` names, by content too: ``mine[name](path)`` says
+    whether the file there is one this command wrote (a ``pyproject.toml`` of a project is not)."""
+    if not _ours(path.name, writes):
+        return False
+    check = mine.get(path.name)
+    try:
+        return check is None or bool(check(path))
+    except OSError:
+        return False
 
 
 def _glob_escape(name: str) -> str:
@@ -233,11 +251,13 @@ def _remove(path: Path) -> None:
 class OutputDir:
     """A results folder a command has claimed (``claim_output_dir``): ``path``; ``created``, the
     topmost folder the claim created (``path`` or a parent of it; None when ``path`` existed);
-    ``writes``, every entry name the command may write there."""
+    ``writes``, every entry name (or fnmatch pattern) the command may write there; ``mine``, entry
+    name → whether the file there is this command's (checked by content: see ``claim_output_dir``)."""
 
     path: Path
     created: Path | None
     writes: tuple[str, ...]
+    mine: Mapping[str, Callable[[Path], bool]] = field(default_factory=dict, compare=False)
 
     def _remove_created(self) -> None:
         """``path`` and the parents the claim created, as far as they are empty (never anything else)."""
@@ -258,7 +278,7 @@ class OutputDir:
         folder itself (with the parents) where the claim created it."""
         if self.path.is_dir():
             for entry in list(self.path.iterdir()):
-                if _ours(entry.name, self.writes):
+                if _mine(entry, self.writes, self.mine):
                     _remove(entry)
         self._remove_created()
 
@@ -267,7 +287,7 @@ class OutputDir:
         clearing that ``claim_output_dir(…, overwrite=True, clear=False)`` left for after the checks."""
         if self.path.is_dir():
             for entry in list(self.path.iterdir()):
-                if _ours(entry.name, self.writes):
+                if _mine(entry, self.writes, self.mine):
                     _remove(entry)
 
     def remove_if_empty(self) -> None:
@@ -278,7 +298,8 @@ class OutputDir:
 
 def claim_output_dir(path: str | os.PathLike, flag: str = "--out", *, writes: Iterable[str],
                      overwrite: bool = False, resume: bool = False,
-                     overwrite_flag: str = "--overwrite", clear: bool = True) -> OutputDir:
+                     overwrite_flag: str = "--overwrite", clear: bool = True,
+                     mine: Mapping[str, Callable[[Path], bool]] | None = None) -> OutputDir:
     """Claim ``path`` as the results folder of a command that writes the entries ``writes`` (file and
     folder names): refuse a folder that already holds anything, so that two experiments never mix in
     one folder (a second run with fewer clients would keep the first run's ``adapters/client_2…``).
@@ -301,14 +322,17 @@ def claim_output_dir(path: str | os.PathLike, flag: str = "--out", *, writes: It
     Call it BEFORE any work, as ``check_output_dir``. Returns an ``OutputDir`` (its ``discard`` /
     ``remove_if_empty`` undo the claim when the command fails or is interrupted).
     """
-    writes = tuple(writes)
+    writes, mine = tuple(writes), dict(mine or {})
     if resume:
         raise ConfigError(RESUME_LATER)
     p = Path(path)
     if str(path) == "":
         raise ConfigError(f"{flag}: must name an output folder, got ''")
     if p.is_dir():
-        entries = sorted(e.name for e in p.iterdir())
+        try:
+            entries = sorted(e.name for e in p.iterdir())
+        except OSError as e:
+            raise ConfigError(f"{flag}: cannot read the output folder {str(p)!r}: {e.strerror or e}") from None
         if entries and not overwrite:
             raise ConfigError(f"{flag}: the output folder {str(p)!r} is not empty (it holds {_listing(entries)}); "
                               f"give {overwrite_flag} to clear it and start afresh, or choose another folder")
@@ -317,7 +341,8 @@ def claim_output_dir(path: str | os.PathLike, flag: str = "--out", *, writes: It
             if real == Path(real.anchor) or real == Path.home().resolve():
                 where = "the filesystem root" if real == Path(real.anchor) else "your home folder"
                 raise ConfigError(f"{flag}: {overwrite_flag} never clears {str(p)!r}: it is {where}")
-            foreign = [e for e in entries if not _ours(e, writes)]
+            foreign = [e for e in entries if not _mine(p / e, writes, mine)]
+            foreign = [f"{e} (not one this command wrote)" if _ours(e, writes) else e for e in foreign]
             if foreign:
                 raise ConfigError(f"{flag}: {overwrite_flag} clears only a folder of this command's results, and "
                                   f"{str(p)!r} also holds {_listing(foreign)}; move those away or choose another folder")
@@ -326,7 +351,7 @@ def claim_output_dir(path: str | os.PathLike, flag: str = "--out", *, writes: It
         if a.exists() or a.is_symlink():
             break
         created = a
-    out = OutputDir(check_output_dir(p, flag), created, writes)
+    out = OutputDir(check_output_dir(p, flag), created, writes, mine)
     if overwrite and clear:
         out.clear()
     return out

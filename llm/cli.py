@@ -8,7 +8,7 @@ import argparse
 import json
 import re
 
-from fedlora.cli import check_output_dir, claim_output_dir
+from fedlora.cli import claim_output_dir
 from fedlora.errors import ConfigError
 
 
@@ -46,9 +46,10 @@ def register_export(subparsers: argparse._SubParsersAction) -> None:
     ex = subparsers.add_parser("export", help="export a client's model of a finished run (PEFT adapter or merged model)")
     ex.add_argument("run_dir", help="the run's output folder (holds config.json and adapters/)")
     ex.add_argument("--client", type=int, default=0, help="client index (default 0)")
-    ex.add_argument("--out", required=True, help="output folder (must be empty, unless --overwrite)")
+    ex.add_argument("--out", required=True, help="output folder (must be new or empty, unless --overwrite)")
     ex.add_argument("--overwrite", action="store_true",
-                    help="clear a non-empty --out first (after every other check passed)")
+                    help="replace an earlier export in --out (after every other check passed; only a folder that "
+                         "holds nothing but an export's files — anything else is refused, never removed)")
     ex.add_argument("--format", default="peft", choices=("peft", "merged"),
                     help="peft (a LoRA adapter PEFT loads, default) or merged "
                          "(the base model with the adapter merged, save_pretrained)")
@@ -174,7 +175,9 @@ def register_flower(subparsers: argparse._SubParsersAction) -> None:
     lo.add_argument("config", help="config file, or a bundled config's name (fedlora run --list-configs)")
     lo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a field (repeatable)")
     lo.add_argument("--out", default=None, help="output folder (overrides output_dir); must be new or empty")
-    lo.add_argument("--overwrite", action="store_true", help="clear the output folder first (a run's folder only)")
+    lo.add_argument("--overwrite", action="store_true",
+                    help="clear --out (and --work) first: only a folder that holds nothing but a run's files "
+                         "(--work: a deployment's); anything else in it is refused, never removed")
     lo.add_argument("--insecure", action="store_true", help="no TLS (default: a CA and certificate made for the run)")
     lo.add_argument("--auth", action="store_true", help="SuperNode authentication: each node's key registered first")
     lo.add_argument("--timeout", type=float, default=3600.0, help="seconds the whole run may take (default 3600)")
@@ -183,7 +186,11 @@ def register_flower(subparsers: argparse._SubParsersAction) -> None:
                          "folder, removed after a complete run and named in the error otherwise)")
 
     ce = sub.add_parser("certs", help="a CA and a SuperLink certificate (ca.pem, server.pem, server.key)")
-    ce.add_argument("--out", required=True, metavar="DIR", help="output folder (must be new or empty)")
+    ce.add_argument("--out", required=True, metavar="DIR",
+                    help="output folder (must be new or empty: existing certificates are never replaced unasked)")
+    ce.add_argument("--overwrite", action="store_true",
+                    help="replace the certificates and key already in --out (only a folder that holds nothing "
+                         "else); every SuperNode then needs the new ca.pem")
     ce.add_argument("--host", action="append", default=None, metavar="NAME_OR_IP",
                     help="a name or address the SuperLink is reached at (repeatable; default localhost, 127.0.0.1)")
     ce.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
@@ -193,7 +200,12 @@ def register_flower(subparsers: argparse._SubParsersAction) -> None:
                                     "run.toml, the run's resolved config for `flwr run DIR LINK --run-config DIR/run.toml`.")
     ap.add_argument("config", nargs="?", help="config file, or a bundled config's name (optional)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a field (repeatable)")
-    ap.add_argument("--out", required=True, metavar="DIR", help="output folder (must be new or empty)")
+    ap.add_argument("--out", required=True, metavar="DIR",
+                    help="output folder (must be new or empty; never a project's folder: a pyproject.toml this "
+                         "command did not write is never replaced)")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace an app this command wrote before (its pyproject.toml and run.toml; a folder "
+                         "holding anything else is refused)")
     ap.add_argument("--run-dir", default=None, help="the run folder, on the SuperLink's machine (default: output_dir)")
     ap.add_argument("--overwrite-run", action="store_true", help="the run may clear a non-empty run folder")
 
@@ -230,8 +242,13 @@ def _cmd_flower(args: argparse.Namespace) -> int:
     if cmd == "certs":
         if args.days < 1:
             raise ConfigError(f"--days: must be ≥ 1, got {args.days}")
-        out = check_output_dir(args.out)
-        paths = fd.make_certs(out, args.host or ("localhost", "127.0.0.1"), args.days)
+        folder = fd.claim_certs_dir(args.out, overwrite=args.overwrite)  # key material never replaced unasked
+        try:
+            paths = fd.make_certs(folder.path, args.host or ("localhost", "127.0.0.1"), args.days,
+                                  overwrite=args.overwrite)
+        except BaseException:
+            folder.remove_if_empty()
+            raise
         print(f"wrote {paths['ca']} (give it to every SuperNode and flwr), {paths['cert']} and {paths['key']} "
               f"(the SuperLink's; keep the key private)")
         return 0
@@ -246,11 +263,18 @@ def _cmd_flower(args: argparse.Namespace) -> int:
             from .flower import check_flower_config
 
             check_flower_config(cfg)
-        out = check_output_dir(args.out)
-        app = write_app_dir(out)
+        folder = fd.claim_app_dir(args.out, overwrite=args.overwrite)  # a project's pyproject.toml never replaced
+        out = folder.path
+        try:
+            app = write_app_dir(out)
+            if cfg is not None:
+                path = fd.write_run_config(out / "run.toml", cfg.to_dict(), out=args.run_dir,
+                                           overwrite=args.overwrite_run)
+        except BaseException:
+            folder.discard()
+            raise
         print(f"wrote {app}/pyproject.toml")
         if cfg is not None:
-            path = fd.write_run_config(out / "run.toml", cfg.to_dict(), out=args.run_dir, overwrite=args.overwrite_run)
             print(f"wrote {path}: flwr run {out} LINK --run-config {path}")
         return 0
     if cmd == "superlink":
@@ -286,36 +310,74 @@ def _flower_local(args: argparse.Namespace) -> int:
 
     if args.timeout <= 0:
         raise ConfigError(f"--timeout: must be > 0 seconds, got {args.timeout}")
-    if args.work is not None:
-        check_output_dir(args.work, "--work")
     overrides = list(args.set) + ([f"output_dir={json.dumps(args.out)}"] if args.out is not None else [])
     cfg = load_config(args.config, overrides)
+    from .flower import check_flower_config
     from .runtime import RUN_WRITES
 
+    check_flower_config(cfg)  # a method or config Flower cannot run is refused before anything is said or started
     # checked here (nothing cleared yet), claimed again by the ServerApp — the folder must be usable before
     # anything starts
     folder = claim_output_dir(cfg.output_dir, "--out" if args.out is not None else "output_dir", writes=RUN_WRITES,
                               overwrite=args.overwrite, clear=False)
     out = folder.path
-    print(f"starting a SuperLink and {cfg.federation.clients} SuperNodes on 127.0.0.1"
+    work = None
+    if args.work is not None:  # the deployment's certificates, node keys, state and logs: never mixed with others
+        from .flower_deploy import WORK_WRITES
+
+        try:
+            work = claim_output_dir(args.work, "--work", writes=WORK_WRITES, overwrite=args.overwrite, clear=False)
+        except BaseException:
+            folder.remove_if_empty()
+            raise
+        work.clear()  # with --overwrite: the earlier deployment's files (only those), now that both folders passed
+    print(f"starting a SuperLink and {cfg.federation.clients} SuperNode{'s' * (cfg.federation.clients != 1)} on 127.0.0.1"
           f"{'' if args.insecure else ' (TLS)'}{', SuperNode authentication' if args.auth else ''}", flush=True)
     try:
         summary = run_local(cfg, Path(out).resolve(), overwrite=args.overwrite, tls=not args.insecure,
                             auth=args.auth, timeout=args.timeout, work=args.work)
     except BaseException:
         folder.remove_if_empty()
+        if work is not None:
+            work.remove_if_empty()
         raise
     _report(summary, out)
     return 0
 
 
+#: a full stop that ends no sentence: an abbreviation (et al., App., e.g., i.i.d.) or an initial
+_ABBREVIATION = re.compile(r"(?:\b(?:al|App|Apps|Fig|Figs|Tab|Eq|Sec|cf|vs|etc|no|e\.g|i\.e|i\.i\.d)|\b[A-Z])\.$")
+
+
+def leading_comment(text: str) -> str:
+    """A config file's opening comment block (its ``#`` lines up to the first example command or setting),
+    as one line."""
+    lines = []
+    for ln in text.splitlines():
+        if not ln.startswith("#") or ln.startswith("#  "):  # a setting, or an indented example command
+            break
+        lines.append(ln[1:].strip())
+    return " ".join(" ".join(lines).split())
+
+
+def first_sentence(text: str) -> str:
+    """The first sentence of ``text``, whole: up to the first full stop followed by a space (or the end)
+    that does not close an abbreviation; all of ``text`` if none."""
+    for m in re.finditer(r"\.(?=\s|$)", text):
+        if not _ABBREVIATION.search(text[:m.end()]):
+            return text[:m.end()]
+    return text
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from fedlora.llm.config import bundled_configs, load_config
 
-    from .flower import check_flower_config
     if args.list_configs:
+        import shutil
+        import textwrap
+
+        width = max(60, min(120, shutil.get_terminal_size().columns))
         for name, path in bundled_configs().items():
-    check_flower_config(cfg)  # a method or config Flower cannot run is refused before anything is said or started
             print(textwrap.fill(first_sentence(leading_comment(path.read_text())), width=width,
                                 initial_indent=f"{name:22} ", subsequent_indent=" " * 23, break_long_words=False,
                                 break_on_hyphens=False))
@@ -346,38 +408,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _resume(args: argparse.Namespace) -> int:
     """``fedlora run [CONFIG] --resume RUN_DIR``: finish an interrupted run from its newest intact checkpoint."""
-#: a full stop that ends no sentence: an abbreviation (et al., App., e.g., i.i.d.) or an initial
-_ABBREVIATION = re.compile(r"(?:\b(?:al|App|Apps|Fig|Figs|Tab|Eq|Sec|cf|vs|etc|no|e\.g|i\.e|i\.i\.d)|\b[A-Z])\.$")
-
-
-def leading_comment(text: str) -> str:
-    """A config file's opening comment block (its ``#`` lines up to the first example command or setting),
-    as one line."""
-    lines = []
-    for ln in text.splitlines():
-        if not ln.startswith("#") or ln.startswith("#  "):  # a setting, or an indented example command
-            break
-        lines.append(ln[1:].strip())
-    return " ".join(" ".join(lines).split())
-
-
-def first_sentence(text: str) -> str:
-    """The first sentence of ``text``, whole: up to the first full stop followed by a space (or the end)
-    that does not close an abbreviation; all of ``text`` if none."""
-    for m in re.finditer(r"\.(?=\s|$)", text):
-        if not _ABBREVIATION.search(text[:m.end()]):
-            return text[:m.end()]
-    return text
-
-
     from fedlora.llm.runtime import FederatedRun
 
     for flag, bad in (("--out", args.out is not None), ("--overwrite", args.overwrite), ("--dry-run", args.dry_run)):
         if bad:
-        import shutil
-        import textwrap
-
-        width = max(60, min(120, shutil.get_terminal_size().columns))
             raise ConfigError(f"{flag}: not with --resume (a resumed run continues in its own folder)")
     bar, log = _progress_and_log(args)
     run = FederatedRun.resume(args.resume, args.config, args.set, progress=bar, log=log)
@@ -444,13 +478,19 @@ def _report(summary, out) -> None:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from fedlora.llm.export import export_merged, export_peft
+    from fedlora.llm.export import claim_export_dir, export_merged, export_peft
 
     if args.client < 0:
         raise ConfigError(f"--client: must be an integer ≥ 0, got {args.client}")
-    out = check_output_dir(args.out)
-    path = (export_peft if args.format == "peft" else export_merged)(args.run_dir, args.client, out,
-                                                                     overwrite=args.overwrite)
+    # --out first (as every command: refused before any work, nothing cleared yet); a failed export leaves
+    # no folder it created (and no file it wrote)
+    folder = claim_export_dir(args.out, args.overwrite, args.run_dir)
+    try:
+        path = (export_peft if args.format == "peft" else export_merged)(args.run_dir, args.client, folder.path,
+                                                                         overwrite=args.overwrite)
+    except BaseException:
+        folder.remove_if_empty()
+        raise
     print(f"wrote {path} ({args.format}, client {args.client})")
     return 0
 

@@ -19,13 +19,15 @@ the merged weights themselves, which the merged export copies in and the PEFT ex
 Export refuses what it cannot reproduce, in one line: a client the run did not have, an adapter file
 that another run (or an older fedlora) left in the folder — every file names the SHA-256 of its run's
 config (``config_digest``), checked against ``config.json`` — a FLoRA adapter without its merged
-update, and a non-empty output folder unless ``overwrite`` (which clears it, after every check).
+update, and a non-empty output folder unless ``overwrite`` (which clears the files an export writes,
+``EXPORT_WRITES``, after every check; a folder holding anything else is refused, never cleared). A
+failed export leaves no folder it created and no half-written files; an incomplete run is named as
+``run.json`` says it (``interrupted after round 2 of 10``).
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -37,7 +39,16 @@ from fedlora.kernels import fold_adapters
 from .runfolder import client_view, read_run_config
 
 __all__ = ["lora_factors", "export_peft", "export_merged", "load_run_adapter", "load_run_base_model",
-           "merge_adapters", "unmerge_adapters", "config_digest", "MERGED_UPDATE"]
+           "merge_adapters", "unmerge_adapters", "config_digest", "MERGED_UPDATE", "EXPORT_WRITES", "claim_export_dir"]
+
+#: every entry an export (PEFT or merged) may write into its ``--out``: ``--overwrite`` clears only these
+#: (fnmatch patterns for sharded weights). The tokenizer's files are those HF tokenizers save.
+EXPORT_WRITES = ("adapter_config.json", "adapter_model.safetensors", "fedlora_export.json",  # PEFT
+                 "config.json", "generation_config.json", "model.safetensors", "model-*-of-*.safetensors",
+                 "model.safetensors.index.json",                                               # merged
+                 "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                 "chat_template.jinja", "chat_template.json", "vocab.txt", "vocab.json", "merges.txt",
+                 "tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
 
 #: FLoRA: the update merged into the run's shared base (in ``adapters/``, one for all clients)
 MERGED_UPDATE = "merged_update.safetensors"
@@ -106,9 +117,14 @@ def load_run_adapter(run_dir: str | Path, client: int) -> tuple[dict[str, Any], 
         raise ConfigError(f"export: --client {client}: the run in {str(run_dir)!r} has {K} clients, "
                           f"--client 0 to {K - 1}")
     if not ad.is_file():
+        unfinished = _unfinished(run_dir, info)
+        if unfinished is not None:
+            raise ConfigError(f"export: the run in {str(run_dir)!r} is not finished ({unfinished}): its clients' "
+                              f"models are written when it completes; `fedlora run --resume {run_dir}` finishes "
+                              f"an interrupted or failed run, then export it")
         have = sorted(p.stem for p in folder.glob("client_*.safetensors")) if folder.is_dir() else []
-        raise ConfigError(f"export: no adapter of client {client} in {str(run_dir)!r} (the run did not finish?); "
-                          f"found: {', '.join(have) or 'none'}")
+        raise ConfigError(f"export: no adapter of client {client} in {str(run_dir)!r} (run.json says the run is "
+                          f"complete, but adapters/ lacks the file); found: {', '.join(have) or 'none'}")
     digest = config_digest(info["config"])
     meta, tensors = _read_safetensors(ad)
     if meta.get("config_sha256") != digest or meta.get("client") != str(client):
@@ -133,30 +149,65 @@ def load_run_adapter(run_dir: str | Path, client: int) -> tuple[dict[str, Any], 
     return info, tensors
 
 
-def _output_folder(out: str | Path, overwrite: bool, run_dir: str | Path) -> Path:
-    """``out`` as the export's folder: a non-empty one is refused unless ``overwrite`` (cleared later,
-    by ``_clear``, once everything else is checked); never the run folder or a folder holding it."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out: {str(out)!r} is a file, not a folder")
-    if out.is_dir() and any(out.iterdir()):
-        if not overwrite:
-            raise ConfigError(f"--out: {str(out)!r} is not empty; give --overwrite to replace what it holds")
-        o, r = out.resolve(), Path(run_dir).resolve()
-        if o == r or o in r.parents:
-            raise ConfigError(f"--out: {str(out)!r} holds the run folder {str(run_dir)!r}: --overwrite would delete it")
-    return out
+def _unfinished(run_dir: str | Path, info: Mapping[str, Any]) -> str | None:
+    """None for a complete run, else how far it got as ``run.json`` says it, e.g. ``run.json says interrupted
+    after round 2 of 10`` (its ``rounds_done``; the round records of rounds.jsonl where that is 0 or missing)."""
+    run_dir = Path(run_dir)
+    try:
+        state = json.loads((run_dir / "run.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        state = None
+    if not isinstance(state, dict):
+        if (run_dir / "summary.json").is_file():
+            return None
+        said, state = "no run.json and no summary.json", {}
+    elif state.get("status") == "complete":
+        return None
+    else:
+        said = f"run.json says {state.get('status', 'nothing of its status')}"
+    done = state.get("rounds_done")
+    if not isinstance(done, int) or isinstance(done, bool) or done <= 0:
+        try:
+            done = sum(1 for line in (run_dir / "rounds.jsonl").read_text().splitlines()
+                       if line.strip() and json.loads(line).get("round", 0) >= 1)
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+            done = 0
+    planned = state.get("rounds", info["config"].get("train", {}).get("rounds", "?"))
+    if state.get("status") == "running":  # still going, or killed (SIGKILL leaves "running")
+        return f"{said}, round {done} of {planned} done"
+    return f"{said} after round {done} of {planned}"
 
 
-def _clear(out: Path, overwrite: bool) -> None:
-    """Empty ``out`` if ``overwrite`` (``_output_folder`` checked it may be), then make sure it exists."""
-    if overwrite and out.is_dir():
-        for p in out.iterdir():
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p)
-            else:
-                p.unlink()
-    out.mkdir(parents=True, exist_ok=True)
+def claim_export_dir(out: str | Path, overwrite: bool, run_dir: str | Path, flag: str = "--out"):
+    """``out`` as the export's folder (``fedlora.io.claim_output_dir``, nothing cleared yet: the export clears
+    it with ``OutputDir.clear`` once everything else is checked): new or empty, or with ``overwrite`` a folder
+    that holds nothing but an earlier export's files (``EXPORT_WRITES``); never the run folder or one holding it."""
+    from fedlora.io import claim_output_dir
+
+    o, r = Path(out).resolve(), Path(run_dir).resolve()
+    if overwrite and (o == r or o in r.parents):
+        raise ConfigError(f"{flag}: {str(out)!r} holds the run folder {str(run_dir)!r}: --overwrite would delete it")
+    return claim_output_dir(out, flag, writes=EXPORT_WRITES, overwrite=overwrite, clear=False)
+
+
+def _exporting(out: str | Path, overwrite: bool, run_dir: str | Path, check, write):
+    """The one way an export writes: claim ``out``, run ``check()`` (everything that can refuse), then clear
+    (``overwrite``) and ``write(folder, checked)``. On any failure nothing is left that the export made: before
+    writing, only the folders it created (empty); while writing, also the files it wrote."""
+    folder = claim_export_dir(out, overwrite, run_dir)
+    try:
+        checked = check()
+    except BaseException:
+        folder.remove_if_empty()
+        raise
+    try:
+        if overwrite:
+            folder.clear()
+        write(folder.path, checked)
+    except BaseException:
+        folder.discard()
+        raise
+    return folder.path
 
 
 def export_peft(run_dir: str | Path, client: int, out: str | Path, dtype: torch.dtype | None = None, *,
@@ -176,49 +227,53 @@ def export_peft(run_dir: str | Path, client: int, out: str | Path, dtype: torch.
 
     from .tasks import task_from_resolved
 
-    out = _output_folder(out, overwrite, run_dir)
-    info, tensors = load_run_adapter(run_dir, client)
-    res = info["resolved"]
-    layers = res["layers"]
-    factors = lora_factors(tensors, layers)
-    ranks = {a.shape[0] for a, _ in factors.values()}
-    if len(ranks) != 1:
-        raise ConfigError(f"export: layers have different ranks {sorted(ranks)}; PEFT needs one")
-    R = ranks.pop()
-    dt = dtype or tensors[next(iter(tensors))].dtype
-    state = {}
-    for name, (a, b) in factors.items():
-        state[f"base_model.model.{name}.lora_A.weight"] = a.to(dt).contiguous()
-        state[f"base_model.model.{name}.lora_B.weight"] = b.to(dt).contiguous()
-    head_top = sorted({h.split(".")[0] for h in res["head_linear"]})
-    for h in res["head_linear"]:
-        w, bias = tensors.get(f"{h}.head_weight", tensors.get(f"{h}.weight")), tensors.get(f"{h}.head_bias",
-                                                                                          tensors.get(f"{h}.bias"))
-        if w is None:
-            raise ConfigError(f"export: the adapter has no weights for the head layer {h!r}")
-        state[f"base_model.model.{h}.weight"] = w.to(dt).contiguous()
-        if bias is not None:
-            state[f"base_model.model.{h}.bias"] = bias.to(dt).contiguous()
-    conv = {bool(v.get("conv1d")) for v in layers.values()}
-    if len(conv) != 1:
-        raise ConfigError("export: a mix of Conv1D and Linear layers cannot share one PEFT fan_in_fan_out setting")
-    from .model import load_tokenizer, resolve_model_path
+    def check():
+        info, tensors = load_run_adapter(run_dir, client)
+        res = info["resolved"]
+        layers = res["layers"]
+        factors = lora_factors(tensors, layers)
+        ranks = {a.shape[0] for a, _ in factors.values()}
+        if len(ranks) != 1:
+            raise ConfigError(f"export: layers have different ranks {sorted(ranks)}; PEFT needs one")
+        R = ranks.pop()
+        dt = dtype or tensors[next(iter(tensors))].dtype
+        state = {}
+        for name, (a, b) in factors.items():
+            state[f"base_model.model.{name}.lora_A.weight"] = a.to(dt).contiguous()
+            state[f"base_model.model.{name}.lora_B.weight"] = b.to(dt).contiguous()
+        head_top = sorted({h.split(".")[0] for h in res["head_linear"]})
+        for h in res["head_linear"]:
+            w, bias = tensors.get(f"{h}.head_weight", tensors.get(f"{h}.weight")), tensors.get(f"{h}.head_bias",
+                                                                                              tensors.get(f"{h}.bias"))
+            if w is None:
+                raise ConfigError(f"export: the adapter has no weights for the head layer {h!r}")
+            state[f"base_model.model.{h}.weight"] = w.to(dt).contiguous()
+            if bias is not None:
+                state[f"base_model.model.{h}.bias"] = bias.to(dt).contiguous()
+        conv = {bool(v.get("conv1d")) for v in layers.values()}
+        if len(conv) != 1:
+            raise ConfigError("export: a mix of Conv1D and Linear layers cannot share one PEFT fan_in_fan_out setting")
+        from .model import load_tokenizer, resolve_model_path
 
-    mc = info["config"]["model"]
-    cfg = peft.LoraConfig(r=R, lora_alpha=R, target_modules=sorted(layers), lora_dropout=0.0,
-                          fan_in_fan_out=conv.pop(), modules_to_save=head_top or None,
-                          task_type=task_from_resolved(res).peft_task_type,
-                          base_model_name_or_path=resolve_model_path(mc["name"]))
-    tok = load_tokenizer(mc.get("tokenizer") or mc["name"], "model.tokenizer" if mc.get("tokenizer") else "model.name")
-    _clear(out, overwrite)
-    cfg.save_pretrained(str(out))
-    save_file(state, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    tok.save_pretrained(str(out))
-    labels = peft_load_kwargs(res) if res.get("label_names") else {}  # a generation run has none
-    (out / EXPORT_INFO).write_text(json.dumps(labels | {
-        "method": info["config"]["method"]["name"], "client": client,
-        "base_built_from_config": mc.get("from_config") is not None}, indent=1))
-    return out
+        mc = info["config"]["model"]
+        cfg = peft.LoraConfig(r=R, lora_alpha=R, target_modules=sorted(layers), lora_dropout=0.0,
+                              fan_in_fan_out=conv.pop(), modules_to_save=head_top or None,
+                              task_type=task_from_resolved(res).peft_task_type,
+                              base_model_name_or_path=resolve_model_path(mc["name"]))
+        tok = load_tokenizer(mc.get("tokenizer") or mc["name"], "model.tokenizer" if mc.get("tokenizer") else "model.name")
+        return info, res, state, cfg, tok, mc
+
+    def write(out: Path, checked) -> None:
+        info, res, state, cfg, tok, mc = checked
+        cfg.save_pretrained(str(out))
+        save_file(state, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+        tok.save_pretrained(str(out))
+        labels = peft_load_kwargs(res) if res.get("label_names") else {}  # a generation run has none
+        (out / EXPORT_INFO).write_text(json.dumps(labels | {
+            "method": info["config"]["method"]["name"], "client": client,
+            "base_built_from_config": mc.get("from_config") is not None}, indent=1))
+
+    return _exporting(out, overwrite, run_dir, check, write)
 
 
 #: the file of a PEFT export that says how to load it (labels, method, client)
@@ -306,11 +361,15 @@ def export_merged(run_dir: str | Path, client: int, out: str | Path, *, overwrit
     """Client ``client``'s model with its adapter merged into the base weights (and its head; FLoRA:
     with its merged update), saved with ``save_pretrained`` together with the tokenizer: a plain HF
     model, no PEFT needed. ``out`` must be empty unless ``overwrite``."""
-    out = _output_folder(out, overwrite, run_dir)
-    info, tensors = load_run_adapter(run_dir, client)
-    model, tok = load_run_base_model(info)
-    merge_adapters(model, tensors, info["resolved"]["layers"], info["resolved"]["head_linear"])
-    _clear(out, overwrite)
-    model.save_pretrained(str(out))
-    tok.save_pretrained(str(out))
-    return out
+    def check():
+        info, tensors = load_run_adapter(run_dir, client)
+        model, tok = load_run_base_model(info)
+        merge_adapters(model, tensors, info["resolved"]["layers"], info["resolved"]["head_linear"])
+        return model, tok
+
+    def write(out: Path, checked) -> None:
+        model, tok = checked
+        model.save_pretrained(str(out))
+        tok.save_pretrained(str(out))
+
+    return _exporting(out, overwrite, run_dir, check, write)

@@ -40,7 +40,75 @@ from typing import Any, Mapping, Sequence
 from fedlora.errors import ConfigError
 
 __all__ = ["make_certs", "superlink_command", "supernode_command", "check_reachable", "write_run_config",
-           "flower_env", "LocalDeployment", "FlowerRunFailed"]
+           "flower_env", "LocalDeployment", "FlowerRunFailed", "CERT_WRITES", "APP_WRITES", "APP_MINE",
+           "WORK_WRITES", "claim_certs_dir", "claim_app_dir"]
+
+#: what ``fedlora flower certs`` writes into its --out (``make_certs``): key material, never replaced unasked
+CERT_WRITES = ("ca.pem", "server.pem", "server.key")
+#: what ``fedlora flower app`` writes into its --out: the app's pyproject.toml and (with CONFIG) run.toml
+APP_WRITES = ("pyproject.toml", "run.toml")
+#: what a ``LocalDeployment`` writes into its work folder (``fedlora flower local --work``): the app, the
+#: certificates and node keys, flwr's home and state, the processes' logs, the command lines, run configs
+WORK_WRITES = ("app", "certs", "flwr-home", "state.db", "state.db-*", "commands.json", "superlink.log",
+               "supernode*.log", "supernode*.key", "supernode*.key.pub", "tmp*.toml")
+
+
+def _written_by_app(path: Path) -> bool:
+    """A pyproject.toml that ``fedlora flower app`` (``fedlora.llm.flower.write_app_dir``) wrote: its first line."""
+    from .flower import _PYPROJECT
+
+    with open(path, "rb") as f:
+        return f.readline().decode(errors="replace") == _PYPROJECT.splitlines(keepends=True)[0]
+
+
+def _written_as_run_config(path: Path) -> bool:
+    """A run.toml that ``write_run_config`` wrote: it starts with the config's JSON text."""
+    with open(path, "rb") as f:
+        return f.read(len(_RUN_CONFIG_KEY)).decode(errors="replace") == _RUN_CONFIG_KEY
+
+
+_RUN_CONFIG_KEY = "fedlora-config-json = "
+#: ``claim_output_dir(…, mine=APP_MINE)``: the app folder's files are ours only if we wrote them (a
+#: project's own pyproject.toml is never cleared, not even with --overwrite)
+APP_MINE = {"pyproject.toml": _written_by_app, "run.toml": _written_as_run_config}
+
+
+def claim_certs_dir(out: str | os.PathLike, overwrite: bool = False, flag: str = "--out"):
+    """``fedlora flower certs``' output folder (``claim_output_dir``): new or empty, or — with ``overwrite``
+    — a folder holding nothing but certificates this command writes. Key material already there is named
+    in the refusal: a new CA would leave every SuperNode holding the old ``ca.pem`` unable to verify the SuperLink."""
+    from fedlora.io import claim_output_dir
+
+    have = [n for n in CERT_WRITES if (Path(out) / n).exists()]
+    if have and not overwrite:
+        raise ConfigError(f"{flag}: {str(out)!r} already holds key material ({', '.join(have)}): new certificates "
+                          f"would leave every SuperNode and flwr holding the old ca.pem unable to verify the "
+                          f"SuperLink; give --overwrite to replace them, or choose another folder")
+    # nothing cleared here: make_certs(…, overwrite=True) replaces the files once the new ones are made
+    return claim_output_dir(out, flag, writes=CERT_WRITES, overwrite=overwrite, clear=False)
+
+
+def claim_app_dir(out: str | os.PathLike, overwrite: bool = False, flag: str = "--out"):
+    """``fedlora flower app``'s output folder (``claim_output_dir``): new or empty, or — with ``overwrite`` —
+    a folder holding nothing but an app this command wrote (``APP_MINE`` checks the files' content). A
+    ``pyproject.toml`` it did not write (``--out .`` in a project's root) is refused in one line, even with
+    ``overwrite``: it is the project's, never replaced."""
+    from fedlora.io import claim_output_dir
+
+    pyproject = Path(out) / "pyproject.toml"
+    if pyproject.is_file() and not APP_MINE["pyproject.toml"](pyproject):
+        raise ConfigError(f"{flag}: {str(out)!r} holds a pyproject.toml that `fedlora flower app` did not write "
+                          f"(a project's own?): it is never replaced, not even with --overwrite; give the app a "
+                          f"folder of its own, e.g. --out {str(Path(out) / 'flower-app')!r}")
+    return claim_output_dir(out, flag, writes=APP_WRITES, overwrite=overwrite, mine=APP_MINE)
+
+
+def _refuse_existing(paths: Sequence[Path], overwrite: bool) -> None:
+    """Key files are never replaced unasked: ``ConfigError`` naming those of ``paths`` that exist."""
+    have = [str(p) for p in paths if p.exists() or p.is_symlink()]
+    if have and not overwrite:
+        raise ConfigError(f"certs: {', '.join(have)} already exist{'s' if len(have) == 1 else ''}: key material is "
+                          f"never replaced unless asked (overwrite=True; the command line's --overwrite)")
 
 #: where flwr's programs live: the SuperLink and SuperNodes start ``flower-superexec``, ``flwr-serverapp`` and
 #: ``flwr-clientapp`` by name, so this folder must be on their PATH too (``flower_env``)
@@ -54,9 +122,10 @@ class FlowerRunFailed(RuntimeError):
 # ----------------------------------------------------------------------------------------------------
 # TLS
 def make_certs(folder: str | os.PathLike, hosts: Sequence[str] = ("localhost", "127.0.0.1", "::1"),
-               days: int = 365) -> dict[str, Path]:
+               days: int = 365, *, overwrite: bool = False) -> dict[str, Path]:
     """A self-signed CA (``ca.pem``) and a SuperLink certificate signed by it (``server.pem``, ``server.key``,
     EC P-256) valid for ``hosts`` (DNS names or IP addresses: every name the SuperLink is reached at).
+    Existing files of those names are refused (``ConfigError``) unless ``overwrite``.
     SuperNodes and ``flwr`` verify the SuperLink with ``ca.pem``. For trials and closed networks; a real
     deployment may use certificates from its own CA instead — the command lines take any PEM files."""
     from cryptography import x509
@@ -73,6 +142,8 @@ def make_certs(folder: str | os.PathLike, hosts: Sequence[str] = ("localhost", "
         except ValueError:
             sans.append(x509.DNSName(h))
     out = Path(folder)
+    paths = {"ca": out / "ca.pem", "cert": out / "server.pem", "key": out / "server.key"}
+    _refuse_existing(list(paths.values()), overwrite)
     out.mkdir(parents=True, exist_ok=True)
     now = dt.datetime.now(dt.timezone.utc)
     ca_key = ec.generate_private_key(ec.SECP256R1())
@@ -96,7 +167,8 @@ def make_certs(folder: str | os.PathLike, hosts: Sequence[str] = ("localhost", "
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
             .sign(ca_key, hashes.SHA256()))
-    paths = {"ca": out / "ca.pem", "cert": out / "server.pem", "key": out / "server.key"}
+    if overwrite:  # the key is created afresh below (mode 0600 from its first byte)
+        paths["key"].unlink(missing_ok=True)
     paths["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     paths["cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     paths["key"].touch(mode=0o600)
@@ -105,13 +177,17 @@ def make_certs(folder: str | os.PathLike, hosts: Sequence[str] = ("localhost", "
     return paths
 
 
-def make_node_key(path: str | os.PathLike) -> tuple[Path, Path]:
+def make_node_key(path: str | os.PathLike, *, overwrite: bool = False) -> tuple[Path, Path]:
     """A SuperNode's authentication key pair (EC P-384, OpenSSH format — the kind flwr 1.42 accepts):
-    ``path`` (private, for ``--auth-supernode-private-key``) and ``path.pub`` (for ``flwr supernode register``)."""
+    ``path`` (private, for ``--auth-supernode-private-key``) and ``path.pub`` (for ``flwr supernode register``).
+    Existing files are refused (``ConfigError``) unless ``overwrite``."""
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
 
     priv, pub = Path(path), Path(f"{path}.pub")
+    _refuse_existing([priv, pub], overwrite)
+    if overwrite:
+        priv.unlink(missing_ok=True)
     key = ec.generate_private_key(ec.SECP384R1())
     priv.touch(mode=0o600)
     priv.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
@@ -208,7 +284,7 @@ def write_run_config(path: str | os.PathLike, config: Mapping[str, Any], *, out:
     (``fedlora-config-json``), the run folder on the SuperLink's machine (``out``; the config's output_dir
     when None) and ``overwrite``. A JSON string is a valid TOML basic string, escapes included."""
     text = json.dumps(dict(config), sort_keys=True)
-    lines = [f"fedlora-config-json = {json.dumps(text)}", f"overwrite = {'true' if overwrite else 'false'}"]
+    lines = [f"{_RUN_CONFIG_KEY}{json.dumps(text)}", f"overwrite = {'true' if overwrite else 'false'}"]
     if out is not None:
         lines.append(f"out = {json.dumps(str(out))}")
     p = Path(path)

@@ -177,26 +177,28 @@ def test_export_refuses_clients_and_files_the_run_did_not_have(tmp_path, base_fo
     assert main(["export", str(tmp_path / "second"), "--client", "0", "--out", str(tmp_path / "z")]) == 0
 
 
-def test_export_refuses_a_non_empty_out_unless_overwrite_which_clears_it(tmp_path, base_folder, capsys):
+def test_export_refuses_a_non_empty_out_unless_overwrite_which_clears_only_an_export(tmp_path, base_folder, capsys):
     _run(tmp_path, base_folder, "fedavg", {"rank": 2})
     run_dir, out = tmp_path / "fedavg", tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     capsys.readouterr()
     for fmt in ("peft", "merged"):
-        assert main(["export", str(run_dir), "--format", fmt, "--out", str(out)]) == 2
-        err = capsys.readouterr().err
-        assert "is not empty; give --overwrite" in err and err.count("\n") == 1
-        assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]  # untouched
+        for extra in ([], ["--overwrite"]):  # a user's file is never removed, not even with --overwrite
+            assert main(["export", str(run_dir), "--format", fmt, "--out", str(out), *extra]) == 2
+            err = capsys.readouterr().err
+            assert "--overwrite" in err and "keep.txt" in err and err.count("\n") == 1
+            assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]  # untouched
+    (out / "keep.txt").unlink()
+    assert main(["export", str(run_dir), "--out", str(out)]) == 0
+    first = sorted(p.name for p in out.iterdir())
     # --overwrite clears only once every check passed: a bad client leaves the folder as it was
     assert main(["export", str(run_dir), "--client", "5", "--overwrite", "--out", str(out)]) == 2
-    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
-    (out / "sub").mkdir()
-    (out / "sub" / "x").write_text("old")
+    assert sorted(p.name for p in out.iterdir()) == first
     assert main(["export", str(run_dir), "--overwrite", "--out", str(out)]) == 0
     names = sorted(p.name for p in out.iterdir())
-    assert "keep.txt" not in names and {"adapter_config.json", "adapter_model.safetensors", "fedlora_export.json",
-                                        "tokenizer_config.json"} <= set(names)
+    assert {"adapter_config.json", "adapter_model.safetensors", "fedlora_export.json",
+            "tokenizer_config.json"} <= set(names)
     assert main(["export", str(run_dir), "--format", "merged", "--overwrite", "--out", str(out)]) == 0
     assert "adapter_config.json" not in {p.name for p in out.iterdir()} and (out / "config.json").is_file()
     capsys.readouterr()
