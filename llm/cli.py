@@ -389,13 +389,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # --out is a path, never YAML: quoted, so "123", "yes" or "null" stay folder names
     overrides = list(args.set) + ([f"output_dir={json.dumps(args.out)}"] if args.out is not None else [])
     cfg = load_config(args.config, overrides)
-    if args.dry_run:  # the config and the method as the run would build it (bad options fail here)
+    if args.dry_run:  # every check of the run's preparation, no weights loaded, nothing trained (FederatedRun.check)
         from .config import describe_method
         from .runtime import run_class
 
         method = describe_method(cfg)
-        data = run_class(cfg)(cfg, write=False).check_data()  # columns, labels, the split: what needs no model
-        print(json.dumps({**cfg.to_dict(), "resolved": {"method": method, "data": data}}, indent=1))
+        checked = run_class(cfg)(cfg, write=False, runtime=args.runtime).check()  # data, split, model, adapters, head
+        print(json.dumps({**cfg.to_dict(), "resolved": {"method": method, **checked}}, indent=1))
         return 0
     from fedlora.llm.runtime import RUN_WRITES, run_class
 

@@ -114,6 +114,13 @@ class HeteroRun(FederatedRun):
         """A dry run's data check, per group (``FederatedRun.check_data``)."""
         return {"groups": [{"clients": ids, **FederatedRun(c, write=False).check_data()} for ids, c in self.specs]}
 
+    def check(self) -> dict[str, Any]:
+        """A dry run's checks (``FederatedRun.check``), per group: ``{"data": {"groups": [{clients, …}, …]},
+        "model": {"groups": [{clients, head, …}, …]}}``."""
+        checks = [(ids, FederatedRun(c, write=False).check()) for ids, c in self.specs]
+        return {"data": {"groups": [{"clients": ids, **c["data"]} for ids, c in checks]},
+                "model": {"groups": [{"clients": ids, "head": c["head"], **c["model"]} for ids, c in checks]}}
+
     def prepare(self) -> "HeteroRun":
         cfg, fc = self.cfg, self.cfg.federation
         self._claim()

