@@ -41,7 +41,8 @@ class ClassificationTask(Task):
                 task=self.spec, path=dc.path, hf_name=dc.hf_name, hf_config=dc.hf_config, columns=columns,
                 train_split=dc.train_split, test_split=dc.test_split, labels=dc.labels,
                 test_fraction=dc.test_fraction, max_train_samples=dc.max_train_samples,
-                max_test_samples=dc.max_test_samples, seed=cfg.seed)
+                max_test_samples=dc.max_test_samples, seed=cfg.seed,
+                label_checks=True, allow_unseen_test_labels=dc.allow_unseen_test_labels)
         self.label_names = list(train.label_names)
         self.num_labels = len(self.label_names)
         return train, test

@@ -71,7 +71,10 @@ class DataConfig:
     ``path`` nor ``hf_name`` is given and no task otherwise — so a TOML file, which has no null, can
     name its own labelled file). Column fields override the task's. ``labels``: the declared label set (values
     outside it are an error). ``test_fraction``: share held out as test when a local source has no
-    test split. ``max_*_samples``: deterministic subsampling (quick runs)."""
+    test split. ``max_*_samples``: deterministic subsampling (quick runs). A classifier's labels are checked
+    before any training: a label column with one value, or a different value in every row (an id or text
+    column), is refused. ``allow_unseen_test_labels``: test rows whose label no training row has are refused
+    (default), or, set true, left out of every client's test set (no client trains on that label)."""
 
     task: str | None = "auto"
     path: str | None = None
@@ -91,6 +94,7 @@ class DataConfig:
     #: extractive QA: tokens shared by consecutive windows of a long context (None: the task's, 128 for
     #: SQuAD; 0: no windows — a question with its context longer than model.max_length is refused)
     doc_stride: int | None = None
+    allow_unseen_test_labels: bool = False
 
 
 @dataclass
@@ -289,6 +293,7 @@ class RunConfig:
                 _int(getattr(d, name), f"data.{name}", 1)
         if d.doc_stride is not None:
             _int(d.doc_stride, "data.doc_stride", 0)
+        _bool(d.allow_unseen_test_labels, "data.allow_unseen_test_labels")
         me = self.method
         _str(me.name, "method.name")
         from fedlora.methods import get_method

@@ -41,6 +41,7 @@ __all__ = [
     "ColumnMap",
     "ClientSplit",
     "load_text_data",
+    "check_labels",
     "split_clients",
     "describe_split",
     "encode",
@@ -668,6 +669,8 @@ def load_text_data(
     max_train_samples: int | None = None,
     max_test_samples: int | None = None,
     seed: int = 0,
+    label_checks: bool = False,
+    allow_unseen_test_labels: bool = False,
 ) -> tuple[TextDataset, TextDataset, TaskSpec]:
     """Load (train, test, task info).
 
@@ -692,6 +695,10 @@ def load_text_data(
         max_train_samples: deterministic random subsample of the training rows (seeded; order kept).
         max_test_samples: the same for the test rows.
         seed: integer ≥ 0.
+        label_checks: refuse labels a classifier's run cannot mean anything with (``check_labels``: one label,
+            a different label in every row, test labels no training row has) — a run's data (``fedlora run``).
+        allow_unseen_test_labels: with ``label_checks``, accept test rows whose label no training row has (they
+            are left out of every client's test set, ``split_clients``): ``data.allow_unseen_test_labels``.
     Returns: ``(train, test, info)``: two TextDatasets sharing ``label_names``, and the TaskSpec
     actually used (for ``path`` / ``hf_name`` sources a new one named ``file:...`` / ``hf:...``
     with metrics accuracy and macro-F1), its ``label_names`` filled in.
@@ -748,6 +755,11 @@ def load_text_data(
 
     train = build(train_t, y_tr, max_train_samples, 11, "max_train_samples")
     test = build(test_t, y_te, max_test_samples, 12, "max_test_samples")
+    if label_checks:
+        check_labels(train, test, column=cols.label, where=(train_t.where, test_t.where),
+                     table_labels=train_t.columns[cols.label], columns=list(train_t.columns),
+                     subsampled=max_train_samples is not None and max_train_samples < train_t.n,
+                     allow_unseen=allow_unseen_test_labels)
 
     if spec is not None:
         info = dataclasses.replace(spec, label_names=tuple(names))
@@ -760,6 +772,50 @@ def load_text_data(
             description=f"text classification from {source}",
         )
     return train, test, info
+
+
+def _some(values: Sequence[Any], k: int = 3) -> str:
+    """The first ``k`` of ``values`` as a phrase: 'a', 'b', 'c', …"""
+    return ", ".join(repr(v) for v in values[:k]) + (", …" if len(values) > k else "")
+
+
+def check_labels(train: TextDataset, test: TextDataset, *, column: str, where: tuple[str, str],
+                 table_labels: Sequence[Any], columns: Sequence[str], subsampled: bool = False,
+                 allow_unseen: bool = False) -> None:
+    """What a classifier's labels must be for the run to mean what it reports (one line each, naming the
+    column and the likely mistake):
+
+    * not a different value in every training row (``table_labels``: the whole training table, before any
+      subsampling): an id or text column, not classes — no test row could have a label seen in training;
+    * at least 2 distinct labels among the training rows: with one, every prediction is right (accuracy 1.0,
+      loss 0.0 from round 0);
+    * every test row's label among the training rows' (``allow_unseen``: accept, and those rows are left out
+      of every client's test set, ``split_clients``)."""
+    names = list(train.label_names)
+    n = len(table_labels)
+    if n > 2 and len({str(v) for v in table_labels}) == n:
+        raise ConfigError(
+            f"{where[0]}: column {column!r} holds a different value in each of its {n} training rows "
+            f"({_some(list(table_labels))}): that is an id or a text, not a class shared by many rows, and no test "
+            f"row can have a label seen in training; set data.label_column to the column of classes (columns: "
+            f"{', '.join(columns)})")
+    seen = np.unique(train.labels)
+    if seen.size < 2:
+        only = names[int(seen[0])] if seen.size else None
+        cut = " of the rows data.max_train_samples keeps" if subsampled else ""
+        raise ConfigError(
+            f"{where[0]}: column {column!r} holds one label ({only!r}) in all {len(train)} training rows{cut}: "
+            f"classification needs ≥ 2 labels (with one, every prediction is right); is data.label_column the "
+            f"right column (columns: {', '.join(columns)}), or was the file filtered to one class?")
+    unseen = ~np.isin(test.labels, seen)
+    if unseen.any() and not allow_unseen:
+        labels = [names[int(c)] for c in np.unique(test.labels[unseen])]
+        cut = " (data.max_train_samples keeps a part of them)" if subsampled else ""
+        raise ConfigError(
+            f"{where[1]}: {int(unseen.sum())} of the {len(test)} test rows have a label no training row has"
+            f"{cut} ({_some(labels)}; the training rows' labels: {_some([names[int(c)] for c in seen], 5)}): "
+            f"no client trains on it, so they would be left out of every test set; give the training data rows "
+            f"of those labels, or set data.allow_unseen_test_labels: true to leave them out")
 
 
 # ============================================================================ client splits
