@@ -94,6 +94,8 @@ class DataConfig:
     #: extractive QA: tokens shared by consecutive windows of a long context (None: the task's, 128 for
     #: SQuAD; 0: no windows — a question with its context longer than model.max_length is refused)
     doc_stride: int | None = None
+    #: classification: accept test rows whose label no training row has, left out of every client's test set
+    #: (false: refused before training, naming the labels)
     allow_unseen_test_labels: bool = False
 
 
