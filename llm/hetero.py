@@ -115,9 +115,14 @@ class HeteroRun(FederatedRun):
         return {"groups": [{"clients": ids, **FederatedRun(c, write=False).check_data()} for ids, c in self.specs]}
 
     def check(self) -> dict[str, Any]:
-        """A dry run's checks (``FederatedRun.check``), per group: ``{"data": {"groups": [{clients, …}, …]},
-        "model": {"groups": [{clients, head, …}, …]}}``."""
-        checks = [(ids, FederatedRun(c, write=False).check()) for ids, c in self.specs]
+        """A dry run's checks (``FederatedRun.check``), per group, then across groups as ``prepare`` does (the
+        module types every group adapts, ``_align_layers``) where every group's model was checked:
+        ``{"data": {"groups": [{clients, …}, …]}, "model": {"groups": [{clients, head, …}, …]}}``."""
+        runs = [FederatedRun(c, write=False) for _, c in self.specs]
+        checks = [(ids, run.check()) for (ids, _), run in zip(self.specs, runs)]
+        if all(c["model"]["checked"] for _, c in checks):
+            self.groups = runs
+            self._align_layers()
         return {"data": {"groups": [{"clients": ids, **c["data"]} for ids, c in checks]},
                 "model": {"groups": [{"clients": ids, "head": c["head"], **c["model"]} for ids, c in checks]}}
 

