@@ -133,7 +133,7 @@ def test_without_bilevel_ablation_reaches_the_same_ranks_and_mse():
 
 
 def test_the_oracle_is_fitted_on_each_clients_train_split_and_scored_on_its_test_split():
-    """SPEC §6 / docs/reference/metrics-json.md: ``oracle_mse`` is the test MSE of reduced-rank regression at
+    """docs/reference/metrics-json.md: ``oracle_mse`` is the test MSE of reduced-rank regression at
     the true rank fitted on the client's TRAIN split. Recomputed here independently (numpy: least squares,
     then the top-r right singular vectors of the fitted values, W_r = W V_r V_rᵀ) from the same draw; an
     oracle fitted on the test split, or scored on the train split, gives other numbers (checked too)."""
