@@ -264,6 +264,114 @@ def test_a_clients_scores_are_its_own_models_generations(tmp_path, monkeypatch):
         assert got[m] == pytest.approx(scores[m], abs=1e-12)
 
 
+WORDS = ("river stone cloud apple engine market garden letter window silver paper forest bridge candle doctor "
+         "island ladder mirror needle orange pencil rocket").split()
+
+
+def _several_references(n: int = 16) -> dict[str, list[str]]:
+    """Own data: ``n`` prompts of 2–4 words, each with THREE reference texts of different lengths."""
+    rng = np.random.default_rng(5)
+    out = {}
+    while len(out) < n:
+        words = [WORDS[i] for i in rng.choice(len(WORDS), int(rng.integers(2, 5)), replace=False)]
+        out[" ".join(words)] = [" ".join(words) + " .", f"it is the {words[0]} .",
+                                " and ".join(reversed(words)) + " , all of them ."]
+    return out
+
+
+@pytest.fixture(scope="module")
+def own_run(tmp_path_factory):
+    """A 1-round FedAvg run of the tiny GPT-2 on own data (a jsonl whose target cell lists three references per
+    prompt), both clients drawn; what it predicted on the test set in its last evaluation is recorded."""
+    from fedlora.llm.config import load_config
+    from fedlora.llm.runtime import FederatedRun
+
+    tmp = tmp_path_factory.mktemp("own_gen")
+    refs = _several_references()
+    f = tmp / "refs.jsonl"
+    f.write_text("".join(json.dumps({"src": p, "tgt": r}) + "\n" for p, r in refs.items()))
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("HF_HUB_OFFLINE", "1")
+        cfg = load_config("e2e-pf2lora", [f"data.path={f}", "data.task=null", "data.text_column=src",
+                                          "data.target_column=tgt", "data.test_split=null", "data.test_fraction=0.5",
+                                          "data.client_column=null", "federation.partition=iid", "tiny=true",
+                                          "model.name=gpt2", "model.target_modules=[c_attn,c_proj]",
+                                          "method.name=fedavg", "method.options={}", "method.lr=0.01",
+                                          "federation.clients=2", "federation.sample_fraction=1", "train.rounds=1",
+                                          "federation.clients_per_pass=2",
+                                          "train.local_steps=2", "eval.batch_size=16", "eval.global_model=false",
+                                          "eval.decoding={num_beams: 2, max_new_tokens: 4}",
+                                          f"output_dir={tmp / 'run'}"])
+        run = FederatedRun(cfg)
+        predicted = []
+        predict = run._predict
+
+        def spy(enc, row_sets, params):
+            out = predict(enc, row_sets, params)
+            if enc is run.enc_test:
+                predicted.append(([np.asarray(r).tolist() for r in row_sets], out))
+            return out
+
+        run._predict = spy
+        summary = run.run()
+    final = {}
+    for rows, preds in predicted:  # the last prediction on each client's test rows: the final evaluation
+        for r, pred in zip(rows, preds):
+            for k, c in enumerate(run.clients):
+                if r == c.test.tolist():
+                    final[k] = pred
+    return run, summary, refs, final, tmp / "run"
+
+
+def test_own_data_is_scored_against_every_reference_of_a_prompt(own_run):
+    """Each test prompt's three references, read from the file here, are what a client's texts are scored
+    against: chrF and TER by sacrebleu itself with the three reference streams equal the run's numbers — and
+    differ from scoring against the first reference only (so the test tells them apart)."""
+    import sacrebleu
+
+    run, summary, refs, final, _ = own_run
+    for k in (0, 1):
+        rows = run.clients[k].test.tolist()
+        texts = final[k][0]
+        assert rows and len(texts) == len(rows)
+        gold = [refs[run.test_data.texts[i]] for i in rows]  # the prompt is the file's src (linearisation "text")
+        streams = [[g[j] for g in gold] for j in range(3)]
+        got = summary["final_clients"][str(k)]["test"]
+        assert got["chrf"] == pytest.approx(sacrebleu.corpus_chrf(texts, streams).score / 100, abs=1e-12)
+        assert got["ter"] == pytest.approx(sacrebleu.corpus_ter(texts, streams).score / 100, abs=1e-12)
+        assert got["ter"] != pytest.approx(sacrebleu.corpus_ter(texts, streams[:1]).score / 100, abs=1e-3)
+
+
+def test_a_clients_test_loss_is_its_target_tokens_cross_entropy_row_by_row(own_run):
+    """A client's test loss is the mean over its test rows of each row's mean cross-entropy over its target
+    tokens (the first reference, then EOS), computed here one row at a time — no padding — with the client's
+    final adapter (from the run's adapters folder) in a one-slot model, from the run's tokenizer alone."""
+    from fedlora.llm.export import load_run_adapter
+
+    run, summary, refs, _, folder = own_run
+    tok = run.tokenizer
+    eos = tok.eos_token_id if tok.eos_token_id is not None else tok.sep_token_id
+    run.model.eval()
+    for k in (0, 1):
+        _, tensors = load_run_adapter(folder, k)
+        run._bind([k])
+        with torch.no_grad():
+            for n, p in run.method.params.items():
+                p[0].copy_(tensors[n])
+        losses = []
+        for i in run.clients[k].test.tolist():
+            prompt = tok(run.test_data.texts[i], add_special_tokens=False)["input_ids"]
+            target = tok(refs[run.test_data.texts[i]][0], add_special_tokens=False)["input_ids"]
+            ids = prompt + [eos] + target + [eos]
+            assert len(ids) <= run.cfg.model.max_length  # nothing cut: the row is whole
+            with torch.no_grad():
+                logits = run.model(input_ids=torch.tensor([ids])).logits[0].double()
+            n_prompt = len(prompt) + 1  # the prompt and its separator are not trained
+            ce = torch.nn.functional.cross_entropy(logits[n_prompt - 1:-1], torch.tensor(ids[n_prompt:]))
+            losses.append(float(ce))
+        assert summary["final_clients"][str(k)]["test"]["loss"] == pytest.approx(float(np.mean(losses)), rel=1e-5)
+
+
 def test_bad_generation_input_is_one_line_before_training(tmp_path, monkeypatch):
     from fedlora.llm.config import load_config
     from fedlora.llm.runtime import FederatedRun
