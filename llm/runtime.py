@@ -304,8 +304,9 @@ class FederatedRun:
         with no weights loaded and nothing trained or written — the method and device (``_settings``), the data
         and its split (``check_data``), the model built from its config on the meta device (``_base_model`` in
         ``skeleton_models``: the task's fit, ``model.max_length`` against its positions), the windows of
-        extractive QA (``check_fits``), the target modules, ranks and head (``_adapt``). What cannot be checked
-        offline (hub data; a hub model neither cached nor reachable) is said in the result, not refused.
+        extractive QA (``check_fits``), the target modules, ranks and head (``_adapt``), per-client dropout
+        (``install_client_dropout``). What a dry run does not fetch (hub data; a hub model not in the HF cache) is
+        said in the result, not refused.
         A device this machine lacks (``model.device: cuda`` on a laptop) is said, not refused: the config may be
         for another machine. Returns ``{"data": …, "head": …, "model": …}``: what was checked and the facts
         resolved (the head policy, the targets)."""
@@ -334,6 +335,7 @@ class FederatedRun:
             fits(self.train_data, self.tokenizer, self.cfg.model.max_length)
             fits(self.test_data, self.tokenizer, self.cfg.model.max_length)
         self._adapt(1)
+        install_client_dropout(self.model, self.cfg.model.dropout, self.cfg.model.max_length, "cpu")  # as the run
         mod = {"checked": True, "model_type": getattr(self.model.config, "model_type", None), **self._machine(),
                "targets": len(self.targets), "target_modules": sorted({t.rsplit(".", 1)[-1] for t in self.targets}),
                "head_linear": self.head_linear}

@@ -49,6 +49,8 @@ BAD = [
     ("squad-pf2lora", ["tiny=true", "data.doc_stride=30"], "data.doc_stride: 30 tokens of overlap, but question 0 "
                                                            "leaves only 22 tokens of model.max_length 32"),
     ("squad-pf2lora", ["tiny=true", "model.max_length=8"], "model.max_length: question 0 takes 7 tokens"),
+    ("squad-pf2lora", ["tiny=true", "model.dropout=true"], "model.dropout: DebertaV2ForQuestionAnswering does not "
+                                                           "dispatch its attention through transformers'"),
     # the data (issue 25 §3)
     ("tiny-smoke", ["data.path={one.csv}"], "{one.csv} (train part): column 'label' holds one label ('pos') in all 32 "
                                             "training rows: classification needs ≥ 2 labels"),
