@@ -29,9 +29,19 @@ def test_config_json_records_versions_commit_command_data_hashes_and_split_indic
     f = _keyed_csv(tmp_path)
     monkeypatch.setattr(sys, "argv", ["fedlora", "run", "my.yaml", "--set", "seed=0"])
     cfg = tiny_config(tmp_path, "pf2lora", data={"path": str(f), "test_fraction": 0.25},
-                      federation={"clients": 5, "partition": "by_key(user)", "sample_fraction": 1.0},
+                      federation={"clients": 5, "partition": "by_key(user)", "sample_fraction": 1.0,
+                                  "val_fraction": 0.2},
                       train={"rounds": 1, "local_steps": 1, "batch_size": 4})
     run = FederatedRun(cfg)
+    validated = []  # the row sets every evaluation validates on, client by client (clients 0..K-1, in passes)
+    predict = run._predict
+
+    def spy(enc, row_sets, params):
+        if enc is run.enc_train:
+            validated.extend(np.asarray(r).tolist() for r in row_sets)
+        return predict(enc, row_sets, params)
+
+    run._predict = spy
     run.run()
     r = json.loads((tmp_path / "run" / "config.json").read_text())["resolved"]
     m = r["manifest"]
@@ -57,6 +67,18 @@ def test_config_json_records_versions_commit_command_data_hashes_and_split_indic
         assert c["train"] and all(split["key_to_client"][keys[i]] == k for i in c["train"] + c["val"])
     assert sorted(split["key_to_client"]) == [f"user{i}" for i in range(5)]
     assert sorted(split["key_to_client"].values()) == list(range(5))
+    # the recorded validation rows are those each client was validated on (before training and after round 1) ...
+    assert len(validated) == 2 * 5 and validated[:5] == validated[5:]
+    assert [c["val"] for c in split["clients"]] == validated[:5]
+    # ... and the split computed here: client k holds every training row of its user, of which
+    # max(1, round(0.2 n_k)) (federation.val_fraction 0.2) are held out for validation, disjoint from its train rows
+    shares = []
+    for k, c in enumerate(split["clients"]):
+        mine = [i for i, key in enumerate(keys) if split["key_to_client"][key] == k]
+        assert sorted(c["train"] + c["val"]) == mine and not set(c["train"]) & set(c["val"])
+        assert len(c["val"]) == max(1, round(0.2 * len(mine))), (k, len(mine))
+        shares.append(len(mine))
+    assert any(round(0.2 * n) != int(0.2 * n) for n in shares), shares  # rounding, not truncation, is checked
 
 
 def test_by_key_takes_its_column_from_the_spec_and_refuses_two_different_ones(tmp_path):
