@@ -60,11 +60,12 @@ class StackedExecutor:
 
 def round_record(rec: Mapping[str, Any], rnd: int, local_steps: int, n: int, t0: float) -> dict[str, Any]:
     """The testbed's record of round ``rnd`` from the server's (``Server.run_round``): per-replica lists
-    over the ``n`` replicas, ``step`` = local steps done so far, ``wall_s`` since ``t0``."""
+    over the ``n`` replicas, ``participants`` the ids of the replicas drawn (as ``fedlora run``'s rounds.jsonl lists
+    its clients), ``step`` = local steps done so far, ``wall_s`` since ``t0``."""
     return {"round": rnd + 1, "step": (rnd + 1) * local_steps,
             "bytes_up": [rec["bytes_up"].get(str(i), 0) for i in range(n)],
             "bytes_down": [rec["bytes_down"].get(str(i), 0) for i in range(n)],
-            "participants": [str(i) in rec["bytes_up"] for i in range(n)],
+            "participants": list(rec["participants"]),
             "wall_s": time.perf_counter() - t0}
 
 
@@ -80,8 +81,8 @@ def run_rounds(
     """Run ``rounds`` rounds of the server's protocol with the stacked executor; one record per round.
 
     Each record holds ``round``, ``step`` (local steps done so far), ``bytes_up`` / ``bytes_down``
-    (lists over replicas, measured from the serialised payloads), ``participants`` (per replica,
-    bool), ``wall_s`` (since the start) and whatever ``evaluate(round)`` returns, called after the
+    (lists over replicas, measured from the serialised payloads), ``participants`` (the ids of the
+    replicas drawn, as in ``fedlora run``'s rounds.jsonl), ``wall_s`` (since the start) and whatever ``evaluate(round)`` returns, called after the
     round's downloads — i.e. on the model each client holds. Upload bytes count for the round's
     participants only. Download bytes count when a client synchronises: the clients drawn for the
     next round (after the last round, everyone) receive every entry that changed since they last

@@ -375,7 +375,7 @@ def _cmd_flower(args: argparse.Namespace) -> int:
                if math.isfinite(a) and math.isfinite(b)), default=0.0)
     for r in history:
         loss = sum(r["train_loss"]) / len(r["train_loss"])
-        print(f"round {r['round']}: clients {[i for i, p in enumerate(r['participants']) if p]}, "
+        print(f"round {r['round']}: clients {r['participants']}, "
               f"bytes up {sum(r['bytes_up']):,}, down {sum(r['bytes_down']):,}, mean training loss {loss:.6g}")
     print(f"embedded run: participants and bytes {'equal' if same else 'DIFFER'}, training losses within {gap:.3g}")
     if not args.deployment:

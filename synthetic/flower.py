@@ -122,7 +122,7 @@ class _Served:
 
 def serve(grid, spec: Mapping[str, Any], *, timeout: float = 600.0) -> list[dict[str, Any]]:
     """The server of ``spec``'s run over a Flower ``grid``: ``run_rounds``' records (per replica lists of
-    ``bytes_up``, ``bytes_down``, ``participants``, ``train_loss`` after each round's deliveries)."""
+    ``bytes_up``, ``bytes_down``, ``train_loss`` after each round's deliveries; ``participants``: the ids drawn)."""
     return _serve(grid, spec, timeout)[0]
 
 

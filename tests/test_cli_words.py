@@ -332,3 +332,13 @@ def test_synthetic_resume_says_what_to_do_instead(tmp_path, capsys):
     assert main(["synthetic", "tune", "--resume", "--out", str(tmp_path / "t")]) == 2
     err = capsys.readouterr().err
     assert "keeps no checkpoints" in err and "--overwrite" in err and "issue" not in err
+
+
+def test_the_export_page_explains_the_missing_classifier_report():
+    """transformers reports the base checkpoint's head as MISSING when a PEFT export loads; the page says why
+    (the head arrives through modules_to_save) and that the predictions are the run's."""
+    text = " ".join((ROOT / "docs" / "how-to" / "export-peft.md").read_text().split())
+    at = text.find("**MISSING**")
+    assert at > 0, "docs/how-to/export-peft.md does not explain transformers' MISSING classifier report"
+    why = text[at:at + 900]
+    assert "modules_to_save" in why and "predictions are the run's" in why

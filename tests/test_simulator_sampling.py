@@ -107,9 +107,11 @@ def test_sampled_out_replicas_do_not_train():
     K = fed.n_clients
     for rnd, h in enumerate(hist):
         (a0, b0), (a1, b1) = spy.start[rnd], spy.before_download[rnd]
+        # the drawn replicas' ids, as fedlora run's rounds.jsonl lists its clients (not a mask over replicas)
+        assert h["participants"] == [g * K + k for g in range(fed.n_groups) for k in fed.participants(rnd, g)]
         for i in range(fed.n_replicas):
             active = (i % K) in fed.participants(rnd, i // K)
-            assert h["participants"][i] == active
+            assert (i in h["participants"]) == active
             assert torch.equal(a0[i], a1[i]) == (not active) and torch.equal(b0[i], b1[i]) == (not active)
 
 
@@ -136,11 +138,11 @@ def test_bytes_counted_for_who_sends_and_who_needs_the_download():
     fed, hist, _, m, _ = _run_fedavg()
     full = m.upload(0).nbytes
     for t, h in enumerate(hist):
-        nxt = hist[t + 1]["participants"] if t + 1 < len(hist) else [True] * fed.n_replicas
-        for i, active in enumerate(h["participants"]):
-            assert h["bytes_up"][i] == (full if active else 0)
-            assert h["bytes_down"][i] == (full if nxt[i] else 0)
-        assert sum(h["participants"]) == fed.n_groups * 2
+        nxt = hist[t + 1]["participants"] if t + 1 < len(hist) else list(range(fed.n_replicas))
+        for i in range(fed.n_replicas):
+            assert h["bytes_up"][i] == (full if i in h["participants"] else 0)
+            assert h["bytes_down"][i] == (full if i in nxt else 0)
+        assert len(h["participants"]) == fed.n_groups * 2
 
 
 def test_incremental_downloads_count_for_every_client():
@@ -179,7 +181,7 @@ def test_full_participation_takes_no_snapshot_and_matches_fraction_one():
         fed = Federation(2, 4, client_weights=[1.0, 2.0, 3.0, 4.0], sample_fraction=fraction, sample_seed=11)
         hist = run_rounds(m, fed, objective, sample, 4, 3)
         assert calls == [], (fraction, calls)
-        assert all(all(h["participants"]) for h in hist)
+        assert all(h["participants"] == list(range(fed.n_replicas)) for h in hist)
         runs[fraction] = layer.lora_A.detach().clone(), layer.lora_B.detach().clone()
     assert torch.equal(runs[1.0][0], runs[0.9][0]) and torch.equal(runs[1.0][1], runs[0.9][1])
     # and a fraction that leaves clients out does snapshot, once per round
@@ -252,6 +254,6 @@ def test_snapshot_restore_puts_back_params_and_moments_of_chosen_replicas_only()
 def test_sampled_out_replicas_keep_fresh_optimizer_state_in_round_0():
     fed, hist, _, m, layer = _run_fedavg(rounds=1)
     st = m.opt.state[layer.lora_A]
-    for i, active in enumerate(hist[0]["participants"]):
-        if not active:
+    for i in range(fed.n_replicas):
+        if i not in hist[0]["participants"]:
             assert torch.all(st["exp_avg"][i] == 0) and torch.all(st["exp_avg_sq"][i] == 0)
