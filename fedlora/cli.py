@@ -8,6 +8,9 @@
     fedlora export RUN_DIR --client K --out DIR [--format peft|merged]
     fedlora plot RUN_DIR [RUN_DIR …] [--out DIR] [--labels A,B] [--metric M]
     fedlora compare CONFIG --methods a,b --lr-grid 1e-3,5e-3 [--seeds N] [--set key=value …] [--out DIR]
+    fedlora --version         the installed version and, in a git checkout, the commit
+
+``fedlora`` (or ``fedlora synthetic``, ``fedlora flower``) without a command prints its usage and exits 2.
 
 The core imports nothing from the layers built on it (``fedlora.synthetic``, ``fedlora.llm``): each layer owns
 its commands (``synthetic/cli.py``, ``llm/cli.py``), and this module discovers them through the
