@@ -28,7 +28,7 @@ from typing import Any, Mapping
 
 import torch
 
-from fedlora.errors import ConfigError, did_you_mean
+from fedlora.errors import ConfigError, did_you_mean, plural
 from fedlora.methods import available_methods, get_method
 
 from .closed_forms import ols
@@ -296,7 +296,7 @@ def run_compare(cfg: CompareConfig, *, log=print) -> dict[str, Any]:
                 if res.error:
                     log(f"[compare] {task} {name} lr={lr}: {res.error}")
             grid_s = sum(r.wall_s for r in by_lr.values())
-            log(f"[compare] {task} {name}: {len(cfg.lr_grid)} step sizes × {H} h × {S} seeds, {grid_s:.1f} s")
+            log(f"[compare] {task} {name}: {plural(len(cfg.lr_grid), 'step size')} × {H} h × {plural(S, 'seed')}, {grid_s:.1f} s")
             for ih, h in enumerate(cfg.heterogeneity):
                 entry = _entry(cfg, task, ih, float(h), name, spec, by_lr, data, weights)
                 entry["wall_s_grid"] = grid_s  # every step size of the grid, all h and seeds at once
@@ -461,8 +461,9 @@ def plot_compare(result: dict[str, Any], path) -> Any:
         ax.set_title(f"{task}: {title}")
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="center right", fontsize=8, frameon=False)
-    fig.suptitle(f"synthetic compare — {cfg['clients']} clients, {cfg['seeds']} seeds, rank {cfg['rank']}, "
-                 f"{cfg['rounds']} rounds × {cfg['local_steps']} steps", fontsize=10)
+    fig.suptitle(f"synthetic compare — {plural(cfg['clients'], 'client')}, {plural(cfg['seeds'], 'seed')}, "
+                 f"rank {cfg['rank']}, {plural(cfg['rounds'], 'round')} × {plural(cfg['local_steps'], 'step')}",
+                 fontsize=10)
     fig.tight_layout(rect=(0, 0, 1 - 1.6 / (5.2 * len(panels) + 1.6), 1))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

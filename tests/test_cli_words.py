@@ -342,3 +342,14 @@ def test_the_export_page_explains_the_missing_classifier_report():
     assert at > 0, "docs/how-to/export-peft.md does not explain transformers' MISSING classifier report"
     why = text[at:at + 900]
     assert "modules_to_save" in why and "predictions are the run's" in why
+
+
+def test_synthetic_compare_says_1_seed_and_1_step_size():
+    from fedlora.synthetic.compare import CompareConfig, run_compare
+
+    lines: list[str] = []
+    cfg = CompareConfig.from_options(heterogeneity=(1.0,), seeds=1, rounds=1, local_steps=1, clients=2, dim=6,
+                                     classes=4, rank=2, methods=("fedavg",), lr_grid=(0.01,), tasks=("regression",))
+    run_compare(cfg, log=lines.append)
+    grid = [ln for ln in lines if "× 1 h ×" in ln]
+    assert grid and all("1 step size × 1 h × 1 seed," in ln for ln in grid), lines
