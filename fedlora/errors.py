@@ -14,6 +14,11 @@ def did_you_mean(key: str, allowed, cutoff: float = 0.6) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def quoted(names) -> str:
+    """Names as a message lists them: ``'a', 'b'`` (not a Python list's ``['a', 'b']``)."""
+    return ", ".join(repr(n) for n in names)
+
+
 def plural(n: int, word: str, words: str | None = None) -> str:
     """``n`` and the noun in its number: ``plural(1, "round")`` → "1 round", ``plural(3, "class", "classes")``
     → "3 classes" (``words`` for a plural that is not ``word + "s"``)."""

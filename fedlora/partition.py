@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ConfigError, plural
+from .errors import ConfigError, plural, quoted
 
 __all__ = [
     "validate_partition_spec",
@@ -614,7 +614,7 @@ def validate_partition_spec(spec: str, extra: Mapping[str, Any] | None = None) -
     allowed = [p for p in inspect.signature(fn).parameters][1:]
     unknown = sorted(set(sp) - set(allowed) - {"column"})
     if unknown:
-        raise ConfigError(f"partition {name!r}: unknown parameter(s) {unknown}; allowed: {', '.join(allowed)}")
+        raise ConfigError(f"partition {name!r}: unknown parameter(s) {quoted(unknown)}; allowed: {', '.join(allowed)}")
     if main is not None and main not in ("n_clients", "column") and main not in sp:
         if inspect.signature(fn).parameters[main].default is inspect.Parameter.empty:
             raise ConfigError(f"partition {spec!r}: missing parameter {main} (e.g. '{name}(<{main}>)')")
@@ -675,7 +675,7 @@ def partition(
     allowed = [p for p in inspect.signature(fn).parameters][1:]
     unknown = sorted(set(sp) - set(allowed))
     if unknown:
-        raise ConfigError(f"partition {name!r}: unknown parameter(s) {unknown}; allowed: {', '.join(allowed)}")
+        raise ConfigError(f"partition {name!r}: unknown parameter(s) {quoted(unknown)}; allowed: {', '.join(allowed)}")
     if n_clients is None and name not in ("by_key", "pathological_pairs"):
         raise ConfigError(f"partition {spec!r}: n_clients is required")
     if main is not None and main not in ("n_clients", "column") and main not in sp:

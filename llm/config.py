@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from fedlora.errors import ConfigError, did_you_mean
+from fedlora.errors import ConfigError, did_you_mean, quoted
 from fedlora.io import read_table_file, yaml_load
 
 __all__ = ["ModelConfig", "DataConfig", "MethodConfig", "FederationConfig", "TrainConfig", "EvalConfig",
@@ -671,7 +671,7 @@ def check_decoding_settings(settings: Any, where: str = "eval.decoding") -> None
     if isinstance(settings, Mapping) and settings and set(settings) <= set(QA_DECODING):
         check_qa_decoding(settings, where)
     elif isinstance(settings, Mapping) and set(settings) - set(DECODING) and set(settings) - set(QA_DECODING):
-        raise ConfigError(f"{where}: unknown setting(s) {sorted(set(settings) - set(DECODING) - set(QA_DECODING))}; "
+        raise ConfigError(f"{where}: unknown setting(s) {quoted(sorted(set(settings) - set(DECODING) - set(QA_DECODING)))}; "
                           f"allowed: generation {', '.join(DECODING)}; extractive QA {', '.join(QA_DECODING)}")
     else:
         check_decoding(settings, where)

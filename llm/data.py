@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from fedlora.errors import ConfigError, plural
+from fedlora.errors import ConfigError, plural, quoted
 from fedlora.partition import label_histograms, parse_partition
 from fedlora.partition import partition as _partition
 
@@ -157,7 +157,7 @@ class ColumnMap:
             allowed = [f.name for f in dataclasses.fields(cls)]
             unknown = sorted(set(columns) - set(allowed))
             if unknown:
-                raise ConfigError(f"data.columns: unknown key(s) {unknown}; allowed: {', '.join(allowed)}")
+                raise ConfigError(f"data.columns: unknown key(s) {quoted(unknown)}; allowed: {', '.join(allowed)}")
             fields = dataclasses.asdict(base) if base is not None else {"text": "text"}
             fields.update(columns)
             for k, v in fields.items():

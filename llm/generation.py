@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedlora.errors import ConfigError
+from fedlora.errors import ConfigError, quoted
 
 from .tasks import EvalContext, Task, TaskSpec, slot_batches
 
@@ -105,7 +105,7 @@ def check_decoding(settings: Mapping[str, Any], where: str = "eval.decoding") ->
         raise ConfigError(f"{where}: expected a table of decoding settings ({', '.join(DECODING)}), got {settings!r}")
     unknown = sorted(set(settings) - set(DECODING))
     if unknown:
-        raise ConfigError(f"{where}: unknown setting(s) {unknown}; allowed: {', '.join(DECODING)}")
+        raise ConfigError(f"{where}: unknown setting(s) {quoted(unknown)}; allowed: {', '.join(DECODING)}")
     out = {**DECODING, **settings}
     for key, low in (("num_beams", 1), ("max_new_tokens", 1), ("no_repeat_ngram_size", 0)):
         v = out[key]

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from fedlora.errors import ConfigError
+from fedlora.errors import ConfigError, quoted
 
 __all__ = ["METRICS", "compute_metrics", "aggregate_client_metrics"]
 
@@ -65,7 +65,7 @@ def compute_metrics(
         raise ConfigError(f"compute_metrics: no metric names given; choose from {', '.join(sorted(METRICS))}")
     unknown = [n for n in names if n not in METRICS]
     if unknown:
-        raise ConfigError(f"compute_metrics: unknown metric(s) {unknown}; allowed: {', '.join(sorted(METRICS))}")
+        raise ConfigError(f"compute_metrics: unknown metric(s) {quoted(unknown)}; allowed: {', '.join(sorted(METRICS))}")
     if num_labels is not None and (not isinstance(num_labels, numbers.Integral) or num_labels < 1):
         raise ConfigError(f"compute_metrics: num_labels must be a positive integer (got {num_labels!r})")
     if num_labels is not None:

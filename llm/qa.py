@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedlora.errors import ConfigError
+from fedlora.errors import ConfigError, quoted
 
 from .tasks import EvalContext, Task, TaskSpec, slot_batches
 
@@ -53,7 +53,7 @@ def check_qa_decoding(settings: Mapping[str, Any], where: str = "eval.decoding")
         raise ConfigError(f"{where}: expected a table of span settings ({', '.join(QA_DECODING)}), got {settings!r}")
     unknown = sorted(set(settings) - set(QA_DECODING))
     if unknown:
-        raise ConfigError(f"{where}: unknown setting(s) {unknown} for an extractive-QA task; allowed: "
+        raise ConfigError(f"{where}: unknown setting(s) {quoted(unknown)} for an extractive-QA task; allowed: "
                           f"{', '.join(QA_DECODING)}")
     out = {**QA_DECODING, **settings}
     for key in ("n_best_size", "max_answer_length"):

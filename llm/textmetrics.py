@@ -31,7 +31,7 @@ import re
 import string
 from typing import Iterable, Sequence
 
-from fedlora.errors import ConfigError
+from fedlora.errors import ConfigError, quoted
 
 __all__ = ["GENERATION_METRICS", "generation_metrics", "bleu", "chrf", "ter", "rouge_l", "nist", "meteor", "cider",
            "squad_normalize", "squad_exact", "squad_f1", "squad_metrics"]
@@ -205,7 +205,7 @@ def generation_metrics(hyps: Sequence[str], refs: Sequence[Sequence[str]], names
     names = list(GENERATION_METRICS if names is None else names)
     unknown = [m for m in names if m not in _GENERATION]
     if unknown:
-        raise ConfigError(f"text metrics: unknown metric(s) {unknown}; allowed: {', '.join(GENERATION_METRICS)}")
+        raise ConfigError(f"text metrics: unknown metric(s) {quoted(unknown)}; allowed: {', '.join(GENERATION_METRICS)}")
     refs = _check(hyps, refs)
     scores, why = {}, {}
     for m in names:

@@ -213,7 +213,16 @@ def test_allowed_names_are_joined_not_python_lists():
     assert "choose one of " in str(e.value) and "[" not in str(e.value)
     with pytest.raises(ConfigError) as e:
         compute_metrics([0], [0], ["bleu"])
-    assert str(e.value).endswith("allowed: accuracy, macro_f1, mcc")
+    assert str(e.value) == "compute_metrics: unknown metric(s) 'bleu'; allowed: accuracy, macro_f1, mcc"
+    from fedlora.methods import create_method
+    from fedlora.partition import validate_partition_spec
+
+    with pytest.raises(ConfigError) as e:
+        validate_partition_spec("dirichlet(0.5, beta=2, gamma=1)")
+    assert "unknown parameter(s) 'beta', 'gamma'; allowed: " in str(e.value) and "[" not in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        create_method("fedavg", momentum=0.9)
+    assert str(e.value).startswith("fedavg: unknown option(s) 'momentum'; allowed: ") and "[" not in str(e.value)
 
 
 # --- CIDEr: a zero is 0 -----------------------------------------------------------------------------

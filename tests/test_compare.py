@@ -227,7 +227,7 @@ def test_unknown_method_lists_the_allowed_ones(capsys):
     ({"method_options": {"pf2lora": {"client_rank": 6}}}, "r̃ < r"),
     ({"method_options": {"h2tune": {"densities": [0.5, 1.5, 1, 1]}}}, "densities (β_k) must each be a number in [0, 1]"),
     ({"method_options": {"h2tune": {"densities": [-0.1, 1, 1, 1]}}}, "[0, 1]"),
-    ({"method_options": {"fedavg": {"momentum": 0.9}}}, "fedavg: unknown option(s) ['momentum']; allowed: rank, lr"),
+    ({"method_options": {"fedavg": {"momentum": 0.9}}}, "fedavg: unknown option(s) 'momentum'; allowed: rank, lr"),
     ({"method_options": {"nope": {}}}, "--config: method_options for unknown method(s) 'nope'; methods: "),
     ({"method_options": {"pf2lorra": {}}}, "unknown method(s) 'pf2lorra' (did you mean 'pf2lora'?)"),
     ({"method_options": {"lora-a2": {"client_ranks": [9, 9, 9, 9]}}}, "lora-a2: client_ranks"),

@@ -40,9 +40,9 @@ def test_a_dry_run_reads_the_local_data_and_splits_it(capsys, own_csv):
     (["data.text_column=review"], "review"),
     (["federation.partition=dirichlet 0.5"], "federation.partition: partition spec 'dirichlet 0.5' is not of the form"),
     (["federation.partition=iid(3)"], "federation.partition: partition spec 'iid(3)': iid takes no positional argument"),
-    (["federation.partition=dirichlet(a=0.5)"], "federation.partition: partition 'dirichlet': unknown parameter(s) ['a']"),
-    (["method.options={client_rank: 2}"], "unknown option(s) ['client_rank']"),
-    (["method.name=pf2lora", "method.options={clientrank: 2}"], "unknown option(s) ['clientrank']"),
+    (["federation.partition=dirichlet(a=0.5)"], "federation.partition: partition 'dirichlet': unknown parameter(s) 'a';"),
+    (["method.options={client_rank: 2}"], "unknown option(s) 'client_rank';"),
+    (["method.name=pf2lora", "method.options={clientrank: 2}"], "unknown option(s) 'clientrank';"),
     (["method.name=pf2lora", "method.options={client_rank: 4}"], "need integers 1 ≤ client_rank < rank"),
     (["federation.clients=400"], "into 400 clients"),
 ])

@@ -194,7 +194,7 @@ def test_linearisations():
 @pytest.mark.parametrize("bad, match", [({"num_beams": 0}, "num_beams: an integer ≥ 1"),
                                         ({"max_new_tokens": 2.5}, "max_new_tokens: an integer ≥ 1"),
                                         ({"length_penalty": float("nan")}, "length_penalty: a finite number"),
-                                        ({"temperature": 0.7}, r"unknown setting\(s\) \['temperature'\]")])
+                                        ({"temperature": 0.7}, r"unknown setting\(s\) 'temperature';")])
 def test_decoding_settings_out_of_range_are_one_line(bad, match):
     with pytest.raises(ConfigError, match=match):
         check_decoding(bad)

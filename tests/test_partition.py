@@ -347,7 +347,7 @@ Y = balanced_labels(4, 25)  # n = 100
         ("dirichlet(-1)", {}, r"alpha must be a finite number > 0"),
         ("dirichlet(float('nan'))", {}, r"literals"),
         ("dirichlet", {}, r"missing parameter alpha"),
-        ("dirichlet(0.5, beta=2)", {}, r"unknown parameter\(s\) \['beta'\]"),
+        ("dirichlet(0.5, beta=2)", {}, r"unknown parameter\(s\) 'beta';"),
         ("dirichlet(0.5, min_size=-1)", {}, r"min_size must be an integer ≥ 0"),
         ("dirichlet(0.5, max_tries=0)", {}, r"max_tries must be an integer ≥ 1"),
         ("similarity(1.5)", {}, r"s must be a number in \[0, 1\]"),

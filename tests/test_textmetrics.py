@@ -158,7 +158,7 @@ def test_squad_scores_take_the_best_gold_answer_wherever_it_is_listed():
 @pytest.mark.parametrize("call, match", [
     (lambda: T.bleu(["a"], []), "1 hypotheses but 0 reference lists"),
     (lambda: T.bleu(["a"], [[]]), "item 0 has no reference"),
-    (lambda: T.generation_metrics(["a"], [["a"]], ["bleu", "bertscore"]), r"unknown metric\(s\) \['bertscore'\]"),
+    (lambda: T.generation_metrics(["a"], [["a"]], ["bleu", "bertscore"]), r"unknown metric\(s\) 'bertscore';"),
     (lambda: T.squad_metrics(["a", "b"], [["a"]]), "2 predictions but 1 gold answer lists")])
 def test_bad_input_is_one_line(call, match):
     with pytest.raises(ConfigError, match=match):

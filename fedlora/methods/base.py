@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..aggregation import fedavg_factors
-from ..errors import ConfigError
+from ..errors import ConfigError, quoted
 from ..payload import Payload
 
 __all__ = ["Method", "AveragedFactors", "Objective", "Sampler", "register", "get_method", "create_method",
@@ -100,7 +100,7 @@ def create_method(name: str, **options: Any) -> "Method":
                          if any(o in inspect.signature(c.__init__).parameters for o in _RANK_BUDGET_OPTIONS))
             raise ConfigError(f"{name}: per-client rank budgets ({', '.join(budgets)}) are not supported — every "
                               f"client has rank r here; methods with heterogeneous ranks: {', '.join(het)}")
-        raise ConfigError(f"{name}: unknown option(s) {unknown}; allowed: {', '.join(allowed)}")
+        raise ConfigError(f"{name}: unknown option(s) {quoted(unknown)}; allowed: {', '.join(allowed)}")
     return cls(**options)
 
 
