@@ -661,14 +661,14 @@ class FederatedRun:
                 self.train_pass(chunk, rnd, payloads, bytes_down, train_loss, ranks, downloads=downloads)
             except Exception as e:
                 alone = [k for k in chunk if k not in payloads]  # (a client already stored keeps its result)
-                if len(chunk) == 1:
-                    failed[chunk[0]] = ClientFailure(_first_line(e), "error")
+                if len(chunk) == 1:  # charged what it received before it failed (bytes count when received)
+                    failed[chunk[0]] = ClientFailure(_first_line(e), "error", bytes_down.get(chunk[0], 0))
                     continue
                 for k in alone:  # isolate the failing client from its pass-mates
                     try:
                         self.train_pass([k], rnd, payloads, bytes_down, train_loss, ranks, downloads=downloads)
                     except Exception as e1:
-                        failed[k] = ClientFailure(_first_line(e1), "error")
+                        failed[k] = ClientFailure(_first_line(e1), "error", bytes_down.get(k, 0))
         out: dict[int, ClientUpdate | ClientFailure] = {}
         for k in clients:
             if k in failed:

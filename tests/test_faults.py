@@ -101,6 +101,7 @@ def test_a_client_that_raises_is_recorded_and_never_averaged(tmp_path):
     assert sorted(r2["train_loss"]) == sorted(r2["bytes_up"]) == ["0", "1", "3"]
     assert all("failures" not in r for r in recs[:2] + recs[3:])
     assert sorted(recs[3]["train_loss"]) == ["0", "1", "2", "3"]  # back in round 3
+    assert r2["bytes_down"]["2"] == 0  # it raised before its download was applied: it received nothing
 
     results = seen["results"][1]
     uploads = {k: r.upload for k, r in results.items() if isinstance(r, ClientUpdate)}
@@ -119,6 +120,41 @@ def test_a_client_that_raises_is_recorded_and_never_averaged(tmp_path):
     # the failing client's record is the one it had before the round; the others trained
     assert _same_record(seen["before"][1][bad], seen["after"][1][bad])
     assert all(not _same_record(seen["before"][1][k], seen["after"][1][k]) for k in (0, 1, 3))
+
+
+def test_a_client_that_raises_after_its_download_is_charged_what_it_received(tmp_path):
+    """Client 1's forward raises in round 2, after its download was applied (bytes count when received):
+    it is a failure of kind error charged the whole server state of round 1 like its pass-mates — once,
+    though its pass ran twice (the second time alone) — and not counted as synchronised, so round 3
+    sends it the state again."""
+    bad, out = 1, tmp_path / "run"
+    poison = {"on": False}
+
+    def hook(client, rnd):
+        poison["on"] = client == bad and rnd == 1
+
+    def boom(mod, inp, y):
+        if poison["on"]:
+            raise RuntimeError("client 1 ran out of memory")
+
+    run = FederatedRun(_config(out, per_pass=2)).prepare()
+    run.client_hook = hook
+    run.model.classifier.out_proj.register_forward_hook(boom)
+    seen = _watch(run)
+    synced_before = {}
+    real_round = run.run_round
+
+    def round_(rnd):
+        synced_before[rnd] = list(run.ledger.synced)
+        return real_round(rnd)
+
+    run.run_round = round_
+    run.run()
+    r2 = _rounds(out)[2]
+    assert r2["failures"] == {"1": {"kind": "error", "why": "RuntimeError: client 1 ran out of memory"}}
+    full = Payload(dict(seen["state"][0])).nbytes
+    assert full > 0 and r2["bytes_down"] == {str(k): full for k in range(K)}
+    assert synced_before[2] == [0, -1, 0, 0]  # not synchronised: round 3 sends it what it lacks again
 
 
 # --------------------------------------------------------------------------------------------------
