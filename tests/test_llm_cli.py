@@ -15,7 +15,7 @@ def test_run_a_bundled_config_end_to_end(tmp_path, capsys):
     out = tmp_path / "smoke"
     assert main(["run", "tiny-smoke", "--out", str(out), "--no-progress", "--set", "train.rounds=1"]) == 0
     text = capsys.readouterr().out
-    assert "fedavg on debian-sections: 3 clients, 1 rounds" in text and "test accuracy" in text
+    assert "fedavg on debian-sections: 3 clients, 1 round," in text and "test accuracy" in text
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["config"]["train"]["rounds"] == 1 and cfg["config"]["output_dir"] == str(out)
     assert len((out / "rounds.jsonl").read_text().splitlines()) == 2  # round 0 (evaluation) + round 1

@@ -79,9 +79,15 @@ def resumed(tmp_path_factory):
 
         self.client_hook = hook
 
+    # Ctrl-C at a terminal: SIGINT handled as Python's default does. A test process started in the background
+    # by a non-interactive shell (`cmd &`, as some CI runners do) inherits SIGINT ignored, which the CLI keeps.
+    old_sigint = signal.signal(signal.SIGINT, signal.default_int_handler)
     with pytest.MonkeyPatch.context() as m:
         m.setattr(FederatedRun, "__init__", init)
-        first = _cli(["run", "tiny-smoke", *SETS, "--out", str(folder)])
+        try:
+            first = _cli(["run", "tiny-smoke", *SETS, "--out", str(folder)])
+        finally:
+            signal.signal(signal.SIGINT, old_sigint)
         stopped = json.loads((folder / "run.json").read_text())
         meta = json.loads((folder / "checkpoints" / "round_000003" / "manifest.json").read_text())["meta"]
         stop.update(at=None, process="resumed")
