@@ -159,6 +159,7 @@ def run_compare(config: str, overrides: Sequence[str], methods: Sequence[str], g
     for j, ((m, lr, i), cfg) in enumerate(cfgs.items()):  # phase 1: the grid
         summary = FederatedRun(cfg, progress=progress).run()
         metric = metric or summary["main_metric"]
+        data_name = summary["task"]  # the task, or the user's file where data.path replaced its data
         score = validation_score(summary, metric)
         val[m][lr].append(score)
         folders[m, lr, i] = Path(cfg.output_dir)
@@ -179,7 +180,7 @@ def run_compare(config: str, overrides: Sequence[str], methods: Sequence[str], g
                      "wall_s": statistics.fmean(t["wall_s"] for t in tests),
                      "runs": [str(folders[m, chosen[m], i]) for i in range(seeds)]})
     return {"schema_version": 1, "config": config, "overrides": list(overrides), "metric": metric,
-            "task": base.data.task, "model": model_label(base), "clients": base.federation.clients,
+            "task": data_name, "model": model_label(base), "clients": base.federation.clients,
             "rounds": base.train.rounds, "seeds": [base.seed + i for i in range(seeds)],
             "selection": "the clients' mean validation metric after the last round, mean over seeds; ties → smaller",
             "methods": rows}

@@ -584,8 +584,16 @@ overwrite = false
 
 
 def write_app_dir(path: str | os.PathLike) -> Path:
-    """The Flower app folder ``flwr run PATH CONNECTION -c 'fedlora-config="/abs/config.json"'`` submits."""
+    """The Flower app folder ``flwr run PATH CONNECTION -c 'fedlora-config="/abs/config.json"'`` submits. A
+    ``pyproject.toml`` already there that this function did not write (a project's own) is never replaced:
+    ``ConfigError`` (the command line claims the folder first, ``fedlora.llm.flower_deploy.claim_app_dir``)."""
     p = Path(path)
+    toml = p / "pyproject.toml"
+    if toml.is_file():
+        with open(toml, "rb") as f:
+            if f.readline().decode(errors="replace") != _PYPROJECT.splitlines(keepends=True)[0]:
+                raise ConfigError(f"{str(p)!r} holds a pyproject.toml that is not a fedlora Flower app's (a project's "
+                                  f"own?): it is never replaced; give the app a folder of its own")
     p.mkdir(parents=True, exist_ok=True)
     (p / "pyproject.toml").write_text(_PYPROJECT)
     return p

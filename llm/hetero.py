@@ -110,10 +110,6 @@ class HeteroRun(FederatedRun):
         self.where = {k: (g, i) for g, (ids, _) in enumerate(self.specs) for i, k in enumerate(ids)}
 
     # ------------------------------------------------------------------------------------------
-    def check_data(self) -> dict[str, Any]:
-        """A dry run's data check, per group (``FederatedRun.check_data``)."""
-        return {"groups": [{"clients": ids, **FederatedRun(c, write=False).check_data()} for ids, c in self.specs]}
-
     def check(self) -> dict[str, Any]:
         """A dry run's checks (``FederatedRun.check``), per group, then across groups as ``prepare`` does (the
         module types every group adapts, ``_align_layers``) where every group's model was checked:

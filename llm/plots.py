@@ -413,7 +413,7 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, *, labels: Sequen
         folder.clear()
     try:
         rows = [row for lab, run in zip(labels, runs) for row in curve_rows(lab, run, metric)]
-        tasks = ", ".join(dict.fromkeys(r.task for r in runs))
+        tasks = ", ".join(dict.fromkeys(r.data_name for r in runs))
         title = f"{tasks} — test {metric}, {len(runs)} run{'s' * (len(runs) != 1)}"
         files = {"curves.csv": _csv(rows, CURVE_COLUMNS), "curves.png": curves_figure(rows, legend, metric, title)}
         split_all = []

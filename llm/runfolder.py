@@ -61,6 +61,16 @@ def client_view(info: Mapping[str, Any], client: int) -> dict[str, Any]:
     raise ConfigError(f"client {client} is in none of the run's groups (federation.client_models)")
 
 
+def data_label(task: str, kind: str, config_task: str | None, path: str | None) -> str:
+    """The run's task as its summary line, summary.json and rounds.png name it: the task's name, or — where
+    ``data.path`` replaced a registered task's own data (a bundled config run on the user's file) — the file's
+    name with the task's kind and the task whose columns and metrics apply: ``reviews.csv (generation, columns
+    of debian-describe)``. config.json keeps the task's name (``resolved.task``: export rebuilds it)."""
+    if path is None or config_task is None:
+        return task
+    return f"{Path(path).name} ({kind}, columns of {task})"
+
+
 def read_status(run_dir: str | Path) -> str:
     """run.json's status (complete, running, interrupted, failed), or ``unknown`` without a readable one."""
     try:
@@ -94,6 +104,19 @@ class RunFolder:
     @property
     def task(self) -> str:
         return str(self.resolved.get("task") or self.config.get("data", {}).get("task") or "?")
+
+    @property
+    def data_name(self) -> str:
+        """The run's data as its summary line and rounds.png name it (``data_label``): the task's name, or
+        the user's file where ``data.path`` replaced a registered task's data. ``task`` stays the registered
+        name (what export rebuilds, what decides whether runs are comparable)."""
+        if self.summary and "task" in self.summary:
+            return str(self.summary["task"])
+        data = self.config.get("data", {})
+        kind = self.resolved.get("task_kind")
+        if kind is None:
+            return self.task
+        return data_label(self.task, str(kind), data.get("task"), data.get("path"))
 
     @property
     def clients(self) -> int:

@@ -444,6 +444,8 @@ class FederatedRun:
                                  seed=cfg.seed, val_fraction=fc.val_fraction)
         self.clients = [dataclasses.replace(s, test=s.test[:cfg.eval.max_samples]) for s in splits]  # None: all
         self.split_report = D.describe_split(splits, self.train_data, self.test_data)
+        from .runfolder import data_label
+
         self.task_label = data_label(self.task.name, self.task.kind, dc.task, dc.path)
         self._check_test_rows()
 
@@ -1174,16 +1176,6 @@ def load_base(mc: Mapping[str, Any], seed: int, num_labels: int, *, model=None, 
     model = model or load_classifier(mc["name"], num_labels, from_config=mc.get("from_config"), dtype=mc["dtype"],
                                      pad_token_id=tok.pad_token_id)
     return model, tok
-
-
-def data_label(task: str, kind: str, config_task: str | None, path: str | None) -> str:
-    """The run's task as its summary line, summary.json and rounds.png name it: the task's name, or — where
-    ``data.path`` replaced a registered task's own data (a bundled config run on the user's file) — the file's
-    name with the task's kind and the task whose columns and metrics apply: ``reviews.csv (generation, columns
-    of debian-describe)``. config.json keeps the task's name (``resolved.task``: export rebuilds it)."""
-    if path is None or config_task is None:
-        return task
-    return f"{Path(path).name} ({kind}, columns of {task})"
 
 
 def check_max_length(model, max_length: int) -> None:

@@ -75,6 +75,23 @@ def test_own_data_through_a_bundled_config_is_named_by_its_file(tmp_path, capsys
     assert titles == [f"fedavg on {name} — 3 clients, 1 round"]
     # config.json keeps the registered task (export rebuilds the task from it)
     assert json.loads((out / "config.json").read_text())["resolved"]["task"] == "debian-sections"
+    # fedlora plot's figure and fedlora compare's table name the file too
+    from fedlora.llm.runfolder import read_run
+
+    run = read_run(out)
+    assert run.data_name == name and run.task == "debian-sections"
+    figs = []
+    real_curves = plots.curves_figure
+    monkeypatch.setattr(plots, "curves_figure", lambda rows, legend, metric, title: figs.append(title) or
+                        real_curves(rows, legend, metric, title))
+    assert main(["plot", str(out), "--out", str(tmp_path / "plot")]) == 0
+    assert figs == [f"{name} — test accuracy, 1 run"]
+    assert main(["compare", "tiny-smoke", "--methods", "fedavg", "--lr-grid", "1e-3", "--seeds", "1",
+                 "--set", "data.task=debian-sections", "--set", f"data.path={f}", "--set", "train.rounds=1",
+                 "--out", str(tmp_path / "cmp")]) == 0
+    cmp = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert cmp["task"] == name
+    assert f"on {name}," in (tmp_path / "cmp" / "compare.md").read_text().splitlines()[0]
 
 
 @pytest.mark.parametrize("config,sets,name", [

@@ -253,6 +253,24 @@ def test_flower_app_never_replaces_a_projects_pyproject(tmp_path, capsys, monkey
         assert (project / "pyproject.toml").read_bytes() == mine
 
 
+def test_write_app_dir_from_python_never_replaces_a_projects_pyproject(tmp_path):
+    """The library call behind `fedlora flower app` keeps the same rule for a caller that claims no folder:
+    a pyproject.toml it did not write stays; its own is rewritten."""
+    pytest.importorskip("flwr")
+    from fedlora.errors import ConfigError
+    from fedlora.llm.flower import write_app_dir
+
+    mine = b'[project]\nname = "my-project"\n'
+    (tmp_path / "pyproject.toml").write_bytes(mine)
+    with pytest.raises(ConfigError, match="not a fedlora Flower app's"):
+        write_app_dir(tmp_path)
+    assert (tmp_path / "pyproject.toml").read_bytes() == mine
+    app = tmp_path / "app"
+    write_app_dir(app)
+    first = (app / "pyproject.toml").read_bytes()
+    assert write_app_dir(app) == app and (app / "pyproject.toml").read_bytes() == first
+
+
 def test_flower_local_claims_its_work_folder_too(runs, tmp_path, capsys, monkeypatch):
     """--work holds the deployment's certificates, node keys and logs: refused when used, cleared (ours
     only) with --overwrite, before anything starts."""
