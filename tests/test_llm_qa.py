@@ -234,12 +234,7 @@ def test_training_rows_are_features_and_a_clients_weight_is_its_feature_count(tm
         assert set(ex[feats]) == set(c.train.tolist())  # exactly its questions' features, none of the others'
         assert run.sizes[k] == len(feats) == int(np.isin(ex, c.train).sum())
     # the reported EM/F1 are those of the answers it predicted (questions of several windows), scored here
-    final = _final_answers(run, predicted)
-    mine = [_squad_by_hand(final[k], [run.test_data.references[q] for q in run.clients[k].test]) for k in (0, 1)]
-    for k in (0, 1):
-        reported = summary["final_clients"][str(k)]["test"]
-        assert (reported["exact"], reported["f1"]) == pytest.approx(mine[k], abs=1e-9), k
-    assert summary["final_test"]["mean"]["f1"] == pytest.approx((mine[0][1] + mine[1][1]) / 2, abs=1e-9)
+    mine = _assert_reported_scores_are_its_answers(run, summary, predicted)
     assert all(0 < f1 and em < f1 for em, f1 in mine)  # partly right spans: F1 above EM, an informative value
 
 
@@ -267,6 +262,18 @@ def _final_answers(run, predicted) -> dict[int, list[str]]:
     return out
 
 
+def _assert_reported_scores_are_its_answers(run, summary, predicted) -> list[tuple[float, float]]:
+    """Clients 0 and 1's reported EM/F1 (and the clients' mean F1) equal their final answers scored by hand
+    against their test questions' references; returns the (EM, F1) of each."""
+    final = _final_answers(run, predicted)
+    mine = [_squad_by_hand(final[k], [run.test_data.references[q] for q in run.clients[k].test]) for k in (0, 1)]
+    for k in (0, 1):
+        reported = summary["final_clients"][str(k)]["test"]
+        assert (reported["exact"], reported["f1"]) == pytest.approx(mine[k], abs=1e-9), k
+    assert summary["final_test"]["mean"]["f1"] == pytest.approx((mine[0][1] + mine[1][1]) / 2, abs=1e-9)
+    return mine
+
+
 def test_a_clients_scores_are_what_its_exported_model_answers(tmp_path, monkeypatch):
     """What the run reports for each client is what that client's model answers: its `fedlora export` — a PEFT
     QUESTION_ANS adapter (span head in modules_to_save) on the run's base, and the merged HF model — gives start
@@ -285,12 +292,7 @@ def test_a_clients_scores_are_what_its_exported_model_answers(tmp_path, monkeypa
                            watch=lambda r: _watch_test_predictions(r, predicted))
     assert run.P == 2
     # the reported EM/F1 are those of the answers the run predicted, scored here by the official script's rules
-    final = _final_answers(run, predicted)
-    mine = [_squad_by_hand(final[k], [run.test_data.references[q] for q in run.clients[k].test]) for k in (0, 1)]
-    for k in (0, 1):
-        reported = summary["final_clients"][str(k)]["test"]
-        assert (reported["exact"], reported["f1"]) == pytest.approx(mine[k], abs=1e-9), k
-    assert summary["final_test"]["mean"]["f1"] == pytest.approx((mine[0][1] + mine[1][1]) / 2, abs=1e-9)
+    mine = _assert_reported_scores_are_its_answers(run, summary, predicted)
     assert 0 < mine[0][1] + mine[1][1] and mine[0] != mine[1]  # the numbers are informative (not all 0, not equal)
     info = json.loads((tmp_path / "run" / "config.json").read_text())
     assert info["resolved"]["head_linear"] == ["qa_outputs"]
