@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import re
 import signal
 import sys
@@ -90,6 +91,11 @@ class _Parser(argparse.ArgumentParser):
             self.print_help()
             raise ConfigError(f"`{self.prog}` needs a command: {', '.join(missing.choices)} "
                               f"(`{self.prog} COMMAND --help` says what each one takes)")
+        m = re.match(r"argument (\S+): invalid choice: (.+?) \(choose from ", message)
+        for action in self._actions if m else ():
+            if isinstance(action, argparse._SubParsersAction) and argparse._get_action_name(action) == m.group(1):
+                raise ConfigError(f"`{self.prog}` has no command {m.group(2)}; its commands: "
+                                  f"{', '.join(action.choices)} (`{self.prog} --help` says what each one does)")
         raise ConfigError(message)
 
 
@@ -250,6 +256,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             notes = "; ".join(str(n) for n in getattr(e, "__notes__", ()))
             print(f"fedlora: error: {e}" + (f"; {notes}" if notes else ""), file=sys.stderr)
             return 1
+        except BrokenPipeError:  # `fedlora … | head`: the reader has gone; nothing more to say, no traceback
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())  # (Python flushes stdout again at exit)
+            return 128 + signal.SIGPIPE
         except KeyboardInterrupt as e:  # SIGINT/SIGTERM (Interrupted) or a plain Ctrl-C: one line
             signum = getattr(e, "signum", signal.SIGINT)
             notes = "; ".join(str(n) for n in getattr(e, "__notes__", ()))

@@ -362,3 +362,36 @@ def test_synthetic_compare_says_1_seed_and_1_step_size():
     run_compare(cfg, log=lines.append)
     grid = [ln for ln in lines if "× 1 h ×" in ln]
     assert grid and all("1 step size × 1 h × 1 seed," in ln for ln in grid), lines
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback(monkeypatch):
+    """`fedlora run --list-configs | head -1`: the pipe's reader is gone before the listing ends; the command
+    stops quietly with 128 + SIGPIPE, as a command killed by the signal would, and prints no traceback."""
+    import io
+    import os
+    import signal
+    import sys
+
+    r, w = os.pipe()
+    os.close(r)
+    out, err = os.fdopen(w, "w", buffering=1), io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    try:
+        assert main(["run", "--list-configs"]) == 128 + signal.SIGPIPE
+    finally:
+        out.close()
+    assert err.getvalue() == ""
+
+
+@pytest.mark.parametrize("argv,prog,names", [
+    (["bogus"], "fedlora", "synthetic, run, export, plot, compare, flower"),
+    (["synthetic", "bogus"], "fedlora synthetic", "rank-recovery, bilevel-convergence, tune, compare, flower"),
+    (["flower", "bogus"], "fedlora flower", "local, certs, app, superlink, supernode"),
+])
+def test_an_unknown_command_is_named_with_the_commands_there_are(argv, prog, names, capsys):
+    """Not argparse's "argument group: invalid choice" (a dest name the help never shows)."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == f"fedlora: error: `{prog}` has no command 'bogus'; its commands: {names} (`{prog} --help` says " \
+                  f"what each one does)\n"
