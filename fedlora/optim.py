@@ -17,10 +17,31 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["StackedAdamW", "make_optimizer"]
+__all__ = ["PlainSGD", "StackedAdamW", "make_optimizer"]
 
 
-class StackedAdamW(torch.optim.Optimizer):
+class _NoDynamo:
+    """torch wraps these optimizer methods in ``torch._disable_dynamo``, whose first call imports
+    ``torch._dynamo`` (≈ 1 s of a command's start-up, again in every worker process). Nothing here is compiled,
+    so the plain functions — the same code, unwrapped — serve."""
+
+    add_param_group = torch.optim.Optimizer.add_param_group.__wrapped__
+    zero_grad = torch.optim.Optimizer.zero_grad.__wrapped__
+    state_dict = torch.optim.Optimizer.state_dict.__wrapped__
+    load_state_dict = torch.optim.Optimizer.load_state_dict.__wrapped__
+
+
+class PlainSGD(_NoDynamo, torch.optim.SGD):
+    """``torch.optim.SGD``, the same numbers, without importing ``torch._dynamo`` (``_NoDynamo``)."""
+
+    @torch.no_grad()  # what torch's step wrapper does outside compilation (differentiable=False)
+    def step(self, closure=None):
+        if self.defaults["differentiable"]:
+            raise ValueError("PlainSGD: differentiable=True is not supported (use torch.optim.SGD)")
+        return torch.optim.SGD.step.__wrapped__(self, closure)
+
+
+class StackedAdamW(_NoDynamo, torch.optim.Optimizer):
     """AdamW whose step count is per replica: ``state["step"]`` has shape (G,) for a parameter of
     shape (G, …). ``stacked=False`` treats each parameter as one replica (an ordinary AdamW)."""
 
@@ -67,11 +88,11 @@ class StackedAdamW(torch.optim.Optimizer):
 
 
 def make_optimizer(name: str, params, lr: float, weight_decay: float = 0.0) -> torch.optim.Optimizer:
-    """'adamw' → :class:`StackedAdamW` (per-replica step counts), 'sgd' → ``torch.optim.SGD``.
+    """'adamw' → :class:`StackedAdamW` (per-replica step counts), 'sgd' → :class:`PlainSGD` (torch's SGD).
 
     ``params``: tensors or param-group dicts, as for any torch optimizer."""
     if name == "adamw":
         return StackedAdamW(params, lr=lr, weight_decay=weight_decay)
     if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
+        return PlainSGD(params, lr=lr, weight_decay=weight_decay)
     raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {name!r}")

@@ -125,3 +125,33 @@ def test_survives_deepcopy_and_state_dict_round_trip():
         assert o.state[par]["step"].tolist() == [2.0, 2.0, 2.0]
         torch.testing.assert_close(o.state[par]["exp_avg"], ref.state[q]["exp_avg"], rtol=1e-14, atol=1e-15)
         torch.testing.assert_close(o.state[par]["exp_avg_sq"], ref.state[q]["exp_avg_sq"], rtol=1e-14, atol=1e-15)
+
+
+def test_plain_sgd_is_torchs_sgd_to_the_last_bit_and_shares_its_state_dict():
+    """PlainSGD (what make_optimizer('sgd') builds) is torch.optim.SGD without the wrappers that import
+    torch._dynamo: the same parameters after every step, with momentum, Nesterov, dampening and weight decay,
+    and a state_dict either one loads."""
+    from fedlora.optim import PlainSGD, make_optimizer
+
+    assert type(make_optimizer("sgd", [torch.zeros(2, requires_grad=True)], 0.1)) is PlainSGD
+    for kw in ({}, {"momentum": 0.9, "weight_decay": 1e-2}, {"momentum": 0.9, "nesterov": True},
+               {"momentum": 0.5, "dampening": 0.3, "maximize": True}):
+        g = torch.Generator().manual_seed(0)
+        start = [torch.randn(3, 4, generator=g, dtype=torch.float64), torch.randn(5, generator=g, dtype=torch.float64)]
+        grads = [[torch.randn_like(p) for p in start] for _ in range(4)]
+        runs = []
+        for cls in (torch.optim.SGD, PlainSGD):
+            ps = [p.clone().requires_grad_(True) for p in start]
+            opt = cls(ps, lr=0.1, **kw)
+            for step in grads:
+                opt.zero_grad()
+                for p, gr in zip(ps, step):
+                    p.grad = gr.clone()
+                opt.step()
+            runs.append((ps, opt.state_dict()))
+        for a, b in zip(runs[0][0], runs[1][0]):
+            assert torch.equal(a, b), kw
+        ps = [p.clone().requires_grad_(True) for p in start]
+        twin = PlainSGD(ps, lr=0.1, **kw)
+        twin.load_state_dict(runs[0][1])  # torch's state, loaded by ours
+        assert twin.state_dict()["param_groups"] == runs[0][1]["param_groups"]
