@@ -13,7 +13,7 @@ from fedlora.aggmath.h2tune import (kl_softmax, server_mean, sparsify_support, t
                                     trilora_delta)
 from fedlora.errors import ConfigError
 from fedlora.methods import H2Tune, get_method
-from fedlora.optim import StackedAdamW
+from fedlora.optim import PlainSGD, StackedAdamW
 from fedlora.methods.h2tune import output_kl
 from fedlora.payload import Payload
 from fedlora.simulator import Federation, run_rounds
@@ -417,7 +417,7 @@ def test_default_optimizer_is_plain_sgd_as_in_app_a():
     _randomise(model)
     m.setup(model, [0, 1])
     for opt, lr in ((m.opt_shared, 0.02), (m.opt_specific, 0.05)):
-        assert type(opt) is torch.optim.SGD
+        assert type(opt) is PlainSGD  # torch's SGD, the same numbers (tests/test_optim.py)
         assert opt.defaults["lr"] == lr and opt.defaults["momentum"] == 0 and opt.defaults["weight_decay"] == 0
     adamw = H2Tune(rank=3, lr=0.05, shared_lr=0.02, optimizer="adamw")  # AdamW stays an option
     adamw.setup(model, [0, 1])
