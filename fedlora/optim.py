@@ -64,27 +64,66 @@ class StackedAdamW(_NoDynamo, torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            ps, gs, ms, vs, steps, shapes = [], [], [], [], [], []
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                g = p.grad
                 st = self.state[p]
                 lead = (p.shape[0],) if group["stacked"] and p.dim() >= 1 else ()
                 if not st:
                     st["step"] = torch.zeros(lead, dtype=torch.float64, device=p.device)
                     st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                step, m, v = st["step"], st["exp_avg"], st["exp_avg_sq"]
-                step += 1
-                shape = lead + (1,) * (p.dim() - len(lead))
-                p.mul_(1 - lr * wd)
-                m.lerp_(g, 1 - beta1)
-                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                # the order of torch's single-tensor AdamW: step_size·m / (√v / √bc2 + eps)
-                step_size = (lr / (1 - beta1 ** step)).to(p.dtype).reshape(shape)
-                bc2_sqrt = (1 - beta2 ** step).sqrt().to(p.dtype).reshape(shape)
-                p.sub_((m * step_size) / ((v.sqrt() / bc2_sqrt) + eps))
+                ps.append(p)
+                gs.append(p.grad)
+                ms.append(st["exp_avg"])
+                vs.append(st["exp_avg_sq"])
+                steps.append(st["step"])
+                shapes.append(lead + (1,) * (p.dim() - len(lead)))
+            if ps:
+                self._update(ps, gs, ms, vs, steps, shapes, lr, beta1, beta2, eps, wd)
         return loss
+
+    @staticmethod
+    def _update(ps, gs, ms, vs, steps, shapes, lr, beta1, beta2, eps, wd) -> None:
+        """One AdamW step of the tensors ``ps`` (gradients ``gs``, moments ``ms``, ``vs``, per-replica step
+        counts ``steps``; ``shapes``: how a step count broadcasts over its parameter).
+
+        Each tensor goes through exactly the operations, kernels and order of torch's single-tensor AdamW
+        (with the bias correction a tensor): ``p ← p·(1 − lr·wd)``, ``m ← lerp(m, g, 1 − β₁)``,
+        ``v ← β₂v + (1 − β₂)g²``, ``p ← p − (m·step_size) / (√v / √bc₂ + eps)``, so the numbers are the same to
+        the last bit; only the dispatch is cheaper (2× faster on the rank-recovery shapes,
+        bench/test_bench_optim.py): torch's ``_foreach_*`` ops, which on the CPU run the same per-tensor kernel
+        for each tensor of the list; the multiplication by 1 skipped (``wd = 0``: the identity); one bias
+        correction for tensors whose step counts are equal (the same values in, the same values out)."""
+        torch._foreach_add_(steps, 1)
+        if 1 - lr * wd != 1:
+            torch._foreach_mul_(ps, 1 - lr * wd)
+        torch._foreach_lerp_(ms, gs, 1 - beta1)
+        torch._foreach_mul_(vs, beta2)
+        torch._foreach_addcmul_(vs, gs, gs, value=1 - beta2)
+        # the order of torch's single-tensor AdamW: step_size·m / (√v / √bc2 + eps)
+        sizes, bc2s, last = [], [], None
+        for p, step, shape in zip(ps, steps, shapes):
+            if last is not None and last[1:] == (p.dtype, shape) and torch.equal(last[0], step):
+                sizes.append(sizes[-1])
+                bc2s.append(bc2s[-1])
+                continue
+            # lr / (1 − β₁ᵗ) and √(1 − β₂ᵗ), as the operators compute them (Tensor.__rpow__, __rsub__ and
+            # __rdiv__: torch.pow, torch.rsub, reciprocal then ·lr), without their Python wrappers
+            step_size = torch.reciprocal(torch.rsub(torch.pow(beta1, step), 1)).mul_(lr)
+            bc2_sqrt = torch.rsub(torch.pow(beta2, step), 1).sqrt_()
+            if step_size.dtype != p.dtype:
+                step_size, bc2_sqrt = step_size.to(p.dtype), bc2_sqrt.to(p.dtype)
+            sizes.append(step_size.view(shape))  # (fresh, contiguous tensors: a view is their reshape)
+            bc2s.append(bc2_sqrt.view(shape))
+            last = (step, p.dtype, shape)
+        denom = torch._foreach_sqrt(vs)
+        torch._foreach_div_(denom, bc2s)
+        torch._foreach_add_(denom, eps)
+        update = torch._foreach_mul(ms, sizes)
+        torch._foreach_div_(update, denom)
+        torch._foreach_sub_(ps, update)
 
 
 def make_optimizer(name: str, params, lr: float, weight_decay: float = 0.0) -> torch.optim.Optimizer:

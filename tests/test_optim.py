@@ -155,3 +155,55 @@ def test_plain_sgd_is_torchs_sgd_to_the_last_bit_and_shares_its_state_dict():
         twin = PlainSGD(ps, lr=0.1, **kw)
         twin.load_state_dict(runs[0][1])  # torch's state, loaded by ours
         assert twin.state_dict()["param_groups"] == runs[0][1]["param_groups"]
+
+
+def _adamw_one_tensor(p, g, st, lr, beta1, beta2, eps, wd, stacked):
+    """Reference: one tensor's AdamW step with a per-replica step count, written out one operation at a time in
+    the order of torch's single-tensor AdamW (StackedAdamW's update before it batched the tensors)."""
+    lead = (p.shape[0],) if stacked and p.dim() >= 1 else ()
+    if not st:
+        st.update(step=torch.zeros(lead, dtype=torch.float64), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+    step, m, v = st["step"], st["exp_avg"], st["exp_avg_sq"]
+    step += 1
+    shape = lead + (1,) * (p.dim() - len(lead))
+    p.mul_(1 - lr * wd)
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    step_size = (lr / (1 - beta1 ** step)).to(p.dtype).reshape(shape)
+    bc2_sqrt = (1 - beta2 ** step).sqrt().to(p.dtype).reshape(shape)
+    p.sub_((m * step_size) / ((v.sqrt() / bc2_sqrt) + eps))
+
+
+def test_step_is_the_single_tensor_update_to_the_last_bit():
+    """StackedAdamW.step (torch's _foreach ops over the group, one bias correction shared by tensors with equal
+    step counts) gives the numbers of the one-tensor-at-a-time update bit for bit: stacked and unstacked
+    groups, float64 and float32, weight decay 0 and 0.1, a changing lr (a schedule), a parameter without a
+    gradient, and replicas whose state is reset between steps (client sampling: unequal step counts)."""
+    for dtype, wd, stacked in ((torch.float64, 0.0, True), (torch.float64, 0.1, True), (torch.float32, 0.1, True),
+                               (torch.float32, 0.0, False)):
+        g = torch.Generator().manual_seed(0)
+        shapes = [(6, 4, 5), (6, 5, 4), (6, 3), (6, 4, 5)]
+        start = [torch.randn(s, generator=g, dtype=dtype) for s in shapes]
+        ours = [torch.nn.Parameter(t.clone()) for t in start]
+        ref = [t.clone() for t in start]
+        opt = StackedAdamW(ours, lr=0.05, weight_decay=wd, stacked=stacked)
+        ref_state = [{} for _ in ref]
+        for i in range(60):
+            lr = 0.05 * (1 - i / 60)
+            opt.param_groups[0]["lr"] = lr
+            grads = [torch.randn(s, generator=g, dtype=dtype) for s in shapes]
+            for k, (p, gr) in enumerate(zip(ours, grads)):
+                p.grad = None if (k == 2 and i % 7 == 3) else gr.clone()
+            for k, (p, gr, st) in enumerate(zip(ref, grads, ref_state)):
+                if not (k == 2 and i % 7 == 3):
+                    _adamw_one_tensor(p, gr, st, lr, 0.9, 0.999, 1e-8, wd, stacked)
+            opt.step()
+            if stacked and i % 9 == 4:  # replica i % 6 of the first or second tensor starts afresh (Method.restore)
+                for k in ((i // 9) % 2,):
+                    for st in (opt.state[ours[k]], ref_state[k]):
+                        for key in ("step", "exp_avg", "exp_avg_sq"):
+                            st[key][i % 6] = 0
+        for k, (p, r) in enumerate(zip(ours, ref)):
+            assert torch.equal(p.detach(), r), (dtype, wd, stacked, k)
+            for key in ("step", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(opt.state[p][key], ref_state[k][key]), (dtype, wd, stacked, k, key)
