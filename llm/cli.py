@@ -478,7 +478,7 @@ def _report(summary, out) -> None:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from fedlora.llm.export import claim_export_dir, export_merged, export_peft
+    from fedlora.llm.runfolder import claim_export_dir, read_run_config
 
     if args.client < 0:
         raise ConfigError(f"--client: must be an integer ≥ 0, got {args.client}")
@@ -486,6 +486,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
     # no folder it created (and no file it wrote)
     folder = claim_export_dir(args.out, args.overwrite, args.run_dir)
     try:
+        read_run_config(args.run_dir, "export")  # not a run folder: one line, before torch is imported
+        from fedlora.llm.export import export_merged, export_peft
+
         path = (export_peft if args.format == "peft" else export_merged)(args.run_dir, args.client, folder.path,
                                                                          overwrite=args.overwrite)
     except BaseException:

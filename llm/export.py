@@ -36,19 +36,10 @@ import torch
 from fedlora.errors import ConfigError
 from fedlora.kernels import fold_adapters
 
-from .runfolder import client_view, read_run_config
+from .runfolder import EXPORT_WRITES, claim_export_dir, client_view, read_run_config  # noqa: F401  (the first two: fedlora.llm.export's too)
 
 __all__ = ["lora_factors", "export_peft", "export_merged", "load_run_adapter", "load_run_base_model",
            "merge_adapters", "unmerge_adapters", "config_digest", "MERGED_UPDATE", "EXPORT_WRITES", "claim_export_dir"]
-
-#: every entry an export (PEFT or merged) may write into its ``--out``: ``--overwrite`` clears only these
-#: (fnmatch patterns for sharded weights). The tokenizer's files are those HF tokenizers save.
-EXPORT_WRITES = ("adapter_config.json", "adapter_model.safetensors", "fedlora_export.json",  # PEFT
-                 "config.json", "generation_config.json", "model.safetensors", "model-*-of-*.safetensors",
-                 "model.safetensors.index.json",                                               # merged
-                 "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                 "chat_template.jinja", "chat_template.json", "vocab.txt", "vocab.json", "merges.txt",
-                 "tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
 
 #: FLoRA: the update merged into the run's shared base (in ``adapters/``, one for all clients)
 MERGED_UPDATE = "merged_update.safetensors"
@@ -176,18 +167,6 @@ def _unfinished(run_dir: str | Path, info: Mapping[str, Any]) -> str | None:
     if state.get("status") == "running":  # still going, or killed (SIGKILL leaves "running")
         return f"{said}, round {done} of {planned} done"
     return f"{said} after round {done} of {planned}"
-
-
-def claim_export_dir(out: str | Path, overwrite: bool, run_dir: str | Path, flag: str = "--out"):
-    """``out`` as the export's folder (``fedlora.io.claim_output_dir``, nothing cleared yet: the export clears
-    it with ``OutputDir.clear`` once everything else is checked): new or empty, or with ``overwrite`` a folder
-    that holds nothing but an earlier export's files (``EXPORT_WRITES``); never the run folder or one holding it."""
-    from fedlora.io import claim_output_dir
-
-    o, r = Path(out).resolve(), Path(run_dir).resolve()
-    if overwrite and (o == r or o in r.parents):
-        raise ConfigError(f"{flag}: {str(out)!r} holds the run folder {str(run_dir)!r}: --overwrite would delete it")
-    return claim_output_dir(out, flag, writes=EXPORT_WRITES, overwrite=overwrite, clear=False)
 
 
 def _exporting(out: str | Path, overwrite: bool, run_dir: str | Path, check, write):

@@ -8,6 +8,9 @@ no such folder, no config.json or rounds.jsonl, a file that is not the JSON a ru
 run is read as far as it got (``RunFolder.complete`` is False, ``incomplete_note`` says how far): a
 last line of rounds.jsonl cut short by a kill is dropped (``dropped_partial_line``); a bad line
 anywhere else is refused.
+
+It imports no torch: ``fedlora export`` claims its ``--out`` (``claim_export_dir``, ``EXPORT_WRITES``, which
+``fedlora.llm.export`` re-exports) and refuses a missing run folder from here, in one line, before it imports torch.
 """
 from __future__ import annotations
 
@@ -18,7 +21,16 @@ from typing import Any, Mapping
 
 from fedlora.errors import ConfigError
 
-__all__ = ["RunFolder", "read_run", "read_run_config", "read_status", "client_view"]
+__all__ = ["RunFolder", "read_run", "read_run_config", "read_status", "client_view", "EXPORT_WRITES", "claim_export_dir"]
+
+#: every entry an export (PEFT or merged) may write into its ``--out``: ``--overwrite`` clears only these
+#: (fnmatch patterns for sharded weights). The tokenizer's files are those HF tokenizers save.
+EXPORT_WRITES = ("adapter_config.json", "adapter_model.safetensors", "fedlora_export.json",  # PEFT
+                 "config.json", "generation_config.json", "model.safetensors", "model-*-of-*.safetensors",
+                 "model.safetensors.index.json",                                               # merged
+                 "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                 "chat_template.jinja", "chat_template.json", "vocab.txt", "vocab.json", "merges.txt",
+                 "tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
 
 
 def _json_file(path: Path, what: str) -> Any:
@@ -44,6 +56,18 @@ def read_run_config(run_dir: str | Path, what: str = "RUN_DIR") -> dict[str, Any
     if not (isinstance(info, dict) and isinstance(info.get("config"), dict) and isinstance(info.get("resolved"), dict)):
         raise ConfigError(f"{what}: {str(path)!r} is not a fedlora run's config.json (no 'config' and 'resolved' tables)")
     return info
+
+
+def claim_export_dir(out: str | Path, overwrite: bool, run_dir: str | Path, flag: str = "--out"):
+    """``out`` as the export's folder (``fedlora.io.claim_output_dir``, nothing cleared yet: the export clears
+    it with ``OutputDir.clear`` once everything else is checked): new or empty, or with ``overwrite`` a folder
+    that holds nothing but an earlier export's files (``EXPORT_WRITES``); never the run folder or one holding it."""
+    from fedlora.io import claim_output_dir
+
+    o, r = Path(out).resolve(), Path(run_dir).resolve()
+    if overwrite and (o == r or o in r.parents):
+        raise ConfigError(f"{flag}: {str(out)!r} holds the run folder {str(run_dir)!r}: --overwrite would delete it")
+    return claim_output_dir(out, flag, writes=EXPORT_WRITES, overwrite=overwrite, clear=False)
 
 
 def client_view(info: Mapping[str, Any], client: int) -> dict[str, Any]:

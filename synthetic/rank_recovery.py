@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import pickle
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -24,6 +22,7 @@ from fedlora.errors import ConfigError, did_you_mean
 from fedlora.methods import HetLoRA, PF2LoRA
 from fedlora.simulator import Federation, run_rounds
 
+from . import _worker
 from .closed_forms import best_two_level_fit, mse, reduced_rank_regression
 from .data import GROUND_TRUTHS, make_clients, per_client
 from .rank import numerical_rank, rank90
@@ -276,21 +275,13 @@ def _data_for(cfg: RankRecoveryConfig) -> _Stacked:
     return _make_data(cfg)
 
 
-#: the child's program: ``fedlora.synthetic._worker`` without the current folder on sys.path. ``python -m``
-#: would put it first, and from a clone's root that makes the source folder ``fedlora/`` (which holds no
-#: ``kernels``/``llm``/``synthetic``: they install as fedlora.*) shadow the installed package, and the
-#: folder ``kernels/`` HuggingFace's ``kernels``. The parent's own sys.path comes through PYTHONPATH.
-_CHILD = "import sys; sys.path[:] = [p for p in sys.path if p]; from fedlora.synthetic._worker import main; main()"
-
-
 class _Worker:
-    """One method running in a child interpreter (``fedlora.synthetic._worker``); ``result()`` waits for it."""
+    """One method running in a child interpreter (``fedlora.synthetic._worker``); ``result()`` waits for it.
+    The child is one ``_worker.prestart`` started if there is one (it has imported torch meanwhile), else a new one."""
 
     def __init__(self, name: str, cfg: RankRecoveryConfig) -> None:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         self.name = name
-        self.proc = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        self.proc = _worker.take() or _worker.spawn()
         # Send the job now (a few hundred bytes: never blocks on the pipe) so the child starts at once.
         self.proc.stdin.write(pickle.dumps((name, cfg, torch.get_num_threads())))
         self.proc.stdin.close()
@@ -311,10 +302,9 @@ class _Worker:
 
 def _start_workers(cfg: RankRecoveryConfig, names: list[str]) -> dict[str, _Worker]:
     """Start ``names`` in child processes, at most ``jobs − 1`` of them (this process is one job)."""
-    jobs = cfg.jobs or min(len(cfg.methods), os.cpu_count() or 1)
     if not sys.executable:  # an embedded interpreter cannot start a child: run everything here
         return {}
-    return {n: _Worker(n, cfg) for n in names[:max(0, jobs - 1)]}
+    return {n: _Worker(n, cfg) for n in names[:_worker.workers_needed(len(cfg.methods), cfg.jobs)]}
 
 
 def run_rank_recovery(cfg: RankRecoveryConfig, *, log=print) -> dict[str, Any]:
