@@ -56,7 +56,8 @@ Ignored, and nothing else (each is printed with how often it was skipped):
   rounds.jsonl, which holds ``wall_s``; that rounds.jsonl itself is compared with ``wall_s`` ignored).
 
 One line per run (``same`` or ``DIFF`` with the first differing file, line and key path, and how many
-values differ; ``--all``: every difference), then the ignored keys; exit 1 if any run differs, is missing on one side, or failed.
+values differ; ``--all``: every difference), then the ignored keys; exit 1 if any run differs, is missing
+on one side, or failed.
 """
 from __future__ import annotations
 
