@@ -1,7 +1,9 @@
 """bench/kernels_gpu.py --smoke: the whole GPU-benchmark script path, on CPU under the Triton interpreter.
 
-Each case runs the script's ``main([...])`` in a fresh subprocess, because TRITON_INTERPRET must be set
-before triton is first imported (another test may already have imported it in this process).
+The cases run the script's ``main([...])`` in ONE fresh subprocess (module fixture ``runs``), because
+TRITON_INTERPRET must be set before triton is first imported (another test may already have imported it in
+this process): the smoke run first, then each planted bug, each restored before the next run, each run's
+exit status and stdout/stderr captured on its own (one interpreter instead of four: ≈ 2 s of imports each).
 The smoke mode checks every variant's output and gradients against a float64 reference and exits
 non-zero past 1e-4; ``test_smoke_fails_on_wrong_fused_op`` and ``test_smoke_fails_on_wrong_multi_op`` show
 that check bites (the latter for the multi-client ``lora_linear_multi`` measurement). The same check decides
@@ -26,35 +28,69 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "kernels_gpu.py"
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed"),
+              pytest.mark.xdist_group("kernels_gpu_script")]  # one worker computes the module fixture `runs`
 
-# loads the script as a module and calls main(argv); PATCH (optional) runs first, with `kernels` imported
+# loads the script as a module and calls main(argv) once per job, in order; each job's patch (optional)
+# runs first, with `kernels` imported, and is undone (the two ops restored) after its run
 _RUNNER = """
-import importlib.util, json, sys
+import contextlib, importlib.util, io, json, sys, time
 spec = importlib.util.spec_from_file_location("kernels_gpu", {script!r})
 mod = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mod)
 from fedlora import kernels
-{patch}
-sys.exit(mod.main(json.loads({argv!r})))
+results = {{}}
+for name, patch, argv in json.loads({jobs!r}):
+    saved = (kernels.lora_linear_triton, kernels.lora_linear_multi)
+    exec(patch, {{"kernels": kernels}})
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = mod.main(argv)
+    finally:
+        kernels.lora_linear_triton, kernels.lora_linear_multi = saved
+    results[name] = {{"rc": rc, "stdout": out.getvalue(), "stderr": err.getvalue(), "end": time.time()}}
+print(json.dumps(results))
 """
 
 NUMERIC = ("ms", "TB/s", "TFLOP/s", "%HBM", "%peak", "fused_vs_eager_rel_err", "rel_err", "grad_rel_err")
 
 
-def _run(argv, patch="", timeout=120):
+class _Proc:
+    """One main() call's exit status and output, as subprocess.run gave them."""
+
+    def __init__(self, res: dict):
+        self.returncode, self.stdout, self.stderr = res["rc"], res["stdout"], res["stderr"]
+
+
+def _run_all(jobs, timeout=300) -> tuple[dict, float, dict]:
+    """Runs ``jobs`` [(name, patch, argv)] in one fresh interpreter; returns ({name: _Proc}, its start time, {name: raw result})."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "FEDLORA_KERNELS": "triton", "FEDLORA_KERNELS_POISON": "1",
            "OMP_NUM_THREADS": "1"}
-    code = _RUNNER.format(script=str(SCRIPT), patch=patch, argv=json.dumps([str(a) for a in argv]))
-    t0 = time.perf_counter()
+    code = _RUNNER.format(script=str(SCRIPT), jobs=json.dumps([[n, p, [str(a) for a in argv]] for n, p, argv in jobs]))
+    t0 = time.time()
     proc = subprocess.run([sys.executable, "-c", code], cwd=tempfile.gettempdir(), env=env, capture_output=True, text=True,
                           timeout=timeout)
-    return proc, time.perf_counter() - t0
+    assert proc.returncode == 0, f"the runner failed: rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    results = json.loads(proc.stdout.splitlines()[-1])
+    return {name: _Proc(res) for name, res in results.items()}, t0, results
 
 
-def test_smoke_runs_whole_script_on_cpu_interpreter(tmp_path):
-    out = tmp_path / "res"
-    proc, elapsed = _run(["--smoke", "--out", out])
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The smoke run, then each planted bug (``_WRONG_*`` below) on the small case: {name: (_Proc, out dir, s)}."""
+    root = tmp_path_factory.mktemp("kernels_gpu")
+    small = ["--smoke", "--M", "17", "--ranks", "4+2"]
+    jobs = [("smoke", "", ["--smoke", "--out", root / "smoke"]),
+            ("fwd", _WRONG_FWD, [*small, "--out", root / "fwd"]),
+            ("grad", _WRONG_GRAD, [*small, "--out", root / "grad"]),
+            ("multi", _WRONG_MULTI, [*small, "--out", root / "multi"])]
+    procs, t0, raw = _run_all(jobs)
+    return {name: (procs[name], root / name, raw[name]["end"] - t0) for name in procs}
+
+
+def test_smoke_runs_whole_script_on_cpu_interpreter(runs):
+    proc, out, elapsed = runs["smoke"]  # elapsed: from the interpreter's start to the end of this run
     assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     assert elapsed < 60, f"smoke run took {elapsed:.1f} s"
 
@@ -126,10 +162,10 @@ kernels.lora_linear_triton = _wrong
 """
 
 
-@pytest.mark.parametrize("patch,bad_passes", [(_WRONG_FWD, {"fwd", "fwd+bwd"}), (_WRONG_GRAD, {"fwd+bwd"})],
+@pytest.mark.parametrize("name,bad_passes", [("fwd", {"fwd", "fwd+bwd"}), ("grad", {"fwd+bwd"})],
                          ids=["fwd", "grad"])
-def test_smoke_fails_on_wrong_fused_op(tmp_path, patch, bad_passes):
-    proc, _ = _run(["--smoke", "--M", "17", "--ranks", "4+2", "--out", tmp_path], patch=patch)
+def test_smoke_fails_on_wrong_fused_op(runs, name, bad_passes):
+    proc, tmp_path, _ = runs[name]  # the smoke run on M=17, ranks 4+2 with _WRONG_FWD / _WRONG_GRAD
     assert proc.returncode == 1, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert "check(s) FAILED" in proc.stderr, proc.stderr[-3000:]
     meta = json.loads(next(tmp_path.glob("kernels_gpu_*.json")).read_text())
@@ -152,8 +188,8 @@ kernels.lora_linear_multi = _wrong
 """
 
 
-def test_smoke_fails_on_wrong_multi_op(tmp_path):
-    proc, _ = _run(["--smoke", "--M", "17", "--ranks", "4+2", "--out", tmp_path], patch=_WRONG_MULTI)
+def test_smoke_fails_on_wrong_multi_op(runs):
+    proc, tmp_path, _ = runs["multi"]  # the smoke run on M=17, ranks 4+2 with _WRONG_MULTI
     assert proc.returncode == 1, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert "check(s) FAILED" in proc.stderr, proc.stderr[-3000:]
     meta = json.loads(next(tmp_path.glob("kernels_gpu_*.json")).read_text())
