@@ -301,28 +301,31 @@ class _Worker:
 
 
 def _start_workers(cfg: RankRecoveryConfig, names: list[str]) -> dict[str, _Worker]:
-    """Start ``names`` in child processes, at most ``jobs − 1`` of them (this process is one job)."""
+    """Start the first of ``names`` in child processes, at most ``jobs − 1`` of them (this process is one job)."""
     if not sys.executable:  # an embedded interpreter cannot start a child: run everything here
         return {}
     return {n: _Worker(n, cfg) for n in names[:_worker.workers_needed(len(cfg.methods), cfg.jobs)]}
 
 
-def run_rank_recovery(cfg: RankRecoveryConfig, *, log=print) -> dict[str, Any]:
+def run_rank_recovery(cfg: RankRecoveryConfig, *, log=print, while_waiting=None) -> dict[str, Any]:
     """Run the experiment and return the JSON-serialisable result (schema: docs/reference/metrics-json.md).
 
-    With ``cfg.jobs`` ≠ 1 the first method (PF2LoRA by default, the longest) runs in this process
-    and the others in worker processes started first; the result is the same either way.
+    With ``cfg.jobs`` ≠ 1 the first method (PF2LoRA by default, the longest) runs in a worker process
+    started first, and the last (HetLoRA) in this process, which also computes the oracles meanwhile; the
+    result is the same either way. ``while_waiting()``, if given, runs once this process has done its own
+    part, before it waits for the workers (``fedlora synthetic rank-recovery`` imports matplotlib there);
+    without workers it is not called.
     """
     cfg.validate()
-    workers = _start_workers(cfg, list(cfg.methods[1:]))
+    workers = _start_workers(cfg, list(cfg.methods[:-1]))
     try:
-        return _run_rank_recovery(cfg, workers, log)
+        return _run_rank_recovery(cfg, workers, log, while_waiting)
     finally:
         for w in workers.values():
             w.kill()
 
 
-def _run_rank_recovery(cfg: RankRecoveryConfig, workers: dict, log) -> dict[str, Any]:
+def _run_rank_recovery(cfg: RankRecoveryConfig, workers: dict, log, while_waiting=None) -> dict[str, Any]:
     data = _data_for(cfg)
     S, K = len(data.seeds), data.n_clients
     t0 = time.perf_counter()
@@ -340,6 +343,9 @@ def _run_rank_recovery(cfg: RankRecoveryConfig, workers: dict, log) -> dict[str,
     for name in sorted(cfg.methods, key=lambda n: n in workers):  # in-process ones first, then collect
         log(f"[rank-recovery] {name}: {S} seed(s) × {K} clients, {cfg.steps} steps, I = {cfg.interval}"
             + (" (worker process)" if name in workers else ""))
+        if name in workers and while_waiting is not None:
+            while_waiting()
+            while_waiting = None
         results[name] = workers[name].result() if name in workers else _run_method(name, cfg, data)
         log(f"[rank-recovery] {name}: {results[name][1]['wall_s']:.1f} s")
 

@@ -1,7 +1,7 @@
 """What a command imports, and when (issue 26 §2): the help, the config listing, a config error and an export
 or plot of a missing run folder need no torch; the synthetic commands never import torch._dynamo (torch's
 optimizers import it on their first call: ≈ 1 s of start-up, again in every worker process) nor transformers,
-nor matplotlib with --no-plot or before their results are written; rank-recovery starts its worker process
+nor matplotlib with --no-plot or before their own computation is done; rank-recovery starts its worker process
 before it imports torch (the two imports overlap) and, as the `fedlora` script, ends without the interpreter's
 teardown; an embedded `fedlora run` (and its dry run) imports no flwr, and matplotlib only to draw rounds.png.
 One fresh interpreter per test (the test process itself has imported everything already).
@@ -22,13 +22,16 @@ PROBE = textwrap.dedent("""
     class Watch:
         def find_spec(self, name, path=None, target=None):
             if name in ("torch", "matplotlib") and name not in seen:
-                seen[name] = {"prestarted_workers": len(worker._idle), "rr_metrics_written": os.path.exists("rr2/metrics.json")}
+                seen[name] = {"prestarted_workers": len(worker._idle), "printed": printed.getvalue()}
             return None
 
     sys.meta_path.insert(0, Watch())
+    printed = io.StringIO()  # what the command running now has printed so far
 
     def quiet(argv):
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        printed.seek(0)
+        printed.truncate()
+        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(io.StringIO()):
             try:
                 return main(argv)
             except SystemExit as e:  # --help
@@ -47,7 +50,7 @@ PROBE = textwrap.dedent("""
         out["synthetic"][argv[1]] = [quiet(argv), "torch._dynamo" in sys.modules, "transformers" in sys.modules,
                                      "matplotlib" in sys.modules]
     out["rank-recovery with its figure"] = quiet(["synthetic", "rank-recovery", "--seeds", "1", "--steps", "20",
-                                                  "--jobs", "1", "--out", "rr2"])
+                                                  "--jobs", "2", "--out", "rr2"])
     out["seen"] = seen
     print(json.dumps(out), flush=True)
     # the `fedlora` script (main() on sys.argv): it ends without the interpreter's teardown, its output flushed
@@ -73,10 +76,12 @@ def test_commands_import_only_what_they_use(tmp_path):
     # no torch._dynamo, transformers, or matplotlib (--no-plot) for a synthetic command
     assert out["synthetic"] == {c: [0, False, False, False] for c in ("rank-recovery", "bilevel-convergence", "compare")}
     # rank-recovery's worker process was started before this process imported torch; matplotlib came only
-    # for the figure, after metrics.json was written
+    # for the figure: once this process's own method (HetLoRA) was done, while PF2LoRA's worker ran
     assert out["seen"]["torch"]["prestarted_workers"] == 1
     assert out["rank-recovery with its figure"] == 0 and (tmp_path / "rr2" / "rank_recovery.png").is_file()
-    assert out["seen"]["matplotlib"]["rr_metrics_written"] is True
+    printed = out["seen"]["matplotlib"]["printed"].splitlines()
+    assert [line.split(":")[0] for line in printed] == ["[rank-recovery] hetlora"] * 2 + ["[rank-recovery] pf2lora"]
+    assert printed[1].endswith(" s") and printed[2].endswith("(worker process)")
     # the script's command finished (its last line flushed out) and the process ended without the teardown
     assert lines[-1] == f"wrote {'rr3/metrics.json'}" and "TEARDOWN" not in lines
     assert (tmp_path / "rr3" / "metrics.json").is_file()
