@@ -2,6 +2,7 @@
 
     python -m fedlora.kernels.aot --out DIR            # CI subset (a few shapes, minutes on 2 cores)
     python -m fedlora.kernels.aot --full --out DIR     # the whole sweep (or FEDLORA_AOT_FULL=1)
+    python -m fedlora.kernels.aot --each-config-once   # the CI subset, each config compiled once (the test)
 
 How. The real op (``lora_linear_triton`` / ``lora_linear_multi``, forward and backward through
 autograd) runs on ``meta`` tensors inside ``fedlora.kernels.lora_linear.compile_only``: its host code is
@@ -19,6 +20,14 @@ memory fits one block (``--smem-limit``, default 232448 bytes = H100's 227 KiB o
 the autotuner skips configs that do not fit, so one fitting config per launch is what a run
 needs). Spills are reported, not failures. Exit 2: this triton cannot do it (needs ≥ 3.9 with
 the NVIDIA backend) — a message, not a traceback.
+
+``--each-config-once`` (what ``tests/test_kernels_aot.py`` runs, ≈ 2/3 of the compiles): a kept config is
+compiled for one launch of each (kernel, dtype, precision) — the first that keeps it — and every launch
+compiles its configs not compiled before, then the others until one fits; so every (kernel, dtype,
+precision, config) compiles for sm_90, every launch's flag set compiles with at least one config, and the
+fit check is the same (a launch fails only when none of its kept configs fits). What it leaves out is a
+config already compiled recompiled with other flags (e.g. with and without the bias); the default compiles
+every (launch, config) pair.
 
 Output: ``aot_sm{ARCH}.json`` (every compiled (launch, config) row, the summary, the failures) and
 ``aot_sm{ARCH}.md`` (summary, per-kernel register/spill/shared-memory table) in ``--out``.
@@ -219,8 +228,9 @@ def _config_str(cfg) -> str:
 class Compiler:
     """Collects, per launch the op makes, the pruned configs compiled for the target."""
 
-    def __init__(self, arch: int, smem_limit: int):
-        self.arch, self.smem_limit = arch, smem_limit
+    def __init__(self, arch: int, smem_limit: int, each_config_once: bool = False):
+        self.arch, self.smem_limit, self.each_config_once = arch, smem_limit, each_config_once
+        self.compiled_keys: set = set()  # (kernel, dtype, precision, config) compiled so far (each_config_once)
         self.rows: list[dict] = []
         self.launches: list[dict] = []
         self.failures: list[str] = []
@@ -228,7 +238,8 @@ class Compiler:
         self.case: Case | None = None
 
     def hook(self, kernel, grid, args, kwargs):
-        """``compile_only`` hook: compile every config the autotuner would try for this launch."""
+        """``compile_only`` hook: compile every config the autotuner would try for this launch (with
+        ``each_config_once``: those not compiled before, then the others until one fits)."""
         at = kernel
         named = dict(zip(at.arg_names, args))
         at.nargs = named
@@ -239,8 +250,22 @@ class Compiler:
         kname = at.base_fn.__name__
         shape = {k: named[k] for k in ("M", "N", "K", "R", "P", "Q") if k in named}
         launch = {"case": self.case.name, "kernel": kname, "flags": _flags(kwargs),
-                  "precision": kwargs.get("PRECISION"), "shape": shape, "configs": len(pruned), "fit": 0}
-        for cfg in pruned:
+                  "precision": kwargs.get("PRECISION"), "shape": shape, "configs": len(pruned), "fit": 0,
+                  "compiled": 0}
+
+        def key(cfg):
+            return kname, self.case.dtype, launch["precision"], _config_str(cfg)
+
+        if self.each_config_once:  # new configs first, then the others only until one fits
+            fresh = [c for c in pruned if key(c) not in self.compiled_keys]
+            order, new = fresh + [c for c in pruned if key(c) in self.compiled_keys], len(fresh)
+        else:
+            order, new = pruned, len(pruned)
+        for i, cfg in enumerate(order):
+            if i >= new and launch["fit"]:
+                break
+            launch["compiled"] += 1
+            self.compiled_keys.add(key(cfg))
             row = {"case": self.case.name, "dtype": self.case.dtype, "kernel": kname, "flags": launch["flags"],
                    "precision": launch["precision"], "shape": shape, "config": _config_str(cfg),
                    "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **cfg.kwargs}
@@ -413,11 +438,11 @@ def _compile_session(arch: int, cache_dir: str | None):
 _WORKER: dict = {}
 
 
-def _worker_init(arch: int, smem_limit: int):
+def _worker_init(arch: int, smem_limit: int, each_config_once: bool = False):
     check_environment()
     session = _compile_session(arch, None)
     session.__enter__()  # held for the worker's life (its cache directory goes with the process)
-    _WORKER.update(compiler=Compiler(arch, smem_limit), session=session)
+    _WORKER.update(compiler=Compiler(arch, smem_limit, each_config_once), session=session)
 
 
 def _run_one(comp: "Compiler", case: "Case") -> tuple:
@@ -432,10 +457,12 @@ def _worker_case(case_fields: dict):
     return _run_one(_WORKER["compiler"], Case(**case_fields))
 
 
-def run(cases, arch: int = 90, smem_limit: int = SMEM_LIMIT_H100, jobs: int = 1, log=print) -> tuple:
+def run(cases, arch: int = 90, smem_limit: int = SMEM_LIMIT_H100, jobs: int = 1, log=print,
+        each_config_once: bool = False) -> tuple:
     """Compile every case; returns (rows, launches, failures, summary). Needs ``check_environment()``.
 
-    ``jobs`` > 1: cases spread over that many fresh (spawned) processes, each with its own caches.
+    ``jobs`` > 1: cases spread over that many fresh (spawned) processes, each with its own caches (and, with
+    ``each_config_once``, its own record of what it compiled).
     """
     rows, launches, failures = [], [], []
 
@@ -446,7 +473,7 @@ def run(cases, arch: int = 90, smem_limit: int = SMEM_LIMIT_H100, jobs: int = 1,
         log(f"[{i + 1}/{len(cases)}] {case.name}: {len(r)} configs, {len(f)} failures, {sec:.1f} s")
 
     if jobs <= 1:
-        comp = Compiler(arch, smem_limit)
+        comp = Compiler(arch, smem_limit, each_config_once)
         with _compile_session(arch, None):
             for i, case in enumerate(cases):
                 done(i, case, *_run_one(comp, case))
@@ -455,7 +482,7 @@ def run(cases, arch: int = 90, smem_limit: int = SMEM_LIMIT_H100, jobs: int = 1,
         import multiprocessing as mp
 
         with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"),
-                                    initializer=_worker_init, initargs=(arch, smem_limit)) as pool:
+                                    initializer=_worker_init, initargs=(arch, smem_limit, each_config_once)) as pool:
             futs = [pool.submit(_worker_case, dataclasses.asdict(c)) for c in cases]
             for i, (case, fut) in enumerate(zip(cases, futs)):
                 done(i, case, *fut.result())
@@ -473,6 +500,9 @@ def main(argv=None) -> int:
                     help=f"shared memory per block in bytes (default {SMEM_LIMIT_H100}, H100)")
     ap.add_argument("--only", default=None, help="regular expression: compile only cases whose name matches")
     ap.add_argument("--jobs", type=int, default=1, help="compile in this many processes (default 1)")
+    ap.add_argument("--each-config-once", action="store_true",
+                    help="compile each kept config for one launch only (per kernel, dtype and precision), and "
+                         "every launch until one of its configs fits (the test's mode; default: every pair)")
     args = ap.parse_args(argv)
     full = args.full or os.environ.get("FEDLORA_AOT_FULL", "0") == "1"
     cases = full_cases() if full else list(CI_CASES)
@@ -492,12 +522,14 @@ def main(argv=None) -> int:
     if args.jobs < 1:
         ap.error("--jobs must be >= 1")
     rows, launches, failures, summary = run(cases, args.arch, args.smem_limit, jobs=args.jobs,
-                                            log=lambda s: print(s, flush=True))
+                                            log=lambda s: print(s, flush=True), each_config_once=args.each_config_once)
     meta = {"arch": args.arch, "triton": triton.__version__, "torch": torch.__version__,
             "mode": "full sweep" if full else "CI subset", "cases": len(cases), "jobs": args.jobs,
             "seconds": time.perf_counter() - t0,
             "command": "python -m fedlora.kernels.aot" + (" --full" if full else "") + (
-                f" --only '{args.only}'" if args.only else "") + (f" --jobs {args.jobs}" if args.jobs > 1 else "")}
+                f" --only '{args.only}'" if args.only else "") + (f" --jobs {args.jobs}" if args.jobs > 1 else "") + (
+                " --each-config-once" if args.each_config_once else ""),
+            "each_config_once": args.each_config_once}
     js, md = write_report(out, args.arch, meta, rows, launches, failures, summary)
     print(f"{summary['compiled_configs']} configs compiled ({summary['unique_binaries']} binaries), max regs "
           f"{summary['max_regs']}, configs with spills {summary['configs_with_spills']}, max shared "

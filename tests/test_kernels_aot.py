@@ -1,9 +1,12 @@
 """Ahead-of-time compile check for sm_90 (review issue 8, item 10): ``python -m fedlora.kernels.aot``.
 
 ``test_ci_subset_compiles_for_sm90`` runs the CI subset (the full sweep with FEDLORA_AOT_FULL=1) in a
-fresh process without the interpreter: the real op, forward and backward, on meta tensors; every
-config the autotuner keeps is compiled for GPUTarget('cuda', 90, 32) with the bundled ptxas. It must
-exit 0 and write a table with registers, spills and shared memory for every compiled config. The other
+fresh process without the interpreter: the real op, forward and backward, on meta tensors; with
+``--each-config-once`` every config the autotuner keeps is compiled for GPUTarget('cuda', 90, 32) with the
+bundled ptxas for one launch per (kernel, dtype, precision), and every launch (flag set) compiles at least
+one config, until one fits (≈ 2/3 of the compiles of every (launch, config) pair, which
+``python -m fedlora.kernels.aot`` without the flag does). It must exit 0 and write a table with registers,
+spills and shared memory for every compiled config. The other
 tests show the check bites: a shared-memory limit nothing fits, a config that fails to compile, and a
 triton too old for the tool (a clear message and exit 2, not a traceback).
 """
@@ -48,7 +51,7 @@ def test_ci_subset_compiles_for_sm90(tmp_path):
     from fedlora.kernels import aot
 
     full = os.environ.get("FEDLORA_AOT_FULL", "0") == "1"
-    proc, elapsed = _aot(["--jobs", "2", "--out", tmp_path], timeout=7200 if full else 900)
+    proc, elapsed = _aot(["--jobs", "2", "--each-config-once", "--out", tmp_path], timeout=7200 if full else 900)
     assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     report = json.loads((tmp_path / "aot_sm90.json").read_text())
     s = report["summary"]
@@ -65,6 +68,7 @@ def test_ci_subset_compiles_for_sm90(tmp_path):
     assert any(k == "_lowrank_mm_kernel" and "EQUAL_SEGS" not in f.split(",") for k, f in flags)  # offset scan
     assert any(k == "_seg_tn_kernel" and "ATOMIC" not in f.split(",") for k, f in flags)  # deterministic
     assert all(la["fit"] >= 1 for la in report["launches"])
+    assert report["each_config_once"] is True and all(la["compiled"] >= 1 for la in report["launches"])
     for r in report["rows"]:
         assert 0 < r["regs"] <= 255 and r["shared"] > 0 and r["spill_stores"] >= 0, r
         assert r["fits"] == (r["shared"] <= aot.SMEM_LIMIT_H100)
@@ -130,6 +134,49 @@ def test_compile_error_of_any_config_is_a_failure():
     comp.smem_limit = 1  # same launch, but now no config fits
     comp.hook(FakeAutotuner(), None, ("X", 7), {})
     assert any("none of the 3 pruned configs fits 1 bytes" in f for f in comp.failures)
+
+
+def test_each_config_once_compiles_new_configs_then_others_until_one_fits():
+    """--each-config-once: a second launch of the same kernel and dtype compiles only its new configs, or,
+    when it has none, the first config that fits; a launch none of whose configs fits still fails."""
+    from fedlora.kernels import aot
+
+    class Cfg:
+        def __init__(self, bm):
+            self.kwargs, self.num_warps, self.num_stages = {"BLOCK_M": bm}, 4, 3
+
+        def all_kwargs(self):
+            return {**self.kwargs, "num_warps": 4, "num_stages": 3}
+
+    compiled = []
+
+    class FakeJIT:
+        def warmup(self, *args, grid, **kw):
+            compiled.append(kw["BLOCK_M"])
+            print("ptxas info    : Used 40 registers\n    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads")
+            return type("C", (), {"hash": f"h{kw['BLOCK_M']}{sorted(kw)}", "metadata": type("M", (), {"shared": 100 * kw["BLOCK_M"]})()})()
+
+    def autotuner(bms):
+        return type("AT", (), {"arg_names": ["M"], "base_fn": type("F", (), {"__name__": "_k"}), "fn": FakeJIT(),
+                               "nargs": None, "prune_configs": lambda self, kw: [Cfg(b) for b in bms]})()
+
+    comp = aot.Compiler(90, smem_limit=10_000, each_config_once=True)  # shared = 100 × BLOCK_M
+    comp.case = aot.CI_CASES[0]
+    comp.hook(autotuner([16, 32, 64]), None, (7,), {"HAS_W": True})
+    assert compiled == [16, 32, 64] and comp.launches[-1]["fit"] == 3
+    compiled.clear()
+    comp.hook(autotuner([64, 32, 8]), None, (7,), {"HAS_L": True})  # 8 is new and fits: only 8
+    assert compiled == [8] and comp.launches[-1]["compiled"] == 1 and comp.launches[-1]["fit"] == 1
+    compiled.clear()
+    comp.hook(autotuner([16, 64, 128]), None, (7,), {})  # new 128 does not fit: then the others until one fits
+    assert compiled == [128, 16] and comp.launches[-1]["fit"] == 1 and comp.failures == []
+    compiled.clear()
+    comp.hook(autotuner([128, 256]), None, (7,), {})  # none fits: the same failure as without the mode
+    assert compiled == [256, 128] and any("none of the 2 pruned configs fits 10000 bytes" in f for f in comp.failures)
+    comp.case = aot.CI_CASES[3]  # another dtype: every config again
+    compiled.clear()
+    comp.hook(autotuner([16, 32]), None, (7,), {"HAS_W": True})
+    assert compiled == [16, 32]
 
 
 def test_parse_ptxas_log():
