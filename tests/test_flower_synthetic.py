@@ -16,6 +16,7 @@ import torch
 pytest.importorskip("flwr")
 pytest.importorskip("ray")
 
+from _flower_inprocess import OneProcessGrid, run_as_serverapp  # noqa: E402
 from fedlora.cli import main  # noqa: E402
 from fedlora.llm import flower_deploy as fd  # noqa: E402
 from fedlora.llm.flower import simulate  # noqa: E402
@@ -71,13 +72,59 @@ def test_simulation_gives_the_embedded_records_for_every_config_on_shared_nodes(
         assert not any(torch.equal(got[a], got[b]) for a, b in ((0, 1), (0, 2), (1, 2))), (name, got)
 
 
+def _one_process_records(specs, **grid):
+    return run_as_serverapp(lambda g: {name: serve_with_records(g, spec, timeout=120) for name, spec in specs.items()},
+                            OneProcessGrid(3, **grid))
+
+
+def test_a_deployment_in_one_process_gives_the_embedded_records_for_every_config():
+    """As the shared-nodes simulation above, over a grid that hands every message to a fresh ClientApp as a
+    deployment does (tests/_flower_inprocess.py: the node rebuilt, its state only what Flower serialised):
+    what a method kept outside ``context.state`` would be lost, as on a real deployment."""
+    specs = {m: _spec(m) for m in METHODS}
+    specs["h2tune-classification"] = _spec("h2tune", task="classification")
+    specs["hetlora"] = _spec("hetlora")
+    flw = _one_process_records(specs)
+    for name, spec in specs.items():
+        emb = run_embedded(spec, records=True)
+        assert_same_history(emb[0], flw[name][0], name)
+        if name != "rolora":  # its records: test_rolora_keeps_its_frozen_factors_moments_across_processes
+            assert_same_records(emb[1], flw[name][1], name)
+
+
+@pytest.mark.xfail(strict=True, reason="found by the one-process deployment (issue 26): a RoLoRA client whose "
+                   "process is new each message (a deployment) ends without the Adam moments of the factor it did "
+                   "not train last (clients 0 and 2 here); Ray's persistent actors keep them")
+def test_rolora_keeps_its_frozen_factors_moments_across_processes():
+    emb = run_embedded(_spec("rolora"), records=True)
+    assert_same_records(emb[1], _one_process_records({"rolora": _spec("rolora")})["rolora"][1], "rolora")
+
+
+def test_the_one_process_deployment_catches_a_client_state_kept_outside_the_nodes_state(monkeypatch):
+    """A ClientApp that does not restore its record from ``context.state`` (it relies on the run its process
+    cached) passes when the process persists — Ray's simulation — and fails as on a deployment."""
+    from fedlora.llm import flower
+
+    spec = {"fedavg": _spec("fedavg")}
+    emb = run_embedded(spec["fedavg"], records=True)
+    monkeypatch.setattr(flower, "_load_state", lambda run, k, context: None)
+    kept = _one_process_records(spec, fresh=False)["fedavg"]  # a persistent process: the bug is hidden
+    assert_same_history(emb[0], kept[0], "persistent")
+    lost = _one_process_records(spec)["fedavg"]
+    with pytest.raises(AssertionError):
+        assert_same_history(emb[0], lost[0], "fresh")
+
+
+@pytest.mark.long
 def test_a_loopback_deployment_gives_the_embedded_records(tmp_path):
-    """A SuperLink and three SuperNodes on 127.0.0.1 with TLS (separate processes, stopped at the end); each
-    method's spec is submitted with `flwr run` and its ServerApp writes history.json."""
+    """A SuperLink and three SuperNodes on 127.0.0.1 with TLS, without SuperNode authentication (separate
+    processes, stopped at the end); a spec is submitted with `flwr run` and its ServerApp writes history.json.
+    One method: every method's client state through Flower's serialisation, message by message, is
+    test_a_deployment_in_one_process_gives_the_embedded_records_for_every_config."""
     work = tmp_path / "deployment"
     t0 = time.monotonic()
     with fd.LocalDeployment(work, 3) as dep:
-        for m in METHODS:
+        for m in ["lora-a2"]:
             spec = _spec(m, rounds=2)
             out = tmp_path / m
             run_id = dep.submit(spec, out=out)
@@ -87,7 +134,8 @@ def test_a_loopback_deployment_gives_the_embedded_records(tmp_path):
     started = json.loads((work / "commands.json").read_text())
     assert "--ssl-certfile" in started["superlink"] and all("--root-certificates" in started[f"supernode{k}"]
                                                             for k in range(3))
-    print(f"5 synthetic runs on one deployment: {time.monotonic() - t0:.0f} s")
+    assert "--enable-supernode-auth" not in started["superlink"]
+    print(f"a synthetic run on a deployment: {time.monotonic() - t0:.0f} s")
 
 
 def test_the_command_runs_one_method_on_flower_and_checks_it_against_the_embedded_run(tmp_path, capsys):
