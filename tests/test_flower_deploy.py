@@ -2,7 +2,8 @@
 as separate processes on loopback, with TLS, submits the run with `flwr run`, and stops every process it
 started. Its run folder holds the embedded runtime's records — participants, per-client losses, bytes up and
 down, ranks, every evaluation — and adapters, for FedAvg-LoRA, RoLoRA, LoRA-A², PF2LoRA and H²Tune with
-client sampling on (one of them with SuperNode authentication). The bad inputs of a deployment — a SuperLink
+client sampling on (PF2LoRA here, with SuperNode authentication; every method's records through a deployment's
+message-by-message processes are tests/test_flower.py's one-process deployment). The bad inputs of a deployment — a SuperLink
 that cannot be reached, a SuperNode without its partition, a certificate from another CA — cost one line,
 after a bounded wait.
 
@@ -56,9 +57,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("method,auth", [("fedavg", False), ("rolora", False), ("lora-a2", False),
-                                         ("pf2lora", True), ("h2tune", False)])
+@pytest.mark.long
+@pytest.mark.parametrize("method,auth", [("pf2lora", True)])
 def test_a_loopback_deployment_gives_the_embedded_records(method, auth, tmp_path, monkeypatch, capsys):
+    """One real deployment, with SuperNode authentication (the synthetic deployment of
+    tests/test_flower_synthetic.py runs without). Every method's records through a deployment's message-by-message
+    processes: tests/test_flower.py::test_a_deployment_in_one_process_gives_the_embedded_records."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     common = ["tiny-smoke", "--set", f"method.name={method}"]
     assert main(["run", *common, "--no-progress", "--out", str(tmp_path / "embedded")]) == 0
@@ -175,6 +179,7 @@ def test_bad_deployment_input_costs_one_line(tmp_path, capsys):
     assert not any((tmp_path / n).exists() for n in "abcd")
 
 
+@pytest.mark.long
 def test_a_supernode_without_its_partition_and_a_foreign_certificate(tmp_path, monkeypatch):
     """One SuperNode started without --node-config: the run stops at the partition handshake with the node's
     one-line reason and leaves no run folder; a client holding another CA cannot verify the SuperLink."""
