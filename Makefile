@@ -22,9 +22,12 @@ demo: env
 	$(VENV)/bin/fedlora synthetic rank-recovery --preset paper --ground-truth independent --seeds 5 --out $(OUT)/paper-independent
 
 # pytest's own script, not `python -m pytest`: that would put the repo root first on sys.path, where the
-# folder kernels/ (installed as fedlora.kernels) would shadow HuggingFace's `kernels` (issue 18 §2)
+# folder kernels/ (installed as fedlora.kernels) would shadow HuggingFace's `kernels` (issue 18 §2).
+# The suite is spread over the machine's cores (pytest-xdist: one pytest process per core; tests that share
+# an expensive fixture carry one xdist_group and run in one process); TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= logical
 test: env
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15
 
 # The documentation site (mkdocs.yml): strict, so a broken link, a missing anchor or a docstring warning fails
 # the build; into build/site. NO_MKDOCS_2_WARNING: Material's banner about MkDocs 2.0 (not a build warning).

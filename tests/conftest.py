@@ -59,6 +59,13 @@ def pytest_configure(config):
         raise pytest.UsageError(_PROBLEM)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``long`` (a Flower deployment, a real model: tens of seconds each) run first, in their
+    collected order. ``make test`` spreads the suite over the cores (pytest-xdist), which hands tests out in
+    this order: a two-minute test handed out last would keep one worker busy while the others sit idle."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)  # a stable sort
+
+
 @pytest.fixture(autouse=True)
 def _single_thread():
     old = torch.get_num_threads()
