@@ -302,6 +302,7 @@ def by_mode():
             for m in ("exact", "finite-difference", "none", "eq6-sign")}
 
 
+@pytest.mark.xdist_group("bilevel_by_mode")
 @pytest.mark.parametrize("mode", ["exact", "finite-difference"])
 def test_the_correct_hypergradient_passes_every_check(by_mode, mode):
     r = by_mode[mode]
@@ -310,6 +311,7 @@ def test_the_correct_hypergradient_passes_every_check(by_mode, mode):
     assert idc["violations"] == 0 and idc["steps_resolved"] >= 300 and idc["max_rel_deviation"] < 1e-5
 
 
+@pytest.mark.xdist_group("bilevel_by_mode")
 @pytest.mark.parametrize("mode", ["none", "eq6-sign"])
 def test_a_wrong_hypergradient_fails_the_check(by_mode, mode):
     """Issue 18 §6: without the mixed term, or with eq. (6)'s printed '+', the check must fail. It fails on
@@ -322,6 +324,7 @@ def test_a_wrong_hypergradient_fails_the_check(by_mode, mode):
     assert c["slope_ok"] and c["bias_within_lemma_a5"]      # the old checks cannot see it
 
 
+@pytest.mark.xdist_group("bilevel_by_mode")
 def test_every_hypergradient_reaches_the_same_stationary_point(by_mode):
     """Same f at both levels: the mixed term vanishes at a fixed point, so all four end at the same x
     (README "Bilevel convergence"); the slopes agree to 1e-3."""
@@ -331,6 +334,7 @@ def test_every_hypergradient_reaches_the_same_stationary_point(by_mode):
     assert max(slopes) - min(slopes) < 1e-3, slopes
 
 
+@pytest.mark.xdist_group("bilevel_by_mode")
 def test_the_slope_is_fitted_only_before_the_gradient_floor(by_mode):
     r = by_mode["exact"]
     f, g = r["fit"], np.asarray(r["trace"]["grad_phi_sq"])

@@ -28,8 +28,11 @@ ROOT = Path(__file__).resolve().parents[1]
 MKDOCS = Path(sys.executable).with_name("mkdocs")
 ENV = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}  # Material's banner about MkDocs 2.0: not a build warning
 
-pytestmark = pytest.mark.skipif(not MKDOCS.exists(), reason="mkdocs is not installed (make env installs "
-                                                             "requirements/docs.txt)")
+pytestmark = [pytest.mark.skipif(not MKDOCS.exists(), reason="mkdocs is not installed (make env installs "
+                                                              "requirements/docs.txt)"),
+              # both builds stage the API sources into the checkout's build/docs-api (tools/docs_build.py):
+              # one worker runs them, one after the other
+              pytest.mark.xdist_group("docs_build")]
 
 # Builds the site of mkdocs.yml with another docs_dir and extra mkdocstrings search paths.
 _DRIVER = textwrap.dedent("""

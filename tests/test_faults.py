@@ -345,6 +345,7 @@ def raised(tmp_path_factory):
     return run.server.state_dict(), recs
 
 
+@pytest.mark.xdist_group("faults_raised")
 @pytest.mark.parametrize("kind", list(BAD_UPLOADS))
 def test_a_rejected_upload_is_recorded_and_has_no_effect(kind, raised, tmp_path):
     """Client 1's round-2 upload is made bad in one way: the round records it as rejected with the

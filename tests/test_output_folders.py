@@ -32,6 +32,9 @@ class _Started(Exception):
     """Raised where a stubbed command's work would start (after its output folder was claimed)."""
 
 
+pytestmark = pytest.mark.xdist_group("output_folders_runs")  # one worker makes the module fixture `runs`
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """A finished 1-round tiny run, and one interrupted (a real Ctrl-C) after round 2 of 4."""

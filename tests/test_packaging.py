@@ -120,6 +120,7 @@ def wheel(tmp_path_factory) -> Path:
     return wheels[0]
 
 
+@pytest.mark.xdist_group("packaging_wheel")
 def test_the_wheel_claims_only_fedlora(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     info = f"fedlora-{VERSION}.dist-info"
@@ -196,6 +197,7 @@ def installed(wheel, tmp_path_factory) -> Path:
     return bindir
 
 
+@pytest.mark.xdist_group("packaging_wheel")
 def test_the_commands_work_from_the_wheel(installed, tmp_path):
     r = _run([installed / "fedlora", "synthetic", "--help"], cwd=tmp_path)
     assert r.stdout.startswith("usage: fedlora synthetic") and "rank-recovery" in r.stdout
@@ -226,6 +228,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.xdist_group("packaging_wheel")
 def test_import_kernels_is_huggingfaces_beside_the_wheel(installed, tmp_path):
     r = _run([installed / "python", "-c", _PROBE], cwd=tmp_path)
     got = json.loads(r.stdout.strip().splitlines()[-1])
@@ -250,6 +253,7 @@ def _in_our_folders(f) -> bool:
     return any(p == d or d in p.parents for d in (ROOT / "kernels", ROOT / "llm", ROOT / "synthetic"))
 
 
+@pytest.mark.xdist_group("packaging_wheel")
 def test_a_worker_process_started_in_the_repo_root_imports_the_wheel(installed, tmp_path):
     """`python -m` in a child would put the current folder first on its path: from a clone's root that
     is the source folder fedlora/ (no kernels/llm/synthetic inside) instead of the installed package."""

@@ -20,6 +20,9 @@ from _run_helpers import interrupted_run  # noqa: E402
 from _run_helpers import tiny_run as _make  # noqa: E402
 
 
+pytestmark = pytest.mark.xdist_group("plot_cli_runs")  # one worker makes the module fixture `runs`
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """fedavg evaluated every 2nd of 3 rounds (rounds without an evaluation), HetLoRA (ranks differ

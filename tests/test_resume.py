@@ -256,6 +256,7 @@ def _copy(runs: Path, tmp_path: Path) -> Path:
     return out
 
 
+@pytest.mark.xdist_group("resume_runs")
 def test_resume_refuses_a_folder_that_is_not_a_run(runs, tmp_path, capsys):
     missing = tmp_path / "missing"
     _refused(capsys, ["run", "--resume", str(missing)],
@@ -272,6 +273,7 @@ def test_resume_refuses_a_folder_that_is_not_a_run(runs, tmp_path, capsys):
              "(no 'config' and 'resolved' tables)", other)
 
 
+@pytest.mark.xdist_group("resume_runs")
 def test_resume_with_the_runs_own_config_finishes_it_and_then_refuses_it_as_complete(runs, tmp_path, capsys):
     out = _copy(runs, tmp_path)
     assert main(["run", "tiny-smoke", "--set", "method.name=fedavg", *SETS, "--resume", str(out), "--no-progress"]) == 0
@@ -281,6 +283,7 @@ def test_resume_with_the_runs_own_config_finishes_it_and_then_refuses_it_as_comp
              f"--resume: the run in {str(out)!r} is complete (run.json); nothing to resume", out)
 
 
+@pytest.mark.xdist_group("resume_runs")
 @pytest.mark.parametrize("given,says", [
     (["--set", "train.rounds=9"], "in train.rounds (4 → 9); a resumed run continues the same run — start a new "
                                   "one (another --out) to change them\n"),
@@ -292,6 +295,7 @@ def test_resume_refuses_a_config_that_differs_naming_the_fields(runs, tmp_path, 
     _refused(capsys, ["run", *given, "--resume", str(out)], f"--resume: the config differs from the run's {says}", out)
 
 
+@pytest.mark.xdist_group("resume_runs")
 @pytest.mark.parametrize("flag", ["--overwrite", "--dry-run"])
 def test_resume_refuses_flags_that_would_start_another_run(runs, tmp_path, capsys, flag):
     """(--out with --resume: tests/test_results_folders.py.)"""
@@ -300,6 +304,7 @@ def test_resume_refuses_flags_that_would_start_another_run(runs, tmp_path, capsy
              f"{flag}: not with --resume (a resumed run continues in its own folder)", out)
 
 
+@pytest.mark.xdist_group("resume_runs")
 def test_resume_refuses_a_run_whose_every_checkpoint_is_corrupt(runs, tmp_path, capsys):
     out = _copy(runs, tmp_path)
     ck = out / "checkpoints"
@@ -312,6 +317,7 @@ def test_resume_refuses_a_run_whose_every_checkpoint_is_corrupt(runs, tmp_path, 
              f"(JSONDecodeError))", out)
 
 
+@pytest.mark.xdist_group("resume_runs")
 def test_resume_skips_a_corrupt_newest_checkpoint_says_so_and_still_ends_where_the_whole_run_ends(runs, tmp_path, capsys):
     out = _copy(runs, tmp_path)
     ck = out / "checkpoints" / "round_000002"
@@ -327,6 +333,7 @@ def test_resume_skips_a_corrupt_newest_checkpoint_says_so_and_still_ends_where_t
     assert_same_run(runs / "whole", out)
 
 
+@pytest.mark.xdist_group("resume_runs")
 def test_a_checkpoint_without_wall_times_resumes_with_that_part_unknown(runs, tmp_path, capsys):
     """A checkpoint written before wall_s_parts existed (its manifest's meta has none): the resumed run
     finishes; its first part is null (unknown, never a made-up 0), wall_s counts the part it knows, and the

@@ -95,6 +95,7 @@ def resumed(tmp_path_factory):
     return SimpleNamespace(folder=folder, seen=seen, first=first, second=second, stopped=stopped, meta=meta)
 
 
+@pytest.mark.xdist_group("run_records_resumed")
 def test_run_json_counts_the_round_records_at_every_moment(resumed):
     """While the run goes (read at every client's round), when a signal stops it and after its resume,
     run.json's rounds_done is the number of round records in rounds.jsonl (the old code: 0 until the end)."""
@@ -108,6 +109,7 @@ def test_run_json_counts_the_round_records_at_every_moment(resumed):
     assert [r["round"] for r in _records(resumed.folder)] == list(range(ROUNDS + 1))
 
 
+@pytest.mark.xdist_group("run_records_resumed")
 def test_a_resumed_runs_wall_time_is_the_sum_of_its_parts_and_compare_reads_the_total(resumed):
     """summary.json: wall_s_parts [the stopped run's rounds up to the checkpoint resumed from, the resumed
     run's], wall_s their sum — at least every client's SLEEP in every round (the old code counted only the
@@ -127,6 +129,7 @@ def _bar_states(err: str) -> list[str]:
     return [s.strip() for s in err.replace("\r", "\n").split("\n") if s.strip()]
 
 
+@pytest.mark.xdist_group("run_records_resumed")
 def test_the_resumed_runs_bar_starts_at_the_resumed_round(resumed):
     first = [s for s in _bar_states(resumed.first[2]) if s.startswith("rounds:")]
     again = [s for s in _bar_states(resumed.second[2]) if s.startswith("rounds:")]
@@ -135,6 +138,7 @@ def test_the_resumed_runs_bar_starts_at_the_resumed_round(resumed):
     assert not any("0/4" in s for s in again), again
 
 
+@pytest.mark.xdist_group("run_records_resumed")
 def test_a_signals_message_stands_on_its_own_line_under_the_bar(resumed):
     states = _bar_states(resumed.first[2])
     assert NOTICE in states, resumed.first[2][-800:]  # not glued to the end of the bar's line
@@ -142,6 +146,7 @@ def test_a_signals_message_stands_on_its_own_line_under_the_bar(resumed):
     assert after and after[0].startswith("rounds:")  # the bar is drawn again below it
 
 
+@pytest.mark.xdist_group("run_records_resumed")
 def test_stdout_that_is_not_a_terminal_gets_one_line_per_round_beside_the_bar(resumed):
     lines = resumed.first[1].splitlines()
     assert [ln.split(":")[0] for ln in lines] == ["round 1/4", "round 2/4", "round 3/4"], lines
