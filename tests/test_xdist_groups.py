@@ -1,0 +1,62 @@
+"""How ``make test`` spreads the suite over the cores (tests/conftest.py, issue 26): the tests of one
+``xdist_group`` — those sharing an expensive module fixture — run in one worker process (with pytest 9 that
+needs conftest's fix: xdist 3.8 writes the group where pytest no longer reads it), and tests marked ``long``
+are handed out first. One pytest run with two workers over a small suite written here, whose conftest is
+this suite's own."""
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+CONFTEST = Path(__file__).with_name("conftest.py")
+
+SUITE = textwrap.dedent("""
+    import json, os, time
+    import pytest
+
+    def _log(name):
+        with open(os.environ["XDIST_PROBE_LOG"], "a") as f:
+            f.write(json.dumps([os.environ.get("PYTEST_XDIST_WORKER"), name, time.monotonic()]) + "\\n")
+
+    @pytest.mark.parametrize("i", range(6))
+    def test_free(i):
+        _log(f"free{i}")
+        time.sleep(0.2)
+
+    @pytest.mark.xdist_group("shared")
+    @pytest.mark.parametrize("i", range(4))
+    def test_grouped(i):
+        _log(f"grouped{i}")
+        time.sleep(0.1)
+
+    @pytest.mark.long
+    def test_long():
+        _log("long")
+        time.sleep(0.5)
+""")
+
+
+def test_a_group_runs_in_one_worker_and_long_tests_go_first(tmp_path):
+    (tmp_path / "conftest.py").write_text(
+        "import importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('fedlora_suite_conftest', {str(CONFTEST)!r})\n"
+        "suite = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(suite)\n"
+        "pytest_configure = suite.pytest_configure\n"
+        "pytest_collection_modifyitems = suite.pytest_collection_modifyitems\n")
+    (tmp_path / "test_probe.py").write_text(SUITE)
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    long: started first\n")
+    log = tmp_path / "log.jsonl"
+    res = subprocess.run([str(Path(sys.executable).with_name("pytest")), "-q", "-p", "no:cacheprovider", "-n", "2",
+                          "--dist", "loadgroup", "test_probe.py"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300, env={**__import__("os").environ, "XDIST_PROBE_LOG": str(log)})
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    runs = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(runs) == 11
+    workers = {name: w for w, name, _ in runs}
+    assert set(workers.values()) == {"gw0", "gw1"}  # it really ran in two workers
+    assert len({workers[f"grouped{i}"] for i in range(4)}) == 1, workers  # the group stayed together
+    first = {}
+    for w, name, t in sorted(runs, key=lambda r: r[2]):
+        first.setdefault(w, name)
+    assert first[workers["long"]] == "long", (first, runs)  # collected last, run first
