@@ -91,12 +91,14 @@ def _assert_flower_run_is_the_embedded_one(emb_dir, flw_dir):
     assert summary["bytes_up_total"] == json.loads((emb_dir / "summary.json").read_text())["bytes_up_total"]
 
 
+@pytest.mark.long  # the group shares one Ray simulation and five embedded runs (≈ 30 s to set up)
 @pytest.mark.xdist_group("flower")
 @pytest.mark.parametrize("method", METHODS)
 def test_flower_simulation_gives_the_embedded_records(method, embedded_runs, ray_runs):
     _assert_flower_run_is_the_embedded_one(embedded_runs / method, ray_runs / method)
 
 
+@pytest.mark.long  # the group shares one Ray simulation and five embedded runs (≈ 30 s to set up)
 @pytest.mark.xdist_group("flower")
 @pytest.mark.parametrize("method", METHODS)
 def test_a_deployment_in_one_process_gives_the_embedded_records(method, embedded_runs, tmp_path, monkeypatch, capsys):

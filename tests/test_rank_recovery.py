@@ -14,6 +14,7 @@ def tuned_shared_private():
     return run_rank_recovery(cfg, log=lambda *a: None)
 
 
+@pytest.mark.long  # the group shares the 5-seed tuned run
 @pytest.mark.xdist_group("rank_recovery_tuned")
 def test_tuned_shared_private_recovers_ranks_and_hetlora_fails_client1(tuned_shared_private):
     """The issue's acceptance run: 5 seeds, every seed and client (README "Results")."""
@@ -123,6 +124,7 @@ def test_misspelt_config_key_gets_a_suggestion(tmp_path, capsys):
     assert "unknown rank-recovery option(s) 'nosie_std' (did you mean 'noise_std'?)" in capsys.readouterr().err
 
 
+@pytest.mark.long  # the group shares the 5-seed tuned run
 @pytest.mark.xdist_group("rank_recovery_tuned")
 def test_without_bilevel_ablation_reaches_the_same_ranks_and_mse(tuned_shared_private):
     """README "The 'without bilevel' ablation": --hypergradient none changes the path (the option reaches

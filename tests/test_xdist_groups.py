@@ -1,7 +1,7 @@
 """How ``make test`` spreads the suite over the cores (tests/conftest.py, issue 26): the tests of one
 ``xdist_group`` — those sharing an expensive module fixture — run in one worker process (with pytest 9 that
 needs conftest's fix: xdist 3.8 writes the group where pytest no longer reads it), and tests marked ``long``
-are handed out first. One pytest run with two workers over a small suite written here, whose conftest is
+are handed out first (with ``--no-loadscope-reorder``, as ``make test`` runs it). One pytest run with two workers over a small suite written here, whose conftest is
 this suite's own."""
 import json
 import subprocess
@@ -31,8 +31,9 @@ SUITE = textwrap.dedent("""
         time.sleep(0.1)
 
     @pytest.mark.long
-    def test_long():
-        _log("long")
+    @pytest.mark.parametrize("i", range(2))
+    def test_long(i):
+        _log(f"long{i}")
         time.sleep(0.5)
 """)
 
@@ -48,15 +49,17 @@ def test_a_group_runs_in_one_worker_and_long_tests_go_first(tmp_path):
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    long: started first\n")
     log = tmp_path / "log.jsonl"
     res = subprocess.run([str(Path(sys.executable).with_name("pytest")), "-q", "-p", "no:cacheprovider", "-n", "2",
-                          "--dist", "loadgroup", "test_probe.py"], cwd=tmp_path, capture_output=True, text=True,
+                          "--dist", "loadgroup", "--no-loadscope-reorder", "test_probe.py"], cwd=tmp_path, capture_output=True, text=True,
                          timeout=300, env={**__import__("os").environ, "XDIST_PROBE_LOG": str(log)})
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     runs = [json.loads(line) for line in log.read_text().splitlines()]
-    assert len(runs) == 11
+    assert len(runs) == 12
     workers = {name: w for w, name, _ in runs}
     assert set(workers.values()) == {"gw0", "gw1"}  # it really ran in two workers
     assert len({workers[f"grouped{i}"] for i in range(4)}) == 1, workers  # the group stayed together
     first = {}
     for w, name, t in sorted(runs, key=lambda r: r[2]):
         first.setdefault(w, name)
-    assert first[workers["long"]] == "long", (first, runs)  # collected last, run first
+    # collected last, run first: one on each worker (xdist's default would hand out the group first, the
+    # scope with the most tests, whence --no-loadscope-reorder in the Makefile)
+    assert sorted(first.values()) == ["long0", "long1"], (first, runs)
