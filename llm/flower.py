@@ -495,11 +495,17 @@ def simulate(main, n_clients: int):
     return box["out"]
 
 
+def executor_over(grid):
+    """The ``executor_factory`` of a run whose clients are the nodes of the Flower ``grid``: a
+    ``FlowerExecutor`` waiting for each round's replies as long as the run's ``federation.timeout_s``."""
+    return lambda run: FlowerExecutor(grid, run, timeout=run.cfg.federation.timeout_s)
+
+
 def run_simulation(run) -> dict[str, Any]:
     """``fedlora run CONFIG --runtime flower``: Flower's simulation engine (Ray) with one SuperNode per
     client; the ServerApp runs in this process and writes the run folder as ``fedlora run`` does."""
     def main(grid):
-        run.executor_factory = lambda r: FlowerExecutor(grid, r, timeout=r.cfg.federation.timeout_s)
+        run.executor_factory = executor_over(grid)
         return run._run()
 
     t0 = time.perf_counter()
@@ -532,7 +538,7 @@ def _deployment_main(grid, context) -> None:
     if str(rc.get("out", "")):
         cfg = RunConfig.from_dict({**cfg.to_dict(), "output_dir": str(rc["out"])})
     run = FederatedRun(cfg, runtime="flower", overwrite=bool(rc.get("overwrite", False)))
-    run.executor_factory = lambda r: FlowerExecutor(grid, r, timeout=r.cfg.federation.timeout_s)
+    run.executor_factory = executor_over(grid)
     run.run()
 
 

@@ -62,7 +62,7 @@ def ray_runs(tmp_path_factory):
     the same nodes, each run as `fedlora run --runtime flower` builds it (its record in the node's state
     under its own config's key)."""
     from fedlora.llm.config import load_config
-    from fedlora.llm.flower import FlowerExecutor, simulate
+    from fedlora.llm.flower import executor_over, simulate
     from fedlora.llm.runtime import FederatedRun
 
     os.environ["HF_HUB_OFFLINE"] = "1"
@@ -72,7 +72,7 @@ def ray_runs(tmp_path_factory):
         for m in METHODS:
             cfg = load_config("tiny-smoke", [f"method.name={m}", f"output_dir={root / m}"])
             run = FederatedRun(cfg, runtime="flower")
-            run.executor_factory = lambda r: FlowerExecutor(grid, r, timeout=r.cfg.federation.timeout_s)
+            run.executor_factory = executor_over(grid)
             run.run()
         return root
 
