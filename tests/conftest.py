@@ -11,12 +11,19 @@ the repo root on ``sys.path`` (issue 18 §2): there the folder ``kernels/`` — 
 ``llm``. ``make test`` runs ``.venv/bin/pytest``, which puts only ``tests/`` on ``sys.path`` (for helpers
 such as ``_kernel_helpers``); ``python -m pytest`` or ``PYTHONPATH=.`` would add the root, so it is taken
 off here. If ``fedlora`` is not this checkout's (not installed, or another copy), the run stops.
+
+``FEDLORA_TEST_DEVICE=cuda`` runs the kernel tests (``tests/test_kernels_*.py``) on a GPU with the compiled
+kernels instead of the interpreter: see ``_on_test_device`` (how a GPU session runs them: docs/how-to/gpu.md, "Check the kernels on your GPU").
 """
 import os
 import sys
 from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+TEST_DEVICE = os.environ.get("FEDLORA_TEST_DEVICE", "cpu")
+if TEST_DEVICE.startswith("cuda"):
+    os.environ["TRITON_INTERPRET"] = "0"  # compiled kernels; triton fixes its mode when first imported
+else:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,3 +96,61 @@ def _single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+# Factories whose tensors a kernel test creates as its data; on a test device each is created as on CPU (same
+# generator, same numbers) and moved there. *_like and the library's own allocations follow their inputs.
+_FACTORY_NAMES = ("randn", "rand", "randint", "randperm", "zeros", "ones", "empty", "full", "eye", "arange",
+                  "linspace", "tensor", "as_tensor")
+_LIBRARY_DIRS = tuple(str(ROOT / d) + os.sep for d in ("fedlora", "kernels", "llm", "synthetic"))
+_TESTS_DIR = str(ROOT / "tests") + os.sep
+
+
+class _TestDeviceMode(torch.overrides.TorchFunctionMode):
+    """Moves the tensors a test itself creates to ``device``; what the library creates is left alone.
+
+    A factory call counts as the test's when the stack from it holds a frame in tests/ and none in the library
+    (fedlora/, kernels/, llm/, synthetic/): the kernels' own host tables (offsets on the CPU, say) and a test's
+    spy wrapped around ``torch.tensor`` but called by kernel code keep the device they ask for. A test that names
+    a device explicitly keeps it, except that a CPU generator draws on the CPU first (its numbers unchanged)."""
+
+    def __init__(self, device):
+        super().__init__()
+        self.device = torch.device(device)
+        self.factories = {getattr(torch, n) for n in _FACTORY_NAMES}
+
+    def _tests_call(self) -> bool:
+        f, in_tests = sys._getframe(2), False
+        while f is not None:
+            file = f.f_code.co_filename
+            if file.startswith(_LIBRARY_DIRS):
+                return False
+            in_tests = in_tests or file.startswith(_TESTS_DIR)
+            f = f.f_back
+        return in_tests
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func not in self.factories or not self._tests_call():
+            return func(*args, **kwargs)
+        device = kwargs.pop("device", None)
+        if device is not None and torch.device(device).type == "cpu":
+            return func(*args, device=device, **kwargs)
+        requires_grad = kwargs.pop("requires_grad", False)
+        out = func(*args, **kwargs)  # on the CPU (the mode is off inside its own handler)
+        return out.to(self.device if device is None else device).requires_grad_(requires_grad)
+
+
+@pytest.fixture(autouse=True)
+def _on_test_device(request):
+    """``FEDLORA_TEST_DEVICE=cuda``: a kernel test's own tensors go to the GPU (compiled kernels, no interpreter).
+
+    Only the kernel test files (``test_kernels_*.py``) are moved; everything else runs as on a CPU machine. Any
+    other value than ``cpu`` (``cpu-mode``) turns the mode on with the CPU as its device: a check of the mode's
+    plumbing on a machine without a GPU (every kernel test must pass under it unchanged)."""
+    if (TEST_DEVICE == "cpu" or not request.node.path.name.startswith("test_kernels_")
+            or request.node.get_closest_marker("cpu_tensors")):
+        yield
+        return
+    with _TestDeviceMode("cpu" if TEST_DEVICE == "cpu-mode" else TEST_DEVICE):
+        yield

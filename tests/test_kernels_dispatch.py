@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
+import os
 import subprocess
 import sys
 import textwrap
@@ -273,6 +274,9 @@ def test_no_base_weight_needs_no_choice(fake_timed_auto):
     assert fake_timed_auto.calls == [] and _variant_of(seen) == "triton"
 
 
+@pytest.mark.cpu_tensors
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the Triton path on CPU tensors needs the interpreter (a FEDLORA_TEST_DEVICE=cuda run)")
 def test_cpu_auto_without_timing_takes_triton(monkeypatch):
     monkeypatch.delenv(bg.ENV_VAR, raising=False)
     x, w, bb, a, b, c, d = _make(9, 16, 12, 2, 1)

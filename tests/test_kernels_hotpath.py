@@ -12,8 +12,11 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import os
 import pathlib
+import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -149,8 +152,33 @@ def test_multi_device_offsets_never_read_on_host(lens, base_gemm):
 
 
 @pytest.mark.parametrize("bad", [[0, 5, 3, 9], [1, 5, 7, 9], [0, 2, 4, 8]])
-def test_multi_device_offsets_checked_without_host_read(bad):
-    """Bad device offsets (falling, not from 0, not ending at M = 9) fail the async assert."""
+def test_multi_device_offsets_checked_without_host_read(bad, tmp_path):
+    """Bad device offsets (falling, not from 0, not ending at M = 9) fail the async assert.
+
+    On a GPU (FEDLORA_TEST_DEVICE=cuda) the assert is a device-side one: it ends the process's CUDA context (every
+    later CUDA call fails), so it is checked in a child process, which must fail with CUDA's device-side assert."""
     x, w, bb, a, b, c, d = _ops(9, K_clients=3)
+    if x.is_cuda:
+        code = textwrap.dedent(f"""
+            import torch
+            from fedlora.kernels import lora_linear_multi
+            g = torch.Generator().manual_seed(0)
+            x = torch.randn(9, 24, generator=g).cuda()
+            w, bb = torch.randn(20, 24, generator=g).cuda(), torch.randn(20, generator=g).cuda()
+            a, b = torch.randn(4, 24, generator=g).cuda(), torch.randn(20, 4, generator=g).cuda()
+            c, d = torch.randn(3, 2, 24, generator=g).cuda(), torch.randn(3, 20, 2, generator=g).cuda()
+            try:
+                lora_linear_multi(x, w, bb, a, b, c, d, torch.tensor({bad!r}, device="cuda"), backend="triton")
+                torch.cuda.synchronize()
+            except RuntimeError as e:
+                print("RAISED", e)
+                raise SystemExit(3)
+            print("NO ERROR")
+        """)
+        env = {**os.environ, "TRITON_INTERPRET": "0"}
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                              cwd=tmp_path, env=env)
+        assert proc.returncode == 3 and "device-side assert" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+        return
     with pytest.raises(RuntimeError, match="seg_offsets must rise from 0 to M = 9"):
         lora_linear_multi(x, w, bb, a, b, c, d, torch.tensor(bad), backend="triton")
