@@ -37,6 +37,7 @@ from .aggregation import normalise_weights
 from .errors import ConfigError, RoundFailed
 from .methods.base import Method
 from .payload import Payload
+from .seeds import PARTICIPANTS, clients_drawn, seed_of
 
 __all__ = ["Federation", "DownloadLedger", "Download", "ClientUpdate", "ClientFailure", "ClientExecutor",
            "UploadSpec", "Server", "RoundFailed"]
@@ -67,10 +68,10 @@ class Federation:
 
     def participants(self, round_idx: int, group: int) -> list[int]:
         """Clients (0..K-1) of federation ``group`` that take part in round ``round_idx``; deterministic."""
-        m = max(1, math.ceil(self.sample_fraction * self.n_clients - 1e-9))
+        m = self.drawn_per_round
         if m >= self.n_clients:
             return list(range(self.n_clients))
-        g = torch.Generator().manual_seed((self.sample_seed * 1_000_003 + round_idx) * 7_919 + group)
+        g = torch.Generator().manual_seed(seed_of(self.sample_seed, PARTICIPANTS, round_idx, group))
         return sorted(torch.randperm(self.n_clients, generator=g)[:m].tolist())
 
     def round_weights(self, clients: Sequence[int]) -> torch.Tensor:
@@ -78,6 +79,12 @@ class Federation:
         clients' own weights (one division, so the same numbers whichever runtime asks)."""
         w = self.client_weights if self.client_weights is not None else [1.0] * self.n_clients
         return normalise_weights([float(w[k]) for k in clients], len(clients))
+
+    @property
+    def drawn_per_round(self) -> int:
+        """How many clients each federation draws per round: ⌈sample_fraction·K⌉, at least one
+        (``fedlora.seeds.clients_drawn``)."""
+        return clients_drawn(self.sample_fraction, self.n_clients)
 
     @property
     def weights(self) -> torch.Tensor:
@@ -271,7 +278,7 @@ class Server:
             raise ConfigError(f"server: {len(initial_states)} initial states for {federation.n_groups} federations")
         if not isinstance(min_clients, int) or isinstance(min_clients, bool) or min_clients < 1:
             raise ConfigError(f"federation.min_clients: must be an integer ≥ 1, got {min_clients!r}")
-        drawn = max(1, math.ceil(federation.sample_fraction * federation.n_clients - 1e-9))
+        drawn = federation.drawn_per_round
         if min_clients > drawn:
             raise ConfigError(f"federation.min_clients: {min_clients} is more than the {drawn} clients drawn per round "
                               f"(sample_fraction {federation.sample_fraction} of {federation.n_clients}); "

@@ -16,6 +16,7 @@ from typing import Any, Mapping, Sequence
 
 from fedlora.errors import ConfigError, did_you_mean, quoted
 from fedlora.io import read_table_file, yaml_load
+from fedlora.seeds import clients_drawn
 
 __all__ = ["ModelConfig", "DataConfig", "MethodConfig", "FederationConfig", "TrainConfig", "EvalConfig",
            "RunConfig", "load_config", "apply_overrides", "bundled_configs", "resolve_config", "build_method", "describe_method", "HEAD_MODES",
@@ -337,7 +338,7 @@ class RunConfig:
         _choice(f.store, "federation.store", ("memory", "disk"))
         _int(f.min_clients, "federation.min_clients", 1)
         _num(f.timeout_s, "federation.timeout_s", 0.0, strict=True)
-        drawn = max(1, math.ceil(f.sample_fraction * f.clients - 1e-9))
+        drawn = clients_drawn(f.sample_fraction, f.clients)
         if f.min_clients > drawn:
             raise ConfigError(f"federation.min_clients: {f.min_clients} is more than the {drawn} clients drawn per "
                               f"round (sample_fraction {f.sample_fraction} of {f.clients} clients); use "
@@ -459,14 +460,12 @@ def method_options(cfg: RunConfig) -> dict[str, Any]:
     shortcuts ``rank`` / ``optimizer`` / ``lr`` onto the method's own option names; the paper's LLM
     setting (``llm_options``) and options derived from the others for whatever is still missing; the
     main step size from ``method.lr`` (a number, or the entry for the method's optimizer) or else the
-    method's default for its optimizer (``llm_lr``); ``seed`` from the run."""
-    import inspect
-
-    from fedlora.methods import get_method
+    method's default for its optimizer (``llm_lr``); ``seed`` from the run (``fedlora.methods.resolve_options``)."""
+    from fedlora.methods import get_method, method_parameters, resolve_options  # torch: not for a config error
 
     mc = cfg.method
     cls = get_method(mc.name)
-    params = {k: p for k, p in inspect.signature(cls.__init__).parameters.items() if k != "self"}
+    params = method_parameters(cls)
     options = {str(k).replace("-", "_"): coerce_number(v, params[k].annotation, f"method.options.{k}")
                if k in params else v for k, v in mc.options.items()}
     for short, value, key in (("rank", mc.rank, cls.rank_option), ("optimizer", mc.optimizer, cls.optimizer_option),
@@ -488,8 +487,7 @@ def method_options(cfg: RunConfig) -> dict[str, Any]:
         optimizer = options.get(opt_key, params[opt_key].default if opt_key in params else "adamw")
         table = mc.lr if isinstance(mc.lr, dict) else {}
         options[cls.lr_option] = table.get(optimizer, cls.llm_lr.get(optimizer))
-    if "seed" in params:
-        options.setdefault("seed", cfg.seed)
+    options = resolve_options(mc.name, options, seed=cfg.seed)
     if options.get("upper_schedule", "constant") != "constant":
         raise ConfigError("method.options.upper_schedule: the LLM runtime schedules every step size with "
                           "train.lr_schedule (constant | linear | cosine); leave upper_schedule constant")
@@ -501,10 +499,10 @@ def effective_options(cfg: RunConfig) -> dict[str, Any]:
     the constructor's defaults (PF2LoRA's ``hypergradient``, ``batches`` … even where not given)."""
     import inspect
 
-    from fedlora.methods import get_method
+    from fedlora.methods import method_parameters  # torch: not for a config error
 
-    params = inspect.signature(get_method(cfg.method.name).__init__).parameters
-    defaults = {k: p.default for k, p in params.items() if k != "self" and p.default is not inspect.Parameter.empty}
+    params = method_parameters(cfg.method.name)
+    defaults = {k: p.default for k, p in params.items() if p.default is not inspect.Parameter.empty}
     return {**defaults, **method_options(cfg)}
 
 
@@ -516,11 +514,12 @@ def describe_method(cfg: RunConfig) -> dict[str, Any]:
 
 
 def build_method(cfg: RunConfig):
-    """The run's ``Method`` from ``method_options`` (bad options: one-line ``ConfigError``)."""
-    from fedlora.methods import create_method
+    """The run's ``Method`` (``fedlora.methods.build``) from ``method_options`` (bad options: one-line
+    ``ConfigError``)."""
+    from fedlora.methods import build  # torch: not for a config error
 
     try:
-        return create_method(cfg.method.name, **method_options(cfg))
+        return build(cfg.method.name, method_options(cfg), seed=cfg.seed)
     except ConfigError as e:
         raise ConfigError(f"method: {e}") from None
 

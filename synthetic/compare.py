@@ -20,7 +20,6 @@ one; PF2LoRA r̃ = ⌊r/2⌋ (client adapter), HetLoRA ranks in [1, 2r]; options
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import time
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ from typing import Any, Mapping
 import torch
 
 from fedlora.errors import ConfigError, did_you_mean, plural
-from fedlora.methods import available_methods, get_method
+from fedlora.methods import available_methods, method_parameters
 
 from .closed_forms import ols
 from .data import TASKS, make_heterogeneous_clients, per_client
@@ -78,8 +77,7 @@ class MethodSpec:
 def method_spec(name: str, rank: int, n_clients: int, overrides: Mapping[str, Any] | None = None) -> MethodSpec:
     """The config-table entry of ``name`` at common rank ``rank`` for ``n_clients`` clients;
     ``overrides`` (constructor options) win. ``ConfigError`` on bad input."""
-    cls = get_method(name)
-    accepted = set(inspect.signature(cls.__init__).parameters) - {"self"}
+    accepted = set(method_parameters(name))
     overrides = dict(overrides or {})
     options: dict[str, Any] = {"rank": rank} if "rank" in accepted else {}
     options.update(_DEFAULTS.get(name, lambda r, M: {})(rank, n_clients))

@@ -19,7 +19,8 @@ import torch
 
 from fedlora.adapter import LoRALinear
 from fedlora.errors import ConfigError, did_you_mean
-from fedlora.methods import HetLoRA, PF2LoRA
+from fedlora.methods import build
+from fedlora.seeds import RANK_RECOVERY, seed_of
 from fedlora.simulator import Federation, run_rounds
 
 from . import _worker
@@ -170,7 +171,7 @@ def _make_data(cfg: RankRecoveryConfig) -> _Stacked:
 
 def _group_generators(cfg: "RankRecoveryConfig", seeds: list[int], method: str) -> list[torch.Generator]:
     """One generator per (seed, method): a seed's numbers never depend on how many seeds run."""
-    return [torch.Generator().manual_seed(1_000_003 * s + 17 * METHODS.index(method) + 1) for s in seeds]
+    return [torch.Generator().manual_seed(seed_of(s, RANK_RECOVERY, METHODS.index(method))) for s in seeds]
 
 
 def _init_pf2lora(layer: LoRALinear, fed: Federation, gens: list[torch.Generator]) -> None:
@@ -209,14 +210,15 @@ def _run_method(name: str, cfg: RankRecoveryConfig, data: _Stacked) -> tuple[lis
         layer = LoRALinear(d, d, cfg.rank, client_rank=cfg.client_rank, stack=G, dtype=torch.float64)
         _init_pf2lora(layer, fed, gens)
         # Alg. 1 line 8 averages with 1/M: uniform weights (the federation's default).
-        method = PF2LoRA(rank=cfg.rank, client_rank=cfg.client_rank, upper_lr=cfg.upper_lr, lower_lr=cfg.lower_lr, upper_optimizer=cfg.upper_optimizer,
-                         hypergradient=cfg.hypergradient, upper_schedule=cfg.upper_schedule,
-                         total_steps=cfg.steps)
+        method = build("pf2lora", dict(rank=cfg.rank, client_rank=cfg.client_rank, upper_lr=cfg.upper_lr,
+                                       lower_lr=cfg.lower_lr, upper_optimizer=cfg.upper_optimizer,
+                                       hypergradient=cfg.hypergradient, upper_schedule=cfg.upper_schedule,
+                                       total_steps=cfg.steps))
     else:
         layer = LoRALinear(d, d, cfg.het_r_max, stack=G, dtype=torch.float64)
         _init_hetlora(layer, fed, gens)
-        method = HetLoRA(lr=cfg.het_lr, r_min=cfg.het_r_min, r_max=cfg.het_r_max, gamma=cfg.het_gamma,
-                         penalty=cfg.het_penalty, initial_ranks=cfg.het_initial_ranks)
+        method = build("hetlora", dict(lr=cfg.het_lr, r_min=cfg.het_r_min, r_max=cfg.het_r_max, gamma=cfg.het_gamma,
+                                       penalty=cfg.het_penalty, initial_ranks=cfg.het_initial_ranks))
     method.setup(layer, fed.replica_clients)
 
     def objective(params, batch):

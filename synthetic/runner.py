@@ -14,11 +14,9 @@ mask keeps them out of H²Tune's eq. 7 output KL (``output_fn`` returns it with 
 """
 from __future__ import annotations
 
-import inspect
 import math
 import time
 import warnings
-import zlib
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -27,14 +25,14 @@ import torch.nn.functional as F
 
 from fedlora.adapter import LoRALinear
 from fedlora.errors import ConfigError
-from fedlora.methods import Method, create_method, get_method
+from fedlora.methods import Method, build, method_parameters
+from fedlora.seeds import TESTBED_INIT, TESTBED_METHOD, seed_of
 from fedlora.simulator import Federation, run_rounds
 
 from .data import ClientTask
 from .rank import numerical_rank, rank90
 
-__all__ = ["StackedData", "stack_federations", "build_method", "build_run", "SyntheticRun", "run_method", "RunResult",
-           "method_seed"]
+__all__ = ["StackedData", "stack_federations", "build_method", "build_run", "SyntheticRun", "run_method", "RunResult"]
 
 
 @dataclass
@@ -114,18 +112,14 @@ def stack_federations(task: str, feds: Sequence[Sequence[ClientTask]], group_see
     return data
 
 
-def method_seed(seed: int, method: str) -> int:
-    """The seed of one (seed, method) pair: a seed's numbers never depend on which other seeds,
-    heterogeneity levels or methods run (crc32, not ``hash``: stable across processes)."""
-    return (1_000_003 * seed + zlib.crc32(method.encode()) % 999_983 + 1) % (2 ** 63 - 1)
-
-
-def build_method(name: str, lr: float, options: Mapping[str, Any], lr_arg: str = "lr") -> Method:
-    """Instantiate a registered method; an unknown option becomes a one-line ``ConfigError``."""
-    allowed = [p for p in inspect.signature(get_method(name).__init__).parameters if p != "self"]
+def build_method(name: str, lr: float, options: Mapping[str, Any], lr_arg: str = "lr", *, seed: Any = None,
+                 client_weights: Sequence[float] | None = None) -> Method:
+    """``fedlora.methods.build`` with the step size ``lr`` as option ``lr_arg``; an unknown option
+    becomes a one-line ``ConfigError``."""
+    allowed = list(method_parameters(name))
     if lr_arg not in allowed:
         raise ConfigError(f"{name}: has no step-size option {lr_arg!r}; allowed: {', '.join(allowed)}")
-    return create_method(name, **{**options, lr_arg: lr})
+    return build(name, {**options, lr_arg: lr}, seed=seed, client_weights=client_weights)
 
 
 def _init_layer(layer: LoRALinear, fed: Federation, seeds: Sequence[int], name: str, adapter: Mapping[str, Any]) -> None:
@@ -134,7 +128,7 @@ def _init_layer(layer: LoRALinear, fed: Federation, seeds: Sequence[int], name: 
     one = LoRALinear(layer.in_features, layer.out_features, dtype=layer.lora_A.dtype, **adapter)
     with torch.no_grad():
         for g, seed in enumerate(seeds):
-            one.reset_parameters(generator=torch.Generator().manual_seed(method_seed(seed, name)))
+            one.reset_parameters(generator=torch.Generator().manual_seed(seed_of(seed, TESTBED_INIT, name)))
             idx = list(fed.replicas_of(g))
             for n, p in one.named_parameters():
                 getattr(layer, n)[idx] = p.expand(len(idx), *p.shape)
@@ -224,13 +218,10 @@ def build_run(name: str, data: StackedData, *, lr: float, options: Mapping[str, 
               sample_seed: int = 0) -> SyntheticRun:
     """``name`` built and set up on every federation of ``data`` (arguments as ``run_method``)."""
     weights = [float(w) for w in client_weights] if client_weights is not None else data.client_sizes
-    options = dict(options or {})
-    accepted = inspect.signature(get_method(name).__init__).parameters
-    if "client_weights" in accepted:
-        options.setdefault("client_weights", weights)  # Centralized pools with the federation's w_k
-    if "seed" in accepted:  # methods' own draws (H²Tune's R, FLoRA's fresh adapters): one seed per federation
-        options.setdefault("seed", [method_seed(s, name) % 2**31 for s in data.group_seeds])
-    method = build_method(name, lr, options, lr_arg)
+    # Centralized pools with the federation's w_k; methods' own draws (H²Tune's R, FLoRA's fresh
+    # adapters): one seed per federation
+    method = build_method(name, lr, dict(options or {}), lr_arg, client_weights=weights,
+                          seed=[seed_of(s, TESTBED_METHOD, name) for s in data.group_seeds])
     adapter = dict(adapter) if adapter is not None else dict(method.adapter_kwargs())
     fed = Federation(n_groups=data.n_groups, n_clients=data.n_clients, client_weights=weights,
                      sample_fraction=sample_fraction, sample_seed=sample_seed)
@@ -243,7 +234,7 @@ def build_run(name: str, data: StackedData, *, lr: float, options: Mapping[str, 
         method.output_fn = output_fn
     _init_layer(layer, fed, data.group_seeds, name, adapter)
     # Methods that draw from the global RNG (e.g. random masks) get a stream fixed by the run.
-    torch.manual_seed(method_seed(data.group_seeds[0], name))
+    torch.manual_seed(seed_of(data.group_seeds[0], TESTBED_INIT, name))
     method.setup(layer, fed.replica_clients)
     return SyntheticRun(name, method, fed, layer, objective, batch, metrics, data)
 

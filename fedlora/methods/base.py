@@ -12,6 +12,7 @@ replica, so this equals G separate clients — while upload/download act on one 
 from __future__ import annotations
 
 import abc
+import inspect
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import torch
@@ -20,9 +21,10 @@ from torch import nn
 from ..aggregation import fedavg_factors
 from ..errors import ConfigError, quoted
 from ..payload import Payload
+from ..seeds import FEDERATION, seed_of
 
-__all__ = ["Method", "AveragedFactors", "Objective", "Sampler", "register", "get_method", "create_method",
-           "available_methods", "broadcast_initial_factors"]
+__all__ = ["Method", "AveragedFactors", "Objective", "Sampler", "register", "get_method", "build", "create_method",
+           "method_parameters", "resolve_options", "available_methods", "broadcast_initial_factors"]
 
 
 #: params (name → tensor, the model's trainable parameters or substitutes) × batch → loss per replica (G,)
@@ -82,26 +84,52 @@ def available_methods() -> list[str]:
 _RANK_BUDGET_OPTIONS = ("client_ranks", "ranks", "initial_ranks")
 
 
-def create_method(name: str, **options: Any) -> "Method":
-    """Instantiate the registered method ``name`` with constructor ``options``.
+def method_parameters(method: "str | type[Method]") -> dict[str, inspect.Parameter]:
+    """The constructor options of a method (a registered name or the class): option name →
+    ``inspect.Parameter`` (its default and annotation), in the constructor's order. The one place a
+    method's constructor signature is read."""
+    cls = get_method(method) if isinstance(method, str) else method
+    return {k: p for k, p in inspect.signature(cls.__init__).parameters.items() if k != "self"}
 
-    Unknown options fail with a ``ConfigError`` that lists the allowed ones (and, for per-client rank
-    budgets given to a method with one rank for everyone, the methods that do support them).
+
+def resolve_options(name: str, options: Mapping[str, Any] | None = None, *, seed: Any = None,
+                    client_weights: Sequence[float] | None = None) -> dict[str, Any]:
+    """``options`` with the run's facts added where the method's constructor takes them and
+    ``options`` do not set them: ``seed`` (its own random draws; an integer, or one per federation)
+    and ``client_weights`` (w_k, e.g. for pooling); ``None`` adds nothing. Not checked (``build`` is)."""
+    params = method_parameters(name)
+    out = dict(options or {})
+    for key, value in (("client_weights", client_weights), ("seed", seed)):
+        if value is not None and key in params:
+            out.setdefault(key, value)
+    return out
+
+
+def build(name: str, options: Mapping[str, Any] | None = None, *, seed: Any = None,
+          client_weights: Sequence[float] | None = None) -> "Method":
+    """The method ``name`` (registered, a plugin's, or ``"package.module:Class"``) built from its
+    constructor ``options`` and the run's facts (``resolve_options``): the one factory of methods.
+
+    An unknown name or option is a one-line ``ConfigError`` naming what is allowed (for per-client
+    rank budgets given to a method with one rank for everyone, the methods that do support them).
     """
-    import inspect
-
     cls = get_method(name)
-    allowed = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    options = resolve_options(name, options, seed=seed, client_weights=client_weights)
+    allowed = list(method_parameters(cls))
     unknown = sorted(set(options) - set(allowed))
     if unknown:
         budgets = [u for u in unknown if u in _RANK_BUDGET_OPTIONS]
         if budgets:
-            het = sorted(n for n, c in _REGISTRY.items()
-                         if any(o in inspect.signature(c.__init__).parameters for o in _RANK_BUDGET_OPTIONS))
+            het = sorted(n for n, c in _REGISTRY.items() if any(o in method_parameters(c) for o in _RANK_BUDGET_OPTIONS))
             raise ConfigError(f"{name}: per-client rank budgets ({', '.join(budgets)}) are not supported — every "
                               f"client has rank r here; methods with heterogeneous ranks: {', '.join(het)}")
         raise ConfigError(f"{name}: unknown option(s) {quoted(unknown)}; allowed: {', '.join(allowed)}")
     return cls(**options)
+
+
+def create_method(name: str, **options: Any) -> "Method":
+    """``build(name, options)`` with the options as keywords."""
+    return build(name, options)
 
 
 def get_method(name: str) -> type["Method"]:
@@ -447,7 +475,7 @@ class Method(abc.ABC):
             if len(seed) != len(self.groups):
                 raise ConfigError(f"{self.name}: {len(seed)} seeds for {len(self.groups)} federations")
             return seed[group]
-        return seed + group
+        return seed_of(seed, FEDERATION, group)
 
     def personalised_params(self, objective: "Objective", sample: "Sampler") -> Mapping[str, torch.Tensor] | None:
         """Parameters to evaluate each client with, or ``None`` for the current ones.

@@ -44,6 +44,7 @@ from ..aggmath import flora_merge, flora_stack
 from ..aggregation import fedavg_factors
 from ..errors import ConfigError
 from ..payload import Payload
+from ..seeds import FLORA_FRESH, seed_of
 from .base import Objective, Sampler, register
 from .fedavg import FactorLoRA
 
@@ -240,8 +241,7 @@ class FLoRA(FactorLoRA):
     def _fresh_generator(self, replica: int, layer_idx: int, round_idx: int) -> torch.Generator:
         """Same (seed, round, federation, layer) → same numbers on every client of the federation."""
         fs = self.federation_seed(replica // self.n_clients)
-        key = ((fs * 1_000_003 + round_idx + 1) * 104_729 + layer_idx) % (2**63)
-        return torch.Generator().manual_seed(key)
+        return torch.Generator().manual_seed(seed_of(fs, FLORA_FRESH, round_idx, layer_idx))
 
     def download(self, replica: int, state: Mapping[str, torch.Tensor]) -> Payload:
         """Merge the stack into the replica's W0 (with a shared base: already merged by

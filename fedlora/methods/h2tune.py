@@ -99,6 +99,7 @@ from ..aggmath.h2tune import (
 from ..errors import ConfigError
 from ..optim import make_optimizer
 from ..payload import Payload
+from ..seeds import H2TUNE_OMEGA, seed_of
 from .base import Method, Objective, Sampler, register
 
 __all__ = ["H2Tune", "output_kl"]
@@ -253,7 +254,7 @@ class H2Tune(Method):
         for i, Lk in enumerate(self.layers):
             if self.omega_init == "random":  # per client, not per slot: the same Ω_k whichever slot it trains in
                 f, k = i // self.n_clients, self.replica_clients[i]
-                gen = torch.Generator().manual_seed(self.federation_seed(f) * 1_000_003 + 7_919 * (k + 1))
+                gen = torch.Generator().manual_seed(seed_of(self.federation_seed(f), H2TUNE_OMEGA, k))
                 om[i, :Lk] = ((torch.rand(Lk, L_g, generator=gen, dtype=torch.float64) * 2 - 1) / math.sqrt(Lk)).to(dtype)
                 continue
             for l in range(Lk):
