@@ -24,7 +24,7 @@ from ..payload import Payload
 from ..seeds import FEDERATION, seed_of
 
 __all__ = ["Method", "AveragedFactors", "Objective", "Sampler", "register", "get_method", "build", "create_method",
-           "method_parameters", "resolve_options", "available_methods", "broadcast_initial_factors"]
+           "method_parameters", "resolve_options", "available_methods", "broadcast_initial_factors", "RankSlots"]
 
 
 #: params (name → tensor, the model's trainable parameters or substitutes) × batch → loss per replica (G,)
@@ -573,6 +573,76 @@ class Method(abc.ABC):
 
     def _names(self, *suffixes: str) -> list[str]:
         return [n for n in self.params if n.rsplit(".", 1)[-1] in suffixes]
+
+    def upload_head(self, replica: int) -> dict[str, torch.Tensor]:
+        """Replica ``replica``'s shared classifier head (``shared_head_names``; none otherwise), detached
+        copies: what a method whose factors are uploaded its own way adds to its upload."""
+        return {n: self.params[n][replica].detach().clone() for n in self.shared_head_names()}
+
+    @staticmethod
+    def aggregate_head(payloads: Sequence[Payload], weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The data-weighted mean (FedAvg) of the uploaded classifier head, if the uploads carry one."""
+        heads = [n for n in payloads[0].tensors if n.endswith(("head_weight", "head_bias"))]
+        return fedavg_factors([{n: p.tensors[n] for n in heads} for p in payloads], weights) if heads else {}
+
+    @torch.no_grad()
+    def download_head(self, replica: int, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Write the server's head (where ``state`` holds it) into replica ``replica``; returns what was sent."""
+        sent = {}
+        for n in self.shared_head_names():
+            if n in state:
+                self.params[n][replica] = state[n]
+                sent[n] = state[n]
+        return sent
+
+
+class RankSlots:
+    """Per-client ranks on a stacked adapter of ``slots`` rank slots (HetLoRA, FlexLoRA, FLoRA): replica i
+    uses its first r_i slots and the others are held at exactly zero — the zero-padding of a rank-r_i
+    LoRA — so their gradients vanish and the batched step equals training each client at its own rank.
+    The one owner of the slot mask, the truncated upload (the first r_i rows of A, columns of B) and the
+    zero-padded download. ``ranks``: (G,) integers; ``set`` replaces them (the mask follows)."""
+
+    def __init__(self, ranks: torch.Tensor, slots: int) -> None:
+        self.slots = int(slots)
+        self.set(ranks)
+
+    def set(self, ranks: torch.Tensor) -> None:
+        self.ranks = ranks
+        self.mask = torch.arange(self.slots)[None, :] < ranks.cpu()[:, None]  # (G, slots): slot j < r_i
+
+    def rank(self, replica: int) -> int:
+        return int(self.ranks[replica])
+
+    @torch.no_grad()
+    def apply(self, params: Mapping[str, torch.Tensor], pairs: Sequence[tuple[str, str]]) -> None:
+        """Zero every replica's slots r_i..slots−1 of each (A, B) pair, in place (A (G, slots, d_in) rows,
+        B (G, d_out, slots) columns)."""
+        for a, b in pairs:
+            m = self.mask.to(device=params[a].device, dtype=params[a].dtype)
+            params[a].mul_(m[:, :, None])
+            params[b].mul_(m[:, None, :])
+
+    def truncate(self, params: Mapping[str, torch.Tensor], pairs: Sequence[tuple[str, str]],
+                 replica: int) -> dict[str, torch.Tensor]:
+        """Replica ``replica``'s first r_i rows of A and columns of B per pair, detached copies (its upload)."""
+        r = self.rank(replica)
+        out = {}
+        for a, b in pairs:
+            out[a] = params[a][replica, :r].detach().clone()
+            out[b] = params[b][replica, :, :r].detach().clone()
+        return out
+
+    @staticmethod
+    @torch.no_grad()
+    def pad_into(A: torch.Tensor, B: torch.Tensor, replica: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Write a rank-q pair ``a`` (q, d_in), ``b`` (d_out, q) into replica ``replica``'s first q slots of
+        the stacked ``A``, ``B``, zeroing its other slots (the zero-padding)."""
+        q = a.shape[0]
+        A[replica].zero_()
+        B[replica].zero_()
+        A[replica, :q] = a.to(dtype=A.dtype, device=A.device)
+        B[replica, :, :q] = b.to(dtype=B.dtype, device=B.device)
 
 
 class AveragedFactors(Method):

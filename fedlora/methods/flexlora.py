@@ -43,11 +43,10 @@ import torch
 
 from ..adapter import LoRALinear
 from ..aggmath.flexlora import flexlora_aggregate
-from ..aggregation import fedavg_factors
 from ..errors import ConfigError
 from ..optim import make_optimizer
 from ..payload import Payload
-from .base import Method, Objective, Sampler, register
+from .base import Method, Objective, RankSlots, Sampler, register
 
 __all__ = ["FlexLoRA"]
 
@@ -113,26 +112,19 @@ class FlexLoRA(Method):
         if len(ranks) != self.n_clients:
             raise ConfigError(f"flexlora: client_ranks has {len(ranks)} entries for {self.n_clients} clients")
         self.ranks = torch.tensor([ranks[k] for k in self.replica_clients])  # (G,)
-        dtype = self.params[self.layers[0][1]].dtype
-        device = self.params[self.layers[0][1]].device
-        self._rank_mask = (torch.arange(self.rank)[None, :] < self.ranks[:, None]).to(dtype=dtype, device=device)
+        self.rank_slots = RankSlots(self.ranks, self.rank)
         self._new_optimizer()
 
     def init_state(self) -> None:
         super().init_state()  # the server's adapter to every client…
-        self._apply_rank_mask()  # …of which client k keeps its first r_k components
+        self.rank_slots.apply(self.params, self._pairs())  # …of which client k keeps its first r_k components
 
     def _new_optimizer(self) -> None:
         ps = [self.params[n] for _, a, b, _ in self.layers for n in (a, b)] + [self.params[n] for n in self.head_names()]
         self.opt = make_optimizer(self.optimizer, ps, self.lr, self.weight_decay)
 
-    @torch.no_grad()
-    def _apply_rank_mask(self) -> None:
-        """Zero client k's slots r_k..rank−1 (the zero-padding of a rank-r_k LoRA)."""
-        m = self._rank_mask  # (G, rank)
-        for _, a, b, _ in self.layers:
-            self.params[a].mul_(m[:, :, None])
-            self.params[b].mul_(m[:, None, :])
+    def _pairs(self) -> list[tuple[str, str]]:
+        return [(a, b) for _, a, b, _ in self.layers]
 
     def begin_round(self, round_idx: int) -> None:
         if self.reset_optimizer:
@@ -145,18 +137,13 @@ class FlexLoRA(Method):
         loss.backward()
         self.opt.step()
         # unused slots get zero gradients already; masking makes "exactly zero" hold after weight decay/rounding too
-        self._apply_rank_mask()
+        self.rank_slots.apply(self.params, self._pairs())
 
     def upload(self, replica: int) -> Payload:
         """Client k's r_k rows of A and columns of B per layer; meta: each layer's scale and max_rank."""
-        r = int(self.ranks[replica])
-        tensors, meta = {}, {"max_rank": str(self.rank)}
-        for pre, a, b, s in self.layers:
-            tensors[a] = self.params[a][replica, :r].detach().clone()
-            tensors[b] = self.params[b][replica, :, :r].detach().clone()
-            meta[pre + "scale"] = repr(s)
-        for n in self.shared_head_names():  # a trained head is averaged with the data weights
-            tensors[n] = self.params[n][replica].detach().clone()
+        meta = {"max_rank": str(self.rank), **{pre + "scale": repr(s) for pre, _, _, s in self.layers}}
+        # a trained head is averaged with the data weights
+        tensors = {**self.rank_slots.truncate(self.params, self._pairs(), replica), **self.upload_head(replica)}
         return Payload(tensors, meta)
 
     @staticmethod
@@ -187,9 +174,7 @@ class FlexLoRA(Method):
             res = flexlora_aggregate(Bs, As, weights, scales, ranks_out=[r_cap], out_scales=[1.0])
             (us, vt), = res.factors
             state[pre + "lora_B"], state[a_name] = us, vt
-        heads = [n for n in payloads[0].tensors if n.endswith(("head_weight", "head_bias"))]
-        if heads:  # a trained classifier head: the data-weighted mean (FedAvg)
-            state.update(fedavg_factors([{n: p.tensors[n] for n in heads} for p in payloads], weights))
+        state.update(Method.aggregate_head(payloads, weights))  # a trained classifier head: the data-weighted mean
         return state
 
     def describe_replica(self, replica: int) -> dict:
@@ -198,7 +183,7 @@ class FlexLoRA(Method):
     def global_replica(self, replica: int) -> None:
         """The global model is the server's ΔW at the largest rank the federation may hold."""
         self.ranks[replica] = self.rank
-        self._rank_mask[replica] = 1
+        self.rank_slots.set(self.ranks)
 
     def download(self, replica: int, state: Mapping[str, torch.Tensor]) -> Payload:
         """Write the best rank-r_k approximation into the replica: B = U_r Σ_r / s, A = V_rᵀ.
@@ -208,20 +193,13 @@ class FlexLoRA(Method):
         r = int(self.ranks[replica])
         sent = {}
         with torch.no_grad():
-            for n in self.shared_head_names():
-                if n in state:
-                    self.params[n][replica] = state[n]
-                    sent[n] = state[n]
+            sent.update(self.download_head(replica, state))
             for _, a, b, s in self.layers:
                 if a not in state:
                     continue
                 us, vt = state[b], state[a]
                 q = min(r, us.shape[1])
                 new_b, new_a = us[:, :q] / s, vt[:q]
-                A, B = self.params[a], self.params[b]
-                A[replica].zero_()
-                B[replica].zero_()
-                A[replica, :q] = new_a.to(dtype=A.dtype, device=A.device)
-                B[replica, :, :q] = new_b.to(dtype=B.dtype, device=B.device)
+                RankSlots.pad_into(self.params[a], self.params[b], replica, new_a, new_b)
                 sent[a], sent[b] = new_a, new_b
         return Payload(sent)

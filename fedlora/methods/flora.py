@@ -41,11 +41,10 @@ import torch
 
 from ..adapter import LoRALinear
 from ..aggmath import flora_merge, flora_stack
-from ..aggregation import fedavg_factors
 from ..errors import ConfigError
 from ..payload import Payload
 from ..seeds import FLORA_FRESH, seed_of
-from .base import Objective, Sampler, register
+from .base import Method, Objective, RankSlots, Sampler, register
 from .fedavg import FactorLoRA
 
 __all__ = ["FLoRA"]
@@ -87,9 +86,7 @@ class FLoRA(FactorLoRA):
             raise ConfigError(f"flora: {len(self.ranks)} ranks for {self.n_clients} clients")
         per_client = self.ranks or [self.rank] * self.n_clients
         self.client_ranks = torch.tensor([per_client[k] for k in self.replica_clients])  # (G,)
-        dev = next(iter(self.params.values())).device
-        self._rank_mask = (torch.arange(self.rank, device=dev)[None, :]
-                           < self.client_ranks.to(dev)[:, None])  # (G, r)
+        self.rank_slots = RankSlots(self.client_ranks, self.rank)  # (G, r)
         self.layers: list[LoRALinear] = []
         for a, _ in self.pairs:
             prefix = a[: -len("lora_A")].rstrip(".")
@@ -109,17 +106,10 @@ class FLoRA(FactorLoRA):
                 base = layer.weight if layer.weight is not None else A.new_zeros(layer.out_features, layer.in_features)
                 if base.dim() == 2:
                     layer.weight = base.to(A.dtype).expand(G, *base.shape).clone()
-        self._apply_rank_mask()
+        self.rank_slots.apply(self.params, self.pairs)
 
     def describe_replica(self, replica: int) -> dict:
         return {"rank": int(self.client_ranks[replica])}
-
-    @torch.no_grad()
-    def _apply_rank_mask(self) -> None:
-        for a, b in self.pairs:
-            m = self._rank_mask.to(self.params[a].dtype)
-            self.params[a].mul_(m[:, :, None])
-            self.params[b].mul_(m[:, None, :])
 
     def begin_round(self, round_idx: int) -> None:
         self._round = round_idx
@@ -136,17 +126,11 @@ class FLoRA(FactorLoRA):
 
     def local_step(self, objective: Objective, sample: Sampler) -> None:
         self.train_step(objective, sample, self.a_names + self.b_names + self.heads)
-        self._apply_rank_mask()  # slots ≥ r_k stay exactly 0 (AdamW's weight decay/moments could move them)
+        self.rank_slots.apply(self.params, self.pairs)  # slots ≥ r_k stay exactly 0 (AdamW's weight decay/moments could move them)
 
     def upload(self, replica: int) -> Payload:
-        r = int(self.client_ranks[replica])
-        tensors, meta = {}, {}
-        for (a, b), layer in zip(self.pairs, self.layers):
-            tensors[a] = self.params[a][replica, :r].detach().clone()
-            tensors[b] = self.params[b][replica, :, :r].detach().clone()
-            meta[_SCALE + a] = repr(float(layer.scale))
-        for n in self.shared_head_names():
-            tensors[n] = self.params[n][replica].detach().clone()
+        meta = {_SCALE + a: repr(float(layer.scale)) for (a, _), layer in zip(self.pairs, self.layers)}
+        tensors = {**self.rank_slots.truncate(self.params, self.pairs, replica), **self.upload_head(replica)}
         return Payload(tensors, meta)
 
     @staticmethod
@@ -164,8 +148,7 @@ class FLoRA(FactorLoRA):
                 raise ConfigError(f"flora: payloads {missing} lack the scale of {a} (meta {_SCALE + a!r})")
             scales = [float(p.meta[_SCALE + a]) for p in payloads]
             out[b], out[a] = flora_stack(Bs, As, weights, scales)
-        heads = [n for n in payloads[0].tensors if n.endswith(("head_weight", "head_bias"))]
-        out.update(fedavg_factors([{n: p.tensors[n] for n in heads} for p in payloads], weights) if heads else {})
+        out.update(Method.aggregate_head(payloads, weights))  # a trained classifier head: the data-weighted mean
         return out
 
     def server_update(self, state: Mapping[str, torch.Tensor], aggregated: Mapping[str, torch.Tensor]
@@ -262,8 +245,6 @@ class FLoRA(FactorLoRA):
                 fresh[r:] = 0
                 A[replica] = fresh.to(A.device)
                 self.params[b][replica].zero_()
-            for n in self.shared_head_names():
-                if n in state:
-                    self.params[n][replica] = state[n]
+            self.download_head(replica, state)
         self._merged.add(replica)
         return Payload(dict(state))

@@ -21,11 +21,11 @@ from typing import Mapping, Sequence
 
 import torch
 
-from ..aggregation import fedavg_factors, hetlora_aggregate
+from ..aggregation import hetlora_aggregate
 from ..errors import ConfigError
 from ..optim import make_optimizer
 from ..payload import Payload
-from .base import Method, Objective, Sampler, register
+from .base import Method, Objective, RankSlots, Sampler, register
 
 __all__ = ["HetLoRA", "hetlora_initial_ranks"]
 
@@ -100,7 +100,7 @@ class HetLoRA(Method):
     def init_state(self) -> None:
         super().init_state()  # the server's rank-r_max adapter to every client
         self._set_ranks(self._initial_ranks.clone())
-        self._apply_rank_mask()  # distribution by truncation: client k keeps its first r_k slots
+        self.rank_slots.apply(self.params, self.pairs)  # distribution by truncation: client k keeps its first r_k slots
 
     # masks over the r_max slots, recomputed only when the ranks change ---------------------
     def _set_ranks(self, ranks: torch.Tensor) -> None:
@@ -108,15 +108,8 @@ class HetLoRA(Method):
         dtype = self.params[self.a_name].dtype
         slots = torch.arange(self.r_max)[None, :]
         start = torch.floor(self.gamma * ranks.double()).long()[:, None]
-        self._rank_mask = (slots < ranks[:, None]).to(dtype)  # (G, r_max): slot i < r_k
+        self.rank_slots = RankSlots(ranks, self.r_max)  # (G, r_max): slot i < r_k
         self._tail_mask = ((slots >= start) & (slots < ranks[:, None])).to(dtype)  # ⌊γ r_k⌋ ≤ i < r_k
-
-    @torch.no_grad()
-    def _apply_rank_mask(self) -> None:
-        m = self._rank_mask.to(self.params[self.a_name].device)
-        for a, b in self.pairs:
-            self.params[a].mul_(m[:, :, None])
-            self.params[b].mul_(m[:, None, :])
 
     def tail_norm(self, A: torch.Tensor | None = None, B: torch.Tensor | None = None) -> torch.Tensor:
         """Σ_layers ‖B[:, tail]‖_F · ‖A[tail, :]‖_F per replica, shape (G,). ``A``, ``B``: one layer's
@@ -144,7 +137,7 @@ class HetLoRA(Method):
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         self.opt.step()
-        self._apply_rank_mask()
+        self.rank_slots.apply(self.params, self.pairs)
 
     def end_round(self, round_idx: int) -> None:
         """Self-pruning: r_k ← max(r_min, ⌊γ r_k⌋) where the tail norm shrank during the round."""
@@ -152,7 +145,7 @@ class HetLoRA(Method):
             shrank = self.tail_norm() < self._tail_at_start
             pruned = torch.clamp(torch.floor(self.gamma * self.ranks.double()).long(), min=self.r_min)
             self._set_ranks(torch.where(shrank, pruned, self.ranks))
-            self._apply_rank_mask()
+            self.rank_slots.apply(self.params, self.pairs)
 
     def _extra_state(self):
         return {"ranks": self.ranks.clone()}
@@ -174,13 +167,7 @@ class HetLoRA(Method):
     def upload(self, replica: int) -> Payload:
         """The client's r_k rows of A and columns of B per layer (and a shared head); meta ``r_max``,
         the server's rank (see ``aggregate``)."""
-        r = int(self.ranks[replica])
-        tensors = {}
-        for a, b in self.pairs:
-            tensors[a] = self.params[a][replica, :r].detach().clone()
-            tensors[b] = self.params[b][replica, :, :r].detach().clone()
-        for n in self.shared_head_names():
-            tensors[n] = self.params[n][replica].detach().clone()
+        tensors = {**self.rank_slots.truncate(self.params, self.pairs, replica), **self.upload_head(replica)}
         return Payload(tensors, {"r_max": str(self.r_max)})
 
     @staticmethod
@@ -210,9 +197,7 @@ class HetLoRA(Method):
             b = a[: -len("lora_A")] + "lora_B"
             out[a], out[b], _ = hetlora_aggregate([p.tensors[a] for p in payloads], [p.tensors[b] for p in payloads],
                                                   r_max, eps)
-        heads = [n for n in payloads[0].tensors if n.endswith(("head_weight", "head_bias"))]
-        if heads:  # a trained classifier head: the data-weighted mean (FedAvg)
-            out.update(fedavg_factors([{n: p.tensors[n] for n in heads} for p in payloads], weights))
+        out.update(Method.aggregate_head(payloads, weights))  # a trained classifier head: the data-weighted mean
         return out
 
     def download(self, replica: int, state: Mapping[str, torch.Tensor]) -> Payload:
@@ -227,14 +212,7 @@ class HetLoRA(Method):
                     raise ConfigError(f"hetlora: the server state has rank {state[an].shape[0]} < r_k = {r} of "
                                       f"replica {replica}; the server must keep rank r_max = {self.r_max}")
                 a, b = state[an][:r], state[bn][:, :r]
-                A, B = self.params[an], self.params[bn]
-                A[replica].zero_()
-                B[replica].zero_()
-                A[replica, :r] = a
-                B[replica, :, :r] = b
+                RankSlots.pad_into(self.params[an], self.params[bn], replica, a, b)
                 sent[an], sent[bn] = a, b
-            for n in self.shared_head_names():
-                if n in state:
-                    self.params[n][replica] = state[n]
-                    sent[n] = state[n]
+            sent.update(self.download_head(replica, state))
         return Payload(sent)
