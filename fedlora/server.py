@@ -180,10 +180,11 @@ class ClientFailure:
 
 
 class ClientExecutor(Protocol):
-    """How clients execute a round (docs/design.md §9). ``live``: the executor holds every client's
-    model and keeps it current (it receives the server's changes at the end of every round);
-    ``shared_base``: it holds one base model for all clients, into which a method's increments are
-    merged once per round (``merge_into_base``)."""
+    """How clients execute a round (docs/design.md §9): everything every executor offers, nothing
+    optional. ``live``: the executor holds every client's model and keeps it current (it receives the
+    server's changes at the end of every round); ``shared_base``: it holds one base model for all
+    clients, into which a method's increments are merged once per round (``merge_into_base``). The
+    executor never reaches into the server: what a client receives always comes as a ``Download``."""
 
     live: bool
     shared_base: bool
@@ -197,7 +198,19 @@ class ClientExecutor(Protocol):
         synchronisation); returns the bytes each client received (0 for uncounted ones)."""
 
     def merge_into_base(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Merge the server's increment into the shared base (``shared_base`` executors)."""
+        """Merge the server's increment into the shared base (``shared_base`` executors; the others refuse)."""
+
+    def evaluate(self, round_idx: int, clients: Sequence[int],
+                 downloads: Mapping[int, Download]) -> dict[int, dict[str, Any]]:
+        """Score each of ``clients`` on its own rows after round ``round_idx`` (read-only: nothing is
+        kept), its model with ``downloads`` applied (``Server.evaluation_downloads``: what it lacks,
+        uncounted) — client → {"test": metrics, "val": metrics}."""
+
+    def records(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Every client's state record as the executor keeps it (what a checkpoint holds)."""
+
+    def restore(self, records: Mapping[int, Mapping[str, torch.Tensor]]) -> None:
+        """Put every client's state record back (a resumed run)."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -307,6 +320,18 @@ class Server:
             missed = sum(v for r, v in self.increments[g].items() if r > ledger.synced[k])
             return Download(dict(state) if missed else {}, nbytes=missed)
         return Download({n: state[n] for n in ledger.stale(k)})
+
+    def evaluation_downloads(self, clients: Sequence[int], executor: ClientExecutor) -> dict[int, Download]:
+        """What each of ``clients`` lacks of the current state, to be evaluated on it: ``download_for``
+        (a pure query: nothing is marked synchronised), uncounted — none for a live executor, whose clients
+        hold the current state. The server sends evaluation downloads as it sends training ones."""
+        if executor.live:
+            return {}
+        out = {}
+        for i in clients:
+            d = self.download_for(i, executor.shared_base)
+            out[i] = Download(d.state, counted=False, nbytes=d.nbytes)
+        return out
 
     def synced(self, client: int) -> int:
         g, k = divmod(client, self.federation.n_clients)

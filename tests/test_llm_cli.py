@@ -144,7 +144,7 @@ def test_bad_input_is_one_line_before_any_training(case, tmp_path, capsys, monke
     def boom(*a, **k):
         raise AssertionError("training started")
 
-    monkeypatch.setattr(fedlora.llm.runtime.FederatedRun, "run_round", boom)
+    monkeypatch.setattr(fedlora.llm.driver.Driver, "run_round", boom)
     args, says = BAD[case]
     if args == "columns":
         args = ["--set", f"data.path={_bad_file(tmp_path)}", "--set", "data.task=null"]

@@ -135,8 +135,8 @@ def test_with_dropout_a_clients_record_does_not_depend_on_its_slot_or_its_pass_m
     b = FederatedRun(tiny_config(tmp_path / "b", "pf2lora", **over), write=False).prepare()
     assert _full_rows(a)
     start = a.store.get(0)
-    a.train_pass([0, 1, 2, 3, 4, 5], 0, {}, {}, {})
-    b.train_pass([5, 4, 3, 2, 1, 0], 0, {}, {}, {})
+    a.slots.train_pass([0, 1, 2, 3, 4, 5], 0, {}, {}, {})
+    b.slots.train_pass([5, 4, 3, 2, 1, 0], 0, {}, {}, {})
     for k in range(6):
         assert _equal_records(a.store.get(k), b.store.get(k)), k
     assert not torch.equal(a.store.get(0)[KEY], start[KEY])  # the client's generator advanced and was stored
@@ -144,8 +144,8 @@ def test_with_dropout_a_clients_record_does_not_depend_on_its_slot_or_its_pass_m
     over = dict(over, federation__clients_per_pass=3)
     c = FederatedRun(tiny_config(tmp_path / "c", "pf2lora", **over), write=False).prepare()
     d = FederatedRun(tiny_config(tmp_path / "d", "pf2lora", **over), write=False).prepare()
-    c.train_pass([1, 0, 2], 0, {}, {}, {})
-    d.train_pass([3, 0, 4], 0, {}, {}, {})
+    c.slots.train_pass([1, 0, 2], 0, {}, {}, {})
+    d.slots.train_pass([3, 0, 4], 0, {}, {}, {})
     assert _equal_records(c.store.get(0), d.store.get(0))
     assert _equal_records(c.store.get(0), a.store.get(0))  # and a pass of 6 (every row full length: same L)
 
@@ -178,7 +178,7 @@ def test_dropout_changes_training_and_draws_new_masks_every_step(tmp_path):
     assert not any(isinstance(m, SlotDropout) for m in off.model.modules())
     seen = _masks_of(on)
     for run in (on, zero, off):
-        run.train_pass([0, 1], 0, {}, {}, {})
+        run.slots.train_pass([0, 1], 0, {}, {}, {})
     assert not _equal_records(on.store.get(0), zero.store.get(0))
     for n, v in off.store.get(0).items():
         torch.testing.assert_close(zero.store.get(0)[n], v, rtol=1e-5, atol=1e-6, msg=n)
@@ -196,11 +196,11 @@ def test_dropout_generator_resumes_from_the_client_record(tmp_path):
     base = dict(federation__sample_fraction=1.0, **ON)
     two = FederatedRun(tiny_config(tmp_path / "two", "local", train__local_steps=2, **base), write=False).prepare()
     one = FederatedRun(tiny_config(tmp_path / "one", "local", train__local_steps=4, **base), write=False).prepare()
-    two.run_round(0)
+    two.driver.run_round(0)
     for k in range(3):  # what a checkpoint would hold in between
         two.store.put(k, record_from_bytes(record_to_bytes(two.store.get(k))))
-    two.run_round(1)
-    one.run_round(0)
+    two.driver.run_round(1)
+    one.driver.run_round(0)
     for k in range(3):
         assert _equal_records(two.store.get(k), one.store.get(k)), k
 
@@ -211,11 +211,11 @@ def test_every_method_trains_with_per_client_dropout(tmp_path, method):
     one model) runs with dropout on; the participants' generators advance, the others' stay."""
     run = FederatedRun(tiny_config(tmp_path, method, **ON), write=False).prepare()
     before = [run.store.get(k)[KEY] for k in range(run.K_train)]
-    rec = run.run_round(0)
+    rec = run.driver.run_round(0)
     for k in range(run.K_train):
         assert torch.equal(run.store.get(k)[KEY], before[k]) == (k not in rec["participants"]), k
     assert all(v == v for v in rec["train_loss"].values())  # not NaN
-    run.evaluate(0)
+    run.driver.evaluate(0)
 
 
 def test_evaluation_is_deterministic_and_dropout_free(tmp_path):
@@ -223,12 +223,12 @@ def test_evaluation_is_deterministic_and_dropout_free(tmp_path):
     the model in train mode, evaluating twice and evaluating with every dropout rate at 0 give the same
     numbers, and evaluation leaves the clients' generators where they were."""
     run = FederatedRun(tiny_config(tmp_path, "perfedavg", federation__sample_fraction=1.0, **ON), write=False).prepare()
-    run.run_round(0)
+    run.driver.run_round(0)
     before = [run.store.get(k) for k in range(3)]
-    first, second = run.evaluate(0), run.evaluate(0)
+    first, second = run.driver.evaluate(0), run.driver.evaluate(0)
     assert first == second
     for m in run.model.modules():
         if isinstance(m, SlotDropout):
             m.p = 0.0
-    assert run.evaluate(0) == first
+    assert run.driver.evaluate(0) == first
     assert all(_equal_records(before[k], run.store.get(k)) for k in range(3))

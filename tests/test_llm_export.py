@@ -48,11 +48,11 @@ def _run(tmp_path, folder, method, options, head="auto", lr=0.02, clients=2, nam
 
 def _client_logits(run, client, batch):
     """The client's model as the runtime evaluates it (its record + the global state), one slot."""
-    run._bind([client])
-    run._load_record(0, run.store.get(client))
-    run._sync(0, client, -1, count=False)
+    run.slots._bind([client])
+    run.slots._load_record(0, run.store.get(client))
+    run.slots._apply(0, run.server.download_for(client, shared_base=True))
     with torch.no_grad():
-        return run._forward(None, batch)
+        return run.slots._forward(None, batch)
 
 
 def _assert_the_export_is_the_clients_own(run, run_dir, client, out, info):

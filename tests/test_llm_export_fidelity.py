@@ -27,13 +27,13 @@ def _runtime_logits(run, k, batch):
     """Client k's logits as ``FederatedRun.evaluate`` computes them (one slot): its record, the global
     state downloaded, the method's personalised parameters (Per-FedAvg's step), eval mode."""
     owner = 0 if run.centralized else k
-    run._bind([owner])
+    run.slots._bind([owner])
     run.model.eval()
-    samplers = run._load([owner])
-    run._sync(0, owner, -1, count=False)
-    params = run.method.personalised_params(run._objective, run._sampler_fn(samplers, [owner]))
+    samplers = run.slots._load([owner])
+    run.slots._apply(0, run.server.download_for(owner, shared_base=True))
+    params = run.method.personalised_params(run.slots._objective, run.slots._sampler_fn(samplers, [owner]))
     with torch.no_grad():
-        return run._forward(params, batch).float()
+        return run.slots._forward(params, batch).float()
 
 
 def _scores(logits, labels, num_labels):
@@ -53,7 +53,7 @@ def test_exported_client_models_score_what_the_run_reported(tmp_path, method):
     moved = 0.0
     for k in range(cfg.federation.clients):
         rows = torch.as_tensor(run.clients[k].test)
-        batch = run._rows(run.enc_test, rows)
+        batch = run.slots._rows(run.enc_test, rows)
         labels = batch.pop("labels").cpu()
         ours = _runtime_logits(run, k, batch)
         reported = summary["final_clients"][str(k)]["test"]

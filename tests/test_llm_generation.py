@@ -252,7 +252,7 @@ def test_a_clients_scores_are_its_own_models_generations(tmp_path, monkeypatch):
     k = 0
     rows = run.clients[k].test
     _, tensors = load_run_adapter(tmp_path / "run", k)
-    run._bind([k])  # one slot: load client k's adapter into it
+    run.slots._bind([k])  # one slot: load client k's adapter into it
     with torch.no_grad():
         for n, p in run.method.params.items():
             p[0].copy_(tensors[n])
@@ -304,7 +304,7 @@ def own_run(tmp_path_factory):
                                           "train.local_steps=2", "eval.batch_size=16", "eval.global_model=false",
                                           "eval.decoding={num_beams: 2, max_new_tokens: 4}",
                                           f"output_dir={tmp / 'run'}"])
-        run = FederatedRun(cfg)
+        run = FederatedRun(cfg).prepare()
         predicted = []
         watch_test_predictions(run, predicted)
         summary = run.run()
@@ -348,7 +348,7 @@ def test_a_clients_test_loss_is_its_target_tokens_cross_entropy_row_by_row(own_r
     run.model.eval()
     for k in (0, 1):
         _, tensors = load_run_adapter(folder, k)
-        run._bind([k])
+        run.slots._bind([k])
         with torch.no_grad():
             for n, p in run.method.params.items():
                 p[0].copy_(tensors[n])

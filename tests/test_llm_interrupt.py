@@ -105,14 +105,14 @@ def test_a_run_that_fails_before_any_round_leaves_no_folder(tmp_path, capsys):
 def _fail_in_round(monkeypatch, at: int, exc: BaseException) -> None:
     import fedlora.llm.runtime
 
-    real = fedlora.llm.runtime.FederatedRun.run_round
+    real = fedlora.llm.driver.Driver.run_round
 
     def run_round(self, rnd):
         if rnd == at:
             raise exc
         return real(self, rnd)
 
-    monkeypatch.setattr(fedlora.llm.runtime.FederatedRun, "run_round", run_round)
+    monkeypatch.setattr(fedlora.llm.driver.Driver, "run_round", run_round)
 
 
 def test_an_error_after_a_finished_round_marks_the_folder_failed(tmp_path, monkeypatch):

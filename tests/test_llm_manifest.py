@@ -32,16 +32,16 @@ def test_config_json_records_versions_commit_command_data_hashes_and_split_indic
                       federation={"clients": 5, "partition": "by_key(user)", "sample_fraction": 1.0,
                                   "val_fraction": 0.2},
                       train={"rounds": 1, "local_steps": 1, "batch_size": 4})
-    run = FederatedRun(cfg)
+    run = FederatedRun(cfg).prepare()
     validated = []  # the row sets every evaluation validates on, client by client (clients 0..K-1, in passes)
-    predict = run._predict
+    predict = run.slots._predict
 
     def spy(enc, row_sets, params):
         if enc is run.enc_train:
             validated.extend(np.asarray(r).tolist() for r in row_sets)
         return predict(enc, row_sets, params)
 
-    run._predict = spy
+    run.slots._predict = spy
     run.run()
     r = json.loads((tmp_path / "run" / "config.json").read_text())["resolved"]
     m = r["manifest"]

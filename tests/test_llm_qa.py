@@ -202,6 +202,7 @@ def _qa_run(tmp_path, method: str, family: str, task: str = "squad", *extra: str
                                         f"output_dir={tmp_path / 'run'}", *extra])
     run = FederatedRun(cfg)
     if watch is not None:
+        run.prepare()
         watch(run)
     return run, run.run()
 

@@ -50,8 +50,8 @@ def _spy(run):
     −1: the initial state) and the entries the server's update replaced (``Method.server_update``
     returns the old tensor object for what it leaves alone). Wraps the instance's methods; the
     runtime's code is unchanged."""
-    payloads, servers, replaced = {}, {-1: _clone(run.server_state)}, {}
-    train_pass, run_round, server_update = run.train_pass, run.run_round, run.method.server_update
+    payloads, servers, replaced = {}, {-1: _clone(run.server.states[0])}, {}
+    train_pass, run_round, server_update = run.slots.train_pass, run.driver.run_round, run.method.server_update
     updates = []
 
     def spy_pass(clients, rnd, out, *args, **kwargs):
@@ -66,10 +66,10 @@ def _spy(run):
     def spy_round(rnd):
         rec = run_round(rnd)
         assert len(updates) == 1, "one server update per round"
-        servers[rnd], replaced[rnd] = _clone(run.server_state), updates.pop()
+        servers[rnd], replaced[rnd] = _clone(run.server.states[0]), updates.pop()
         return rec
 
-    run.train_pass, run.run_round, run.method.server_update = spy_pass, spy_round, spy_update
+    run.slots.train_pass, run.driver.run_round, run.method.server_update = spy_pass, spy_round, spy_update
     return payloads, servers, replaced
 
 
@@ -118,7 +118,7 @@ def test_server_state_is_the_size_weighted_mean_of_the_participants_uploads(tmp_
     payloads, servers, _ = _spy(run)
     gap = 0.0
     for rnd in range(3):
-        rec = run.run_round(rnd)
+        rec = run.driver.run_round(rnd)
         parts = rec["participants"]
         assert len(parts) == 2 and sorted(payloads[rnd]) == parts
         n = [run.sizes[k] for k in parts]
@@ -152,15 +152,15 @@ def test_every_client_is_scored_on_the_current_global_state(tmp_path):
     scores differently, so evaluating records without downloading the current state cannot pass."""
     run = FederatedRun(tiny_config(tmp_path, "fedavg", train__rounds=3, **SAMPLED), write=False).prepare()
     seen = []
-    evaluate = run.evaluate
+    evaluate = run.driver.evaluate
 
     def spy_evaluate(rnd):
         records = {k: _clone(run.store.get(k)) for k in range(4)}
         ev = evaluate(rnd)
-        seen.append((rnd, _clone(run.server_state), records, ev))
+        seen.append((rnd, _clone(run.server.states[0]), records, ev))
         return ev
 
-    run.evaluate = spy_evaluate
+    run.driver.evaluate = spy_evaluate
     run.run()
     assert [rnd for rnd, *_ in seen] == [-1, 0, 1, 2]
     stale_checked = 0
@@ -288,7 +288,7 @@ def test_train_loss_is_the_mean_loss_of_the_clients_own_batch(tmp_path):
         own = {n[len("param:"):]: v for n, v in rec.items() if n.startswith("param:")}
         logits, labels = _forward(run, own, run.enc_train, rows)
         want[str(k)] = float(F.cross_entropy(logits, labels).double())
-    rec = run.run_round(0)
+    rec = run.driver.run_round(0)
     assert rec["participants"] == [0, 1, 2] and run.P == 3
     for k, v in want.items():
         assert rec["train_loss"][k] == pytest.approx(v, rel=1e-5), k
@@ -305,7 +305,7 @@ def test_train_loss_does_not_depend_on_who_shares_the_pass(tmp_path):
     for P in (3, 1):
         run = FederatedRun(tiny_config(tmp_path / str(P), "fedavg", federation__clients_per_pass=P,
                                        **DISTINCT_LOSSES), write=False).prepare()
-        losses[P] = [run.run_round(rnd)["train_loss"] for rnd in range(2)]
+        losses[P] = [run.driver.run_round(rnd)["train_loss"] for rnd in range(2)]
     for rnd in range(2):
         assert losses[3][rnd].keys() == losses[1][rnd].keys() == {"0", "1", "2"}
         for k, v in losses[1][rnd].items():

@@ -11,6 +11,7 @@ from fedlora.errors import ConfigError
 from fedlora.methods import available_methods, get_method
 from fedlora.llm.config import describe_method, load_config, method_options
 from fedlora.llm.runtime import FederatedRun, auto_clients_per_pass
+from fedlora.llm.slots import SlotExecutor
 from test_llm_runtime import tiny_config
 
 pytest.importorskip("transformers")
@@ -180,7 +181,7 @@ def test_a_client_that_finishes_early_keeps_the_state_of_its_own_last_step(tmp_p
     b = FederatedRun(config(tmp_path / "b", local_steps=n_short), write=False).prepare()
     rec = {}
     for run in (a, b):
-        rec[run] = run.run_round(0)
+        rec[run] = run.driver.run_round(0)
     ra, rb = a.store.get(short), b.store.get(short)
     assert ra.keys() == rb.keys() and (("sampler:dropout" in ra) == dropout)
     for key in ra:
@@ -193,9 +194,9 @@ def test_a_client_that_finishes_early_keeps_the_state_of_its_own_last_step(tmp_p
 
 def test_lora_a2_puts_clients_with_unequal_steps_in_separate_passes(tmp_path):
     run = FederatedRun(_epochs_config(tmp_path, "lora-a2", local_epochs=1.0), write=False).prepare()
-    assert run._passes([0, 1]) == [[0], [1]]
+    assert run.slots._passes([0, 1]) == [[0], [1]]
     run = FederatedRun(_epochs_config(tmp_path, "fedavg", local_epochs=1.0), write=False).prepare()
-    assert run._passes([0, 1]) == [[0, 1]]
+    assert run.slots._passes([0, 1]) == [[0, 1]]
 
 
 def test_local_steps_and_local_epochs_are_exclusive():
@@ -229,9 +230,9 @@ def test_a_schedule_factor_equals_every_step_size_scaled(tmp_path, name, monkeyp
                                  federation=fed, train=tr), write=False).prepare()
     b = FederatedRun(tiny_config(tmp_path / "b", name, method={"name": name, "options": base},
                                  federation=fed, train=tr), write=False).prepare()
-    ra = a.run_round(0)
-    monkeypatch.setattr(FederatedRun, "_lr_factor", lambda self, t: 0.4)
-    rb = b.run_round(0)
+    ra = a.driver.run_round(0)
+    monkeypatch.setattr(SlotExecutor, "_lr_factor", lambda self, t: 0.4)
+    rb = b.driver.run_round(0)
     for k in range(a.K_train):
         x, y = a.store.get(k), b.store.get(k)
         for key in x:

@@ -80,8 +80,8 @@ def test_client_record_round_trips_and_does_not_depend_on_its_slot(tmp_path):
     for k in range(6):  # identical starting records
         ra, rb = a.store.get(k), b.store.get(k)
         assert ra.keys() == rb.keys() and all(torch.equal(ra[n], rb[n]) for n in ra)
-    a.train_pass([0, 1, 2, 3, 4, 5], 0, {}, {}, {})
-    b.train_pass([5, 4, 3, 2, 1, 0], 0, {}, {}, {})
+    a.slots.train_pass([0, 1, 2, 3, 4, 5], 0, {}, {}, {})
+    b.slots.train_pass([5, 4, 3, 2, 1, 0], 0, {}, {}, {})
     for k in range(6):
         ra, rb = a.store.get(k), b.store.get(k)
         assert any(n.startswith("optim:") for n in ra)  # moments and step counts travel with the client
@@ -99,7 +99,7 @@ def test_disk_store_and_one_client_per_pass_match_memory_and_batched_passes(tmp_
         run = FederatedRun(tiny_config(tmp_path / name, "fedavg", federation__sample_fraction=1.0, **over), write=False)
         run.prepare()
         for rnd in range(2):
-            run.run_round(rnd)
+            run.driver.run_round(rnd)
         runs[name] = run
     assert runs["sequential"].store.kind == "disk"
     for k in range(3):
@@ -113,21 +113,22 @@ def test_sampled_out_clients_do_no_work_and_catch_up_on_the_global_state(tmp_pat
                        write=False).prepare()
     for rnd in range(4):
         before = {k: run.store.get(k) for k in range(4)}
-        rec = run.run_round(rnd)
+        rec = run.driver.run_round(rnd)
         for k in set(range(4)) - set(rec["participants"]):
             after = run.store.get(k)
             assert all(torch.equal(before[k][n], after[n]) for n in after)  # untouched: no work at all
     # a client that sat out receives, when it next trains, every factor averaged since it last synced
-    idle = [k for k in range(4) if run.ledger.synced[k] < 3]
+    idle = [k for k in range(4) if run.server.ledgers[0].synced[k] < 3]
     assert idle, "some client must have sat out the last round"
     k = idle[0]
-    stale = run.ledger.stale(k)
+    stale = run.server.ledgers[0].stale(k)
     assert stale  # RoLoRA averaged B and A in the rounds it missed
-    run._bind([k])
-    run._load_record(0, run.store.get(k))
-    sent = run._sync(0, k, 3, count=True)
-    assert sent > 0 and run.ledger.stale(k) == []
-    for n, v in run.server_state.items():
+    run.slots._bind([k])
+    run.slots._load_record(0, run.store.get(k))
+    sent = run.slots._apply(0, run.server.download_for(k, shared_base=True))
+    run.server.ledgers[0].sync(k, 3)
+    assert sent > 0 and run.server.ledgers[0].stale(k) == []
+    for n, v in run.server.states[0].items():
         assert torch.equal(run.method.params[n][0].detach(), v), n
 
 
@@ -198,12 +199,12 @@ def test_rank_and_lr_shortcuts_reach_the_option_they_stand_for(tmp_path):
 
 def test_round_records_carry_each_clients_ranks(tmp_path):
     het = FederatedRun(tiny_config(tmp_path / "h", "hetlora", federation__sample_fraction=1.0), write=False).prepare()
-    rec = het.run_round(0)
+    rec = het.driver.run_round(0)
     # PF2LoRA's recipe r_k = r_min + (r_max − r_min)(k − 1)/M with r_min 1, r_max 4, M = 3 (or pruned by ⌊γ r_k⌋)
     for k, want in enumerate([1, 2, 3]):
         assert rec["ranks"][str(k)]["rank"] in (want, max(1, int(0.99 * want))) and rec["ranks"][str(k)]["server_rank"] == 4
     a2 = FederatedRun(tiny_config(tmp_path / "a", "lora-a2", federation__sample_fraction=1.0), write=False).prepare()
-    rec = a2.run_round(0)
+    rec = a2.driver.run_round(0)
     n_modules = len(a2.targets)
     for k, budget in enumerate([2, 2, 3]):  # r_k·N ranks over the N modules (§4.2)
         info = rec["ranks"][str(k)]

@@ -43,20 +43,21 @@ def _argv(method: str, out: Path, *extra: str) -> list[str]:
 
 
 def _stop_in_round_3(monkeypatch) -> None:
-    """Every FederatedRun built from now on stops (KeyboardInterrupt: Ctrl-C) in the middle of round 3:
+    """Every FederatedRun prepared from now on stops (KeyboardInterrupt: Ctrl-C) in the middle of round 3:
     when its last participant is about to train, after the others trained and stored their records."""
-    real = FederatedRun.__init__
+    real = FederatedRun.prepare_clients
 
-    def init(self, *a, **k):
-        real(self, *a, **k)
+    def prepare_clients(self):
+        real(self)
 
         def hook(client, rnd):
             if rnd == 2 and client == self.federation.participants(rnd, 0)[-1]:
                 raise KeyboardInterrupt
 
-        self.client_hook = hook
+        self.slots.client_hook = hook
+        return self
 
-    monkeypatch.setattr(FederatedRun, "__init__", init)
+    monkeypatch.setattr(FederatedRun, "prepare_clients", prepare_clients)
 
 
 def _interrupted(monkeypatch, capsys, method: str, out: Path, *extra: str) -> None:
@@ -162,9 +163,9 @@ def test_a_run_stopped_after_round_2_and_resumed_equals_one_that_never_stopped(m
 # b. a real `fedlora run` killed with SIGKILL
 PAUSE = """\
 import sys, time
-from fedlora.llm import runtime
+from fedlora.llm import slots
 
-real = runtime.FederatedRun.train_pass
+real = slots.SlotExecutor.train_pass
 
 
 def train_pass(self, clients, rnd, *a, **k):  # round 3 never finishes: SIGKILL arrives first
@@ -173,7 +174,7 @@ def train_pass(self, clients, rnd, *a, **k):  # round 3 never finishes: SIGKILL 
     return real(self, clients, rnd, *a, **k)
 
 
-runtime.FederatedRun.train_pass = train_pass
+slots.SlotExecutor.train_pass = train_pass
 from fedlora.cli import main
 
 sys.exit(main(sys.argv[1:]))

@@ -64,10 +64,10 @@ def resumed(tmp_path_factory):
     folder = tmp_path_factory.mktemp("records") / "run"
     seen: list[tuple] = []  # (process, round index, run.json's status and rounds_done, round records in rounds.jsonl)
     stop = {"at": 2, "process": "first"}
-    real = FederatedRun.__init__
+    real = FederatedRun.prepare_clients
 
-    def init(self, *a, **k):
-        real(self, *a, **k)
+    def prepare_clients(self):
+        real(self)
 
         def hook(client, rnd):
             state = json.loads((folder / "run.json").read_text())
@@ -77,13 +77,14 @@ def resumed(tmp_path_factory):
             if rnd == stop["at"] and client == self.federation.participants(rnd, 0)[-1]:
                 os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C: the round finishes, is checkpointed, the run stops
 
-        self.client_hook = hook
+        self.slots.client_hook = hook
+        return self
 
     # Ctrl-C at a terminal: SIGINT handled as Python's default does. A test process started in the background
     # by a non-interactive shell (`cmd &`, as some CI runners do) inherits SIGINT ignored, which the CLI keeps.
     old_sigint = signal.signal(signal.SIGINT, signal.default_int_handler)
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(FederatedRun, "__init__", init)
+        m.setattr(FederatedRun, "prepare_clients", prepare_clients)
         try:
             first = _cli(["run", "tiny-smoke", *SETS, "--out", str(folder)])
         finally:

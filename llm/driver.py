@@ -1,0 +1,479 @@
+"""One run's driver (docs/design.md §9): the round loop over ``fedlora.server.Server.run_round``, the
+evaluation schedule, the records (``rounds.jsonl``, ``run.json``, ``summary.json``, ``rounds.png``,
+``adapters/``), checkpoints and resume, SIGINT/SIGTERM, the round lines and the progress bar.
+
+The driver talks to its client executor only through ``fedlora.server.ClientExecutor`` (train,
+deliver, evaluate with the downloads the server sends, records/restore); which executor it gets — the
+slot executor of ``fedlora.llm.slots``, the heterogeneous one of ``fedlora.llm.hetero``, Flower's — is
+the caller's choice (the command line). What is recorded about the run's content — the evaluation's
+means, the global model's scores, the summary, the figure, the adapters — is the run's ``report``
+(``Report`` for one base model; ``fedlora.llm.hetero.TasksReport`` for heterogeneous client models).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from fedlora.io import OutputDir, write_bytes_atomic, write_json_atomic
+from fedlora.payload import Payload
+from fedlora.server import ClientExecutor
+from fedlora.state import record_nbytes
+
+from .slots import first_line
+
+__all__ = ["Driver", "Report", "CHECKPOINTS", "abandon", "resume_point", "comparable", "config_differences"]
+
+CHECKPOINTS = "checkpoints"  # output_dir/checkpoints/round_<r>/ (fedlora.checkpoint), the last two kept
+
+
+class Driver:
+    """The rounds of one built run (``fedlora.llm.runtime.FederatedRun`` or
+    ``fedlora.llm.hetero.HeteroRun``: ``cfg``, ``method``, ``server``, ``K_train``, ``describe()``,
+    ``report``, ``local`` — the executor in this process, which keeps the clients' records where the
+    run's own adapters are saved from) over ``executor``. ``write``: the run folder ``output`` (claimed by
+    the caller) is written; ``resume_from``: a verified checkpoint to continue from."""
+
+    def __init__(self, run, executor: ClientExecutor, *, progress: bool = False, write: bool = True,
+                 output: OutputDir | None = None, log: Callable[[str], None] | None = None,
+                 resume_from=None) -> None:
+        self.run_, self.executor = run, executor
+        self.cfg, self.method, self.server, self.report = run.cfg, run.method, run.server, run.report
+        self.progress, self.write, self.output, self.log = progress, write, output, log
+        self._resume_from = resume_from
+        self.history: list[dict[str, Any]] = []
+        self._lines: list[str] = []  # rounds.jsonl as written
+        self._done = 0  # the round records (round ≥ 1) in _lines: run.json's rounds_done
+        #: wall seconds of the earlier parts of a resumed run (from the checkpoint; None: not recorded)
+        self._wall_before: list[float | None] = []
+        self._t0: float | None = None  # when this part's rounds started (time.perf_counter)
+        self._bar = None
+
+    def run_round(self, rnd: int) -> dict[str, Any]:
+        """Round ``rnd`` of the server's protocol (``fedlora.server.Server.run_round``) with the driver's
+        executor; returns the round's record."""
+        return self.server.run_round(self.executor, rnd)
+
+    def evaluate(self, rnd: int) -> dict[str, Any]:
+        """The evaluation after round ``rnd`` (−1: before training): every client scored by the executor
+        (here, or on the clients' machines) on what the server sends it (``Server.evaluation_downloads``),
+        then the report's means and the global model's scores (``Report.evaluation``)."""
+        K = self.cfg.federation.clients
+        downloads = self.server.evaluation_downloads(range(self.run_.K_train), self.executor)
+        per_client = self.executor.evaluate(rnd, list(range(K)), downloads)
+        return self.report.evaluation(rnd, per_client)
+
+    # ------------------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        """All rounds with evaluation; writes ``output_dir`` (see docs/reference/run-folder.md).
+        ``run.json`` says whether the run is running, complete, interrupted or failed; a run that stops
+        early (an error, SIGINT/SIGTERM) marks or removes it (``_abandon``)."""
+        try:
+            return self._run()
+        except BaseException as e:
+            if self.write:
+                self._abandon(e)
+            raise
+
+    def _run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        out = Path(cfg.output_dir)
+        if self._resume_from is not None:  # rounds.jsonl, the server, every client: as the checkpoint left them
+            start, evals = self._restore(self._resume_from)
+        else:
+            start, self._lines = 0, []
+            if self.write:
+                write_json_atomic(out / "config.json", {"config": cfg.to_dict(), "resolved": self.run_.describe()})
+                (out / "rounds.jsonl").write_text("")
+            evals = [self.evaluate(-1)]
+            self._append(out, {"round": 0, "eval": evals[0]})
+        if self.write:
+            self._write_status("running")
+        bar = self._bar = _progress(cfg.train.rounds, self.progress, initial=start)  # a resumed run's bar: at start
+        self._t0 = time.perf_counter()
+        with _deferred_signals() as pending:
+            for rnd in range(start, cfg.train.rounds):
+                rec = self.run_round(rnd)  # after the last round: the final global state to every client (counted)
+                last = rnd == cfg.train.rounds - 1
+                if last or (rnd + 1) % cfg.eval.every == 0:
+                    ev = self.evaluate(rnd)
+                    rec["eval"] = ev
+                    evals.append(ev)
+                self.history.append(rec)
+                self._append(out, rec)
+                every = cfg.train.checkpoint_every
+                if self.write and ((every and (rnd + 1) % every == 0) or (pending and not last)):
+                    self.save_checkpoint(rnd + 1)
+                bar.update(1)
+                ev = rec.get("eval")
+                if ev is not None and rec["train_loss"]:
+                    bar.set_postfix(self.report.postfix(ev, rec))
+                if self.log is not None:
+                    self.log(self._round_line(rec, self._wall_total(self._wall_parts())))
+                if pending and not last:  # SIGINT/SIGTERM during the round: it finished and is checkpointed
+                    from fedlora.errors import Interrupted
+
+                    raise Interrupted(pending[0])
+        bar.close()
+        local = self.run_.local
+        if self.executor is not local:  # records kept elsewhere (Flower: on the clients' nodes): the adapters come from them
+            local.restore(self.executor.records())
+        parts = self._wall_parts()  # a resumed run: each part's rounds, the total in wall_s
+        summary = self.report.summary(evals, self.history, self._wall_total(parts))
+        summary["wall_s_parts"] = parts
+        if self.write:
+            self.report.save_adapters(out / "adapters")
+            write_json_atomic(out / "summary.json", summary)
+            try:
+                self.report.plot(self.history, evals, out / "rounds.png")
+            except Exception as e:  # a figure must never lose a run's results
+                summary["plot_error"] = str(e)
+            self._write_status("complete")
+        return summary
+
+    # ------------------------------------------------------------------------------------------
+    # checkpoints and resume (fedlora.checkpoint)
+    def checkpoint_files(self) -> dict[str, bytes]:
+        """Everything a resumed run needs that ``prepare`` does not rebuild: the server's
+        ``state_dict`` (``server.safetensors``), every client's state record (``client_<k>.safetensors``),
+        the method's runtime state and the torch RNG (``runtime.safetensors``) and the records so far
+        (``rounds.jsonl``, exactly the lines written)."""
+        from safetensors.torch import save
+
+        from fedlora.state import record_to_bytes
+
+        st = self.server.state_dict()
+        files = {"server.safetensors": save({k: v.contiguous() for k, v in st["tensors"].items()},
+                                            metadata={"server": json.dumps(st["meta"])})}
+        records = self.executor.records()  # (on Flower the records live on the clients' nodes: asked for)
+        for k in range(self.run_.K_train):
+            files[f"client_{k}.safetensors"] = record_to_bytes(records[k])
+        runtime = {f"method:{n}": v.contiguous() for n, v in self.method.runtime_state().items()}
+        runtime["rng:torch"] = torch.get_rng_state()
+        files["runtime.safetensors"] = save(runtime)
+        files["rounds.jsonl"] = "".join(line + "\n" for line in self._lines).encode()
+        return files
+
+    def save_checkpoint(self, rounds_done: int) -> Path:
+        """``output_dir/checkpoints/round_<r>/`` (atomic, hashed, the last two kept)."""
+        from fedlora.checkpoint import write_checkpoint
+
+        from .export import config_digest
+
+        return write_checkpoint(Path(self.cfg.output_dir) / CHECKPOINTS, rounds_done, self.checkpoint_files(),
+                                meta={"config_sha256": config_digest(comparable(self.cfg.to_dict())),
+                                      "rounds": self.cfg.train.rounds, "method": self.method.name,
+                                      # the rounds' wall time so far, per part (a resumed run adds one)
+                                      "wall_s_parts": self._wall_parts()})
+
+    def _restore(self, ckpt) -> tuple[int, list[dict[str, Any]]]:
+        """Put the run in the state of ``ckpt`` (a verified ``fedlora.checkpoint.Checkpoint``): server,
+        client records, method runtime state, torch RNG, the records (rounds.jsonl rewritten to the
+        checkpoint's lines). Returns (the next round, the evaluations so far)."""
+        from safetensors.torch import load
+
+        from fedlora.state import record_from_bytes
+
+        server = Payload.from_bytes(ckpt.files["server.safetensors"])
+        self.server.load_state_dict({"tensors": dict(server.tensors), "meta": json.loads(server.meta["server"])})
+        records = {k: record_from_bytes(ckpt.files[f"client_{k}.safetensors"]) for k in range(self.run_.K_train)}
+        self.executor.restore(records)  # on Flower: every node takes its record back
+        runtime = load(ckpt.files["runtime.safetensors"])
+        self.method.load_runtime_state({n[len("method:"):]: v for n, v in runtime.items() if n.startswith("method:")})
+        torch.set_rng_state(runtime["rng:torch"])
+        self._lines = [ln for ln in ckpt.files["rounds.jsonl"].decode().splitlines() if ln]
+        recs = [json.loads(ln) for ln in self._lines]
+        self._done = sum(r.get("round", 0) >= 1 for r in recs)
+        parts = ckpt.meta.get("wall_s_parts")  # a checkpoint of an older fedlora has none: that part is unknown
+        self._wall_before = list(parts) if isinstance(parts, list) else [None]
+        self.history = [r for r in recs if r.get("round", 0) >= 1]
+        evals = [r["eval"] for r in recs if "eval" in r]
+        if self.write:
+            write_bytes_atomic(Path(self.cfg.output_dir) / "rounds.jsonl", ckpt.files["rounds.jsonl"])
+        return self.server.round, evals
+
+    def _write_status(self, status: str, done: int | None = None, **extra: Any) -> None:
+        _write_status(Path(self.cfg.output_dir), self.cfg.train.rounds, status, done, **extra)
+
+    def _abandon(self, e: BaseException) -> None:
+        if self._bar is not None:
+            self._bar.close()  # the progress bar's line ends before the command's last line
+        abandon(e, self.cfg, self.output)
+
+    def _append(self, out: Path, rec: Mapping[str, Any]) -> None:
+        """One record to rounds.jsonl, then run.json (atomic) with ``rounds_done`` counting it: a reader —
+        or a run killed with SIGKILL — finds run.json saying as many rounds as rounds.jsonl holds."""
+        line = json.dumps(rec, allow_nan=True)
+        self._lines.append(line)
+        self._done += rec.get("round", 0) >= 1
+        if self.write:
+            with open(out / "rounds.jsonl", "a") as f:
+                f.write(line + "\n")
+            self._write_status("running", self._done)
+
+    def _wall_parts(self) -> list[float | None]:
+        """Wall seconds of the rounds, per part of the run: the parts before a resume (each up to the
+        checkpoint the next part started from; None where an older checkpoint did not record it), then
+        this part's so far — one part for a run that never stopped."""
+        now = [] if self._t0 is None else [time.perf_counter() - self._t0]
+        return [*self._wall_before, *now]
+
+    @staticmethod
+    def _wall_total(parts: Sequence[float | None]) -> float:
+        return float(sum(p for p in parts if p is not None))
+
+    def _round_line(self, rec: Mapping[str, Any], wall: float) -> str:
+        """The line printed per round without a progress bar: mean training loss, the evaluation's
+        figures where the round was evaluated (``_eval_text``), bytes up and down, failed clients, time."""
+        losses = [v for v in rec["train_loss"].values() if math.isfinite(v)]
+        parts = [f"training loss {np.mean(losses):.4f}" if losses else "no finite training loss"]
+        if "eval" in rec:
+            parts.append(self.report.eval_text(rec["eval"]))
+        parts.append(f"bytes up {sum(rec['bytes_up'].values()):,}, down {sum(rec['bytes_down'].values()):,}")
+        failed = rec.get("failures") or {}
+        if failed:
+            which = ", ".join(f"{k} ({v['kind']})" for k, v in failed.items())
+            parts.append(f"failed: client{'s' if len(failed) > 1 else ''} {which}")
+        return f"round {rec['round']}/{self.cfg.train.rounds}: {', '.join(parts)} ({wall:.1f} s)"
+
+
+class Report:
+    """What is recorded about a run over one base model: the evaluation's clients' means (unweighted
+    and test-size-weighted; clients without test rows left out) and the global model's scores where
+    the method has one — the server side's own evaluation, by the run's ``local`` slot executor on the
+    server's state —, the round line's and progress bar's figures, the summary, ``rounds.png`` and
+    ``adapters/`` (``SlotExecutor.save_adapters``, what each client lacks of the final state applied)."""
+
+    def __init__(self, run) -> None:
+        self.run_ = run
+        self.cfg, self.method, self.task, self.server = run.cfg, run.method, run.task, run.server
+
+    def evaluation(self, rnd: int, per_client: Mapping[int, Any]) -> dict[str, Any]:
+        from .metrics import aggregate_client_metrics
+
+        K, m, run = self.cfg.federation.clients, self.method, self.run_
+        out: dict[str, Any] = {"round": rnd + 1, "clients": {str(k): per_client[k] for k in range(K)}}
+        sizes = [len(run.clients[k].test) for k in range(K)]
+        out["test"] = aggregate_client_metrics([per_client[k]["test"] for k in range(K)], sizes)  # size 0: skipped
+        if self.cfg.eval.global_model and m.has_global_model:
+            out["global"] = run.local.evaluate_global(self.server.states[0])
+        return out
+
+    def eval_text(self, ev: Mapping[str, Any]) -> str:
+        """An evaluation in a round's line: the clients' mean test main metric."""
+        main = self.task.main_metric
+        return f"test {main} {ev['test']['mean'][main]:.4f} (clients' mean)"
+
+    def postfix(self, ev: Mapping[str, Any], rec: Mapping[str, Any]) -> dict[str, str]:
+        """The progress bar's figures after an evaluated round: the clients' mean test main metric, the loss."""
+        main = self.task.main_metric
+        return {f"test_{main}": f"{ev['test']['mean'][main]:.3f}",
+                "loss": f"{np.mean(list(rec['train_loss'].values())):.3f}"}
+
+    def plot(self, history: list[dict[str, Any]], evals: list[dict[str, Any]], path: Path) -> None:
+        """``rounds.png`` (``fedlora.llm.plots.plot_run``)."""
+        from .plots import plot_run
+
+        plot_run(history, evals, self.task.main_metric, path, method=self.method.name, task=self.run_.task_label,
+                 clients=self.cfg.federation.clients)
+
+    def summary(self, evals: list[dict[str, Any]], history: list[dict[str, Any]], wall: float) -> dict[str, Any]:
+        main = self.task.main_metric
+        first, last = evals[0], evals[-1]
+        up = sum(sum(r["bytes_up"].values()) for r in history)
+        down = sum(sum(r["bytes_down"].values()) for r in history)
+        s = {"method": self.method.name, "task": self.run_.task_label, "task_kind": self.task.kind, "main_metric": main,
+             "rounds": self.cfg.train.rounds, "clients": self.cfg.federation.clients,
+             "round0_test": first["test"], "final_test": last["test"],
+             "final_clients": last["clients"], "bytes_up_total": up, "bytes_down_total": down,
+             "wall_s": wall, "record_bytes_per_client": record_nbytes(self.run_.store.get(0)),
+             "n_clients_without_test": len(self.run_.clients_without_test),  # left out of every clients' mean
+             "clients_without_test": list(self.run_.clients_without_test)}
+        if "global" in last:
+            s["round0_global"], s["final_global"] = first.get("global"), last["global"]
+        if self.task.not_computed:  # e.g. METEOR without WordNet: named, with the reason, never silently absent
+            s["metrics_not_computed"] = self.task.not_computed
+        # The round with the best clients' mean of the main metric — chosen ON THE TEST SPLIT, as
+        # RoLoRA's tables report it: for comparison with papers only, never a model selection.
+        best = max(evals[1:] or evals, key=lambda e: e["test"]["mean"].get(main, float("-inf")))
+        s["best_round"] = {"round": best["round"], "test": best["test"], "selected_on": "test",
+                           "note": "best clients' mean over the evaluated rounds, selected on the test split: "
+                                   "for comparison with papers that report it, not a model selection"}
+        if "global" in best:
+            s["best_round"]["global"] = best["global"]
+        return s
+
+    def save_adapters(self, folder: Path) -> list[Path]:
+        """Every client's final model and FLoRA's merged update (``SlotExecutor.save_adapters``)."""
+        run = self.run_
+        downloads = {k: self.server.download_for(k, shared_base=True) for k in range(run.K_train)}
+        return run.local.save_adapters(folder, downloads, len(self.server.increments[0]))
+
+
+def comparable(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A run's config without ``output_dir`` (a run folder may move; the run stays the same)."""
+    return {k: v for k, v in json.loads(json.dumps(config)).items() if k != "output_dir"}
+
+
+def config_differences(a: Mapping[str, Any], b: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """Dotted names of the fields where two configs (``RunConfig.to_dict()``) differ."""
+    out = []
+    for k in sorted(set(a) | set(b)):
+        name = f"{prefix}{k}"
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, Mapping) and isinstance(vb, Mapping) and prefix.count(".") < 1:
+            out += config_differences(va, vb, name + ".")
+        elif va != vb:
+            out.append(f"{name} ({json.dumps(va)} → {json.dumps(vb)})")
+    return out
+
+
+@contextlib.contextmanager
+def _deferred_signals():
+    """During the rounds, the first SIGINT/SIGTERM lets the round finish and be checkpointed (the list
+    yielded holds the signal; the loop raises ``Interrupted`` after it); a second stops at once."""
+    import signal
+    import sys
+    import threading
+
+    from fedlora.errors import Interrupted
+
+    pending: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield pending
+        return
+    sigs = (signal.SIGINT, signal.SIGTERM)
+
+    def handler(signum: int, frame) -> None:
+        if pending:
+            for s_ in sigs:
+                signal.signal(s_, signal.SIG_IGN)
+            raise Interrupted(signum)
+        pending.append(signum)
+        from tqdm.auto import tqdm
+
+        # on its own line: tqdm.write clears a progress bar's line first and draws the bar again below
+        tqdm.write(f"fedlora: {signal.Signals(signum).name}: finishing this round to checkpoint it "
+                   f"(send it again to stop now)", file=sys.stderr)
+        sys.stderr.flush()
+
+    old = {s_: signal.getsignal(s_) for s_ in sigs}
+    for s_, h in old.items():
+        if h is not signal.SIG_IGN:
+            signal.signal(s_, handler)
+    try:
+        yield pending
+    finally:
+        for s_, h in old.items():
+            if signal.getsignal(s_) is not signal.SIG_IGN or h is signal.SIG_IGN:
+                signal.signal(s_, h if h is not None else signal.SIG_DFL)
+
+
+def _rounds_done(path: Path) -> int:
+    """Rounds finished: the round records (round ≥ 1) in ``rounds.jsonl`` (line 0 is the evaluation before training)."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return 0
+    done = 0
+    for line in lines:
+        try:
+            done += int(json.loads(line).get("round", 0) >= 1)
+        except (ValueError, AttributeError):  # a line cut short by the interruption
+            pass
+    return done
+
+
+def _add_note(e: BaseException, note: str) -> None:
+    """``e.add_note(note)`` (Python ≥ 3.11 shows it under the traceback; the command line prints it)."""
+    if hasattr(e, "add_note"):
+        e.add_note(note)
+    else:
+        e.__notes__ = [*getattr(e, "__notes__", []), note]
+
+
+def _progress(total: int, enabled: bool, initial: int = 0):
+    """The rounds' progress bar (stderr); ``initial``: the rounds already done (a resumed run)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc="rounds", unit="round", disable=not enabled)
+
+
+def abandon(e: BaseException, cfg, output: OutputDir) -> None:
+    """The run stopped early with ``e``. With a finished round in rounds.jsonl the folder stays,
+    marked incomplete: run.json says ``interrupted`` (SIGINT/SIGTERM, ``signal``) or ``failed``
+    (``error``) and how many rounds finished (no adapters or summary are written). With none,
+    nothing of value was written: what the run wrote is removed, and the folder too if the run
+    created it. Adds a note saying which to ``e`` (the command line prints it)."""
+    out = Path(cfg.output_dir)
+    try:
+        done = _rounds_done(out / "rounds.jsonl")
+        if done == 0:
+            output.discard()
+            note = f"{'removed' if not out.exists() else 'emptied'} {out} (no round had finished)"
+        else:
+            stopped = isinstance(e, KeyboardInterrupt)
+            status = "interrupted" if stopped else "failed"
+            _write_status(out, cfg.train.rounds, status,
+                          **({"signal": getattr(e, "signal_name", "SIGINT")} if stopped
+                             else {"error": first_line(e)}))
+            note = f"{out} is incomplete: run.json says {status} after round {done} of {cfg.train.rounds}"
+            from fedlora.checkpoint import list_checkpoints
+
+            ckpts = list_checkpoints(out / CHECKPOINTS)
+            if ckpts:
+                note += f"; `fedlora run --resume {out}` continues from its checkpoint ({ckpts[0].name})"
+    except Exception as err:  # never hide why the run stopped
+        note = f"could not mark {out} incomplete: {first_line(err)}"
+    _add_note(e, note)
+
+
+def _write_status(out: Path, rounds: int, status: str, done: int | None = None, **extra: Any) -> None:
+    """``run.json`` (atomic): ``status`` — running, complete, interrupted or failed — the rounds
+    planned and the rounds finished (``done``, else counted in rounds.jsonl), and what stopped it
+    (``signal`` or ``error``)."""
+    done = _rounds_done(out / "rounds.jsonl") if done is None else done
+    write_json_atomic(out / "run.json", {"status": status, "rounds": rounds, "rounds_done": done, **extra})
+
+
+def resume_point(run_dir, config=None, overrides: Sequence[str] = ()):
+    """What continues the interrupted run in ``run_dir`` (``fedlora run --resume RUN_DIR``): its config
+    (``output_dir`` the folder), its newest intact checkpoint and the runtime it ran on (config.json's
+    ``resolved.runtime``). ``config`` / ``overrides``: optional, and must then equal the run's own config
+    (every field but ``output_dir``): a one-line ``ConfigError`` names the fields that differ. Also
+    refused in one line: a folder that is not a run, a complete run, a run without an intact checkpoint."""
+    from fedlora.checkpoint import load_checkpoint
+    from fedlora.errors import ConfigError
+
+    from .config import RunConfig, apply_overrides, load_config
+    from .export import config_digest
+    from .runfolder import read_run_config, read_status
+
+    folder = Path(run_dir)
+    info = read_run_config(folder, "--resume")  # the one reader of run folders (docs/design.md §9)
+    saved = info["config"]
+    if read_status(folder) == "complete":
+        raise ConfigError(f"--resume: the run in {str(folder)!r} is complete (run.json); nothing to resume")
+    if config is None:
+        given = RunConfig.from_dict(apply_overrides(saved, overrides))
+    elif isinstance(config, RunConfig):
+        given = config
+    else:
+        given = load_config(config, overrides)
+    diff = config_differences(comparable(saved), comparable(given.to_dict()))
+    if diff:
+        raise ConfigError(f"--resume: the config differs from the run's in {', '.join(diff[:8])}"
+                          f"{' …' if len(diff) > 8 else ''}; a resumed run continues the same run — start a "
+                          f"new one (another --out) to change them")
+    ckpt = load_checkpoint(folder / CHECKPOINTS)
+    if ckpt.meta.get("config_sha256") != config_digest(comparable(saved)):
+        raise ConfigError(f"--resume: the checkpoint {str(ckpt.path)!r} belongs to another config than "
+                          f"{str(folder / 'config.json')!r}")
+    cfg = RunConfig.from_dict({**given.to_dict(), "output_dir": str(folder)})
+    return cfg, ckpt, info["resolved"].get("runtime", "embedded")
