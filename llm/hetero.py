@@ -4,11 +4,14 @@ federated by H²Tune ([H²Tune] §3–4; docs/design.md §4.10).
 ``federation.client_models`` splits the clients into groups, each with its own base model (family,
 depth, width) and data (task): e.g. two clients classifying with a LLaMA-type model and one generating
 text with a Gemma-type model, as H²Tune's Table 3 mixes LLaMA-3B, Gemma-2B and SmolLM-1.7B on GLUE
-and MATHInstruct. The runtime keeps ONE frozen base per group (not one per client): each group is a
-``FederatedRun`` over its own model, data, slots and client state records — the same slot runtime as
-a homogeneous run — and this run is the client executor of ONE ``fedlora.server.Server`` over all
-clients: the server draws the round's participants among every client, each group trains its own
-participants in its passes, and the server aggregates every accepted upload.
+and MATHInstruct. The runtime keeps ONE frozen base per group (not one per client): each group's parts
+are built as a homogeneous run's (``fedlora.llm.runtime.FederatedRun``: its model, data, slots and
+client state records), and ``HeteroExecutor`` — one ``fedlora.llm.slots.SlotExecutor`` per group, the
+run's client ids mapped to each group's own — is the client executor of ONE ``fedlora.server.Server``
+over all clients: the server draws the round's participants among every client and sends each its
+download (training and evaluation alike), each group trains and scores its own clients in its passes,
+and the server aggregates every accepted upload. The run's driver (``fedlora.llm.driver.Driver``) is a
+homogeneous run's; what is recorded per task is ``TasksReport``.
 
 What makes this possible is H²Tune's upload: per shared module type one aligned (L_g, r_g, r_g) matrix
 R_{k→g} = R_k ×_layer Ω_k (eq. 4), whatever the client's width d and depth L_k; A_k, B_k never leave
@@ -34,19 +37,22 @@ group's local ids with the run's seed).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from fedlora.errors import ConfigError
-from fedlora.io import write_bytes_atomic
-from fedlora.server import ClientFailure, ClientUpdate, Download, Federation, Server, UploadSpec
+from fedlora.io import OutputDir, claim_output_dir, write_bytes_atomic
+from fedlora.server import ClientExecutor, ClientFailure, ClientUpdate, Download, Federation, Server, UploadSpec
+from fedlora.state import record_nbytes
 
 from .config import RunConfig, group_configs
-from .runtime import HETERO_EMBEDDED_ONLY, FederatedRun, _chunks
+from .driver import Driver, abandon
+from .runtime import RUN_WRITES, RUNTIMES, FederatedRun
+from .slots import SlotExecutor
 
-__all__ = ["HeteroRun", "module_types"]
+__all__ = ["HeteroRun", "HeteroExecutor", "TasksReport", "module_types"]
 
 
 def module_types(targets: Sequence[str]) -> dict[str, int]:
@@ -60,56 +66,99 @@ def module_types(targets: Sequence[str]) -> dict[str, int]:
     return out
 
 
-class _ServerView:
-    """A group's window on the one server: its local client ids mapped to the run's (global) ids, so
-    the group's own ``_sync`` (evaluation, exports) downloads what that client lacks of the real state."""
+class HeteroExecutor:
+    """A ``fedlora.server.ClientExecutor`` composed of one slot executor per model group: ``groups`` are
+    (the group's run-wide client ids, its ``SlotExecutor``); every call is split by group, each group's
+    clients renamed to its local ids and the results named back by run-wide id. ``client_hook(client,
+    rnd)``, when set, is called with run-wide ids (fault injection)."""
 
-    def __init__(self, server: Server, ids: Sequence[int]) -> None:
-        self._server, self._ids = server, list(ids)
-        self.ledgers = [_LedgerView(server, self._ids)]
+    live = False        # as each group's slot executor
+    shared_base = True
 
-    def download_for(self, client: int, shared_base: bool = False) -> Download:
-        return self._server.download_for(self._ids[client], shared_base)
+    def __init__(self, groups: Sequence[tuple[Sequence[int], SlotExecutor]]) -> None:
+        self.groups = [(list(ids), ex) for ids, ex in groups]
+        self.where = {k: (g, i) for g, (ids, _) in enumerate(self.groups) for i, k in enumerate(ids)}
+        self.client_hook: Callable[[int, int], None] | None = None
+
+    def _by_group(self, clients: Sequence[int], call) -> dict[int, Any]:
+        """``call(executor, local, ids)`` for each group with clients among ``clients`` — ``local``: their
+        run-wide id → local id, ``ids``: the group's run-wide ids — its result ({local id: value}) keyed
+        back by run-wide id."""
+        by_group: list[list[int]] = [[] for _ in self.groups]
+        for k in clients:
+            by_group[self.where[k][0]].append(k)
+        out: dict[int, Any] = {}
+        for (ids, ex), ks in zip(self.groups, by_group):
+            if ks:
+                local = {k: self.where[k][1] for k in ks}
+                res = call(ex, local, ids)
+                out.update({k: res[i] for k, i in local.items()})
+        return out
+
+    def train(self, rnd: int, clients: Sequence[int], downloads: Mapping[int, Download]
+              ) -> dict[int, ClientUpdate | ClientFailure]:
+        hook = self.client_hook  # fault injection names the run's (global) client ids
+
+        def call(ex, local, ids):
+            ex.client_hook = None if hook is None else (lambda i, r: hook(ids[i], r))
+            return ex.train(rnd, list(local.values()), {i: downloads[k] for k, i in local.items()})
+
+        return self._by_group(clients, call)
+
+    def deliver(self, rnd: int, downloads: Mapping[int, Download]) -> dict[int, int]:
+        return self._by_group(list(downloads), lambda ex, local, ids: ex.deliver(
+            rnd, {i: downloads[k] for k, i in local.items()}))
+
+    def merge_into_base(self, state: Mapping[str, torch.Tensor]) -> None:
+        raise ConfigError("heterogeneous client models: no method that merges into a shared base runs here")
+
+    def evaluate(self, rnd: int, clients: Sequence[int], downloads: Mapping[int, Download]
+                 ) -> dict[int, dict[str, dict[str, float]]]:
+        """Each client scored by its group on its own task, with what the server sent it."""
+        return self._by_group(clients, lambda ex, local, ids: ex.evaluate(
+            rnd, list(local.values()), {i: downloads[k] for k, i in local.items() if k in downloads}))
+
+    def records(self) -> dict[int, dict[str, torch.Tensor]]:
+        return {k: self.groups[g][1].store.get(i) for k, (g, i) in sorted(self.where.items())}
+
+    def restore(self, records: Mapping[int, Mapping[str, torch.Tensor]]) -> None:
+        for k, rec in records.items():
+            g, i = self.where[k]
+            self.groups[g][1].store.put(i, rec, copy=True)
+
+    def client_adapter(self, client: int, download: Download) -> dict[str, torch.Tensor]:
+        g, local = self.where[client]
+        return self.groups[g][1].client_adapter(local, download)
 
 
-class _LedgerView:
-    def __init__(self, server: Server, ids: Sequence[int]) -> None:
-        self._server, self._ids = server, ids
-
-    def sync(self, client: int, round_idx: int) -> None:
-        self._server.ledgers[0].sync(self._ids[client], round_idx)
-
-
-class _StoreView:
-    """Every client's state record by global id, kept in its group's ``ClientStore``."""
-
-    def __init__(self, groups: Sequence[FederatedRun], where: Mapping[int, tuple[int, int]]) -> None:
-        self._groups, self._where = groups, where
-
-    def get(self, k: int) -> dict[str, torch.Tensor]:
-        g, local = self._where[k]
-        return self._groups[g].store.get(local)
-
-    def put(self, k: int, record: Mapping[str, torch.Tensor], copy: bool = True) -> None:
-        g, local = self._where[k]
-        self._groups[g].store.put(local, record, copy=copy)
-
-
-class HeteroRun(FederatedRun):
-    """A run whose clients hold different base models (``federation.client_models``): one
-    ``FederatedRun`` per group behind one ``Server``; the round loop, records, checkpoints and resume
-    are ``FederatedRun``'s own. See the module docstring."""
+class HeteroRun:
+    """A run whose clients hold different base models (``federation.client_models``): each group's parts
+    built as a homogeneous run's, one ``HeteroExecutor`` over them and one ``Server``; the round loop,
+    records, checkpoints and resume are the driver's (``run``). See the module docstring."""
 
     groups_of_models = True
 
-    def __init__(self, cfg: RunConfig, **kwargs: Any) -> None:
-        super().__init__(cfg, **kwargs)
-        if self.runtime != "embedded":
-            raise ConfigError(f"--runtime {self.runtime}: {HETERO_EMBEDDED_ONLY}")
+    def __init__(self, cfg: RunConfig, *, progress: bool = False, write: bool = True, overwrite: bool = False,
+                 output: OutputDir | None = None, runtime: str = "embedded",
+                 log: Callable[[str], None] | None = None) -> None:
+        if runtime not in RUNTIMES:
+            raise ConfigError(f"--runtime: one of {', '.join(RUNTIMES)}, got {runtime!r}")
+        if runtime != "embedded":
+            from .runtime import HETERO_EMBEDDED_ONLY
+
+            raise ConfigError(f"--runtime {runtime}: {HETERO_EMBEDDED_ONLY}")
+        self.cfg, self.runtime = cfg, runtime
+        self.progress, self.write, self.log, self.overwrite, self.output = progress, write, log, overwrite, output
+        self.prepared = False
+        self._resume_from = None  # a verified checkpoint (``FederatedRun.resume``)
         self.specs = group_configs(cfg)  # [(global ids, the group's RunConfig)]
         self.where = {k: (g, i) for g, (ids, _) in enumerate(self.specs) for i, k in enumerate(ids)}
 
-    # ------------------------------------------------------------------------------------------
+    def _claim(self) -> None:
+        if self.write and self.output is None:
+            self.output = claim_output_dir(self.cfg.output_dir, "output_dir", writes=RUN_WRITES,
+                                           overwrite=self.overwrite, overwrite_flag="overwrite=True")
+
     def check(self) -> dict[str, Any]:
         """A dry run's checks (``FederatedRun.check``), per group, then across groups as ``prepare`` does (the
         module types every group adapts, ``_align_layers``) where every group's model was checked:
@@ -139,24 +188,39 @@ class HeteroRun(FederatedRun):
                 raise ConfigError(f"federation.client_models: group {g}'s upload {_spec_text(s)} differs from "
                                   f"group 0's {_spec_text(specs[0])} (model.dtype must be the same in every group)")
         K = fc.clients
-        self.K_train, self.centralized, self.P = K, False, max(run.P for run in self.groups)
+        self.K_train = K
         self.sizes = [self.groups[g].sizes[i] for g, i in (self.where[k] for k in range(K))]
         self.federation = Federation(n_groups=1, n_clients=K, client_weights=self.sizes,
                                      sample_fraction=fc.sample_fraction, sample_seed=cfg.seed)
         self.server = Server(self.method, self.federation, [self.method.initial_server_state(0)], cfg.train.rounds,
                              min_clients=fc.min_clients, spec=UploadSpec(specs[0]))
-        for (ids, _), run in zip(self.specs, self.groups):
-            run.server = _ServerView(self.server, ids)
-        self.store = _StoreView(self.groups, self.where)
+        #: the executor in this process: one slot executor per group
+        self.local = HeteroExecutor([(ids, run.slots) for (ids, _), run in zip(self.specs, self.groups)])
         self._first_target()
         self.clients_without_test = sorted(self.specs[g][0][i] for g, run in enumerate(self.groups)
                                            for i in run.clients_without_test)
         self.tasks: dict[str, list[int]] = {}  # task name → its clients (global ids)
         for (ids, _), run in zip(self.specs, self.groups):
             self.tasks.setdefault(run.task.name, []).extend(ids)
-        self.history = []
+        self.report = TasksReport(self)
         self.prepared = True
+        self.driver = Driver(self, self.local, progress=self.progress, write=self.write, output=self.output,
+                             log=self.log, resume_from=self._resume_from)
         return self
+
+    def run(self, executor: ClientExecutor | None = None) -> dict[str, Any]:
+        """All rounds (``fedlora.llm.driver.Driver``) over ``executor`` or this run's ``HeteroExecutor``."""
+        self._claim()
+        try:
+            if not self.prepared:
+                self.prepare()
+        except BaseException as e:
+            if self.write:
+                abandon(e, self.cfg, self.output)
+            raise
+        if executor is not None:
+            self.driver.executor = executor
+        return self.driver.run()
 
     def _align_layers(self) -> None:
         """The module types every group adapts must agree (H²Tune shares R per type); L_g = the
@@ -183,120 +247,11 @@ class HeteroRun(FederatedRun):
         what round −1 would send), delivered to each client's record (uncounted: set-up)."""
         uploads = {}
         for (ids, _), run in zip(self.specs, self.groups):
-            for chunk in _chunks(list(range(len(ids))), run.P):
-                run._bind(chunk)
-                run._load(chunk)
-                for i, local in enumerate(chunk):
-                    uploads[ids[local]] = run.method.upload(i)
+            for local, up in run.slots.uploads(range(len(ids))).items():
+                uploads[ids[local]] = up
         K = self.K_train
         state = self.method.aggregate([uploads[k] for k in range(K)], self.federation.round_weights(range(K)))
-        for (ids, _), run in zip(self.specs, self.groups):
-            run.deliver(-1, {i: Download(dict(state), counted=False) for i in range(len(ids))})
-
-    # the client executor of fedlora.server: each group runs its own participants ---------------------
-    def _split(self, clients: Sequence[int]) -> list[list[int]]:
-        by_group: list[list[int]] = [[] for _ in self.groups]
-        for k in clients:
-            by_group[self.where[k][0]].append(k)
-        return by_group
-
-    def _by_group(self, clients: Sequence[int], call) -> dict[int, Any]:
-        """``call(run, local, ids)`` for each group with clients among ``clients`` — ``local``: their
-        run-wide id → local id, ``ids``: the group's run-wide ids — its result ({local id: value}) keyed
-        back by run-wide id."""
-        out: dict[int, Any] = {}
-        for (ids, _), run, ks in zip(self.specs, self.groups, self._split(clients)):
-            if ks:
-                local = {k: self.where[k][1] for k in ks}
-                res = call(run, local, ids)
-                out.update({k: res[i] for k, i in local.items()})
-        return out
-
-    def train(self, rnd: int, clients: Sequence[int], downloads: Mapping[int, Download]
-              ) -> dict[int, ClientUpdate | ClientFailure]:
-        hook = self.client_hook  # fault injection names the run's (global) client ids
-
-        def call(run, local, ids):
-            run.client_hook = None if hook is None else (lambda i, r: hook(ids[i], r))
-            return run.train(rnd, list(local.values()), {i: downloads[k] for k, i in local.items()})
-
-        return self._by_group(clients, call)
-
-    def deliver(self, rnd: int, downloads: Mapping[int, Download]) -> dict[int, int]:
-        return self._by_group(list(downloads), lambda run, local, ids: run.deliver(
-            rnd, {i: downloads[k] for k, i in local.items()}))
-
-    def merge_into_base(self, state: Mapping[str, torch.Tensor]) -> None:
-        raise ConfigError("heterogeneous client models: no method that merges into a shared base runs here")
-
-    def evaluate_clients(self, clients: Sequence[int], rnd: int, downloads: Mapping[int, Download] | None = None
-                         ) -> dict[int, dict[str, dict[str, float]]]:
-        """Each client scored by its group on its own task (``FederatedRun.evaluate_clients``; the
-        group's view of the server gives it what it lacks of the current state)."""
-        return self._by_group(clients, lambda run, local, ids: run.evaluate_clients(list(local.values()), rnd))
-
-    def evaluate(self, rnd: int) -> dict[str, Any]:
-        """Every client on its own task, and per task the clients' means (``eval["tasks"]``: main metric,
-        clients, test and validation summaries). H²Tune has no global model."""
-        from .metrics import aggregate_client_metrics
-
-        K = self.K_train
-        per_client = self.evaluate_clients(list(range(K)), rnd)
-        out: dict[str, Any] = {"round": rnd + 1, "clients": {str(k): per_client[k] for k in range(K)}, "tasks": {}}
-        for name, ks in self.tasks.items():
-            runs = [self.groups[self.where[k][0]] for k in ks]
-            local = [self.where[k][1] for k in ks]
-            out["tasks"][name] = {
-                "main_metric": runs[0].task.main_metric, "clients": list(ks),
-                "test": aggregate_client_metrics([per_client[k]["test"] for k in ks],
-                                                 [len(r.clients[i].test) for r, i in zip(runs, local)]),
-                "val": aggregate_client_metrics([per_client[k]["val"] for k in ks],
-                                                [len(r.clients[i].val) for r, i in zip(runs, local)])}
-        return out
-
-    # records ----------------------------------------------------------------------------------------
-    def _postfix(self, ev: Mapping[str, Any], rec: Mapping[str, Any]) -> dict[str, str]:
-        post = {f"{name}:{t['main_metric']}": f"{t['test']['mean'][t['main_metric']]:.3f}"
-                for name, t in ev["tasks"].items()}
-        return {**post, "loss": f"{np.mean(list(rec['train_loss'].values())):.3f}"}
-
-    def _eval_text(self, ev: Mapping[str, Any]) -> str:
-        """An evaluation in a round's line: each task's clients' mean test main metric."""
-        return ", ".join(f"{name} test {t['main_metric']} {t['test']['mean'][t['main_metric']]:.4f}"
-                         for name, t in ev["tasks"].items())
-
-    def _plot(self, evals: list[dict[str, Any]], path: Path) -> None:
-        from .plots import plot_tasks_run
-
-        plot_tasks_run(self.history, evals, path, method=self.method.name, clients=self.K_train)
-
-    def _summary(self, evals: list[dict[str, Any]], wall: float) -> dict[str, Any]:
-        first, last = evals[0], evals[-1]
-        tasks = {}
-        for name, t in last["tasks"].items():
-            main = t["main_metric"]
-            best = max(evals[1:] or evals, key=lambda e: e["tasks"][name]["test"]["mean"].get(main, float("-inf")))
-            tasks[name] = {"main_metric": main, "clients": t["clients"], "round0_test": first["tasks"][name]["test"],
-                           "final_test": t["test"],
-                           "best_round": {"round": best["round"], "test": best["tasks"][name]["test"],
-                                          "selected_on": "test"}}
-        from fedlora.state import record_nbytes
-
-        s = {"method": self.method.name, "task": " + ".join(self.tasks), "tasks": tasks,
-             "rounds": self.cfg.train.rounds, "clients": self.K_train,
-             "groups": [{"clients": ids, "model": c.model.name, "task": run.task.name}
-                        for (ids, c), run in zip(self.specs, self.groups)],
-             "final_clients": last["clients"],
-             "bytes_up_total": sum(sum(r["bytes_up"].values()) for r in self.history),
-             "bytes_down_total": sum(sum(r["bytes_down"].values()) for r in self.history),
-             "wall_s": wall, "record_bytes_per_client": {str(k): record_nbytes(self.store.get(k))
-                                                         for k in range(self.K_train)},
-             "n_clients_without_test": len(self.clients_without_test),
-             "clients_without_test": list(self.clients_without_test)}
-        not_computed = {run.task.name: run.task.not_computed for run in self.groups if run.task.not_computed}
-        if not_computed:
-            s["metrics_not_computed"] = not_computed
-        return s
+        self.local.deliver(-1, {k: Download(dict(state), counted=False) for k in range(K)})
 
     def describe(self) -> dict[str, Any]:
         """config.json's ``resolved``: the run-wide H²Tune set-up and every group's own (``FederatedRun.describe``)."""
@@ -307,25 +262,90 @@ class HeteroRun(FederatedRun):
                             **run.describe()}
                            for (ids, _), run, d in zip(self.specs, self.groups, self.depths)]}
 
-    def client_adapter(self, client: int) -> dict[str, torch.Tensor]:
-        g, local = self.where[client]
-        return self.groups[g].client_adapter(local)
+
+class TasksReport:
+    """What is recorded about a run of heterogeneous client models: per task the clients' means
+    (``eval["tasks"]``: main metric, clients, test and validation summaries; H²Tune has no global model),
+    the round line's and progress bar's figures per task, the summary, ``rounds.png`` and ``adapters/``."""
+
+    def __init__(self, run: HeteroRun) -> None:
+        self.run_ = run
+
+    def evaluation(self, rnd: int, per_client: Mapping[int, Any]) -> dict[str, Any]:
+        from .metrics import aggregate_client_metrics
+
+        run = self.run_
+        K = run.K_train
+        out: dict[str, Any] = {"round": rnd + 1, "clients": {str(k): per_client[k] for k in range(K)}, "tasks": {}}
+        for name, ks in run.tasks.items():
+            runs = [run.groups[run.where[k][0]] for k in ks]
+            local = [run.where[k][1] for k in ks]
+            out["tasks"][name] = {
+                "main_metric": runs[0].task.main_metric, "clients": list(ks),
+                "test": aggregate_client_metrics([per_client[k]["test"] for k in ks],
+                                                 [len(r.clients[i].test) for r, i in zip(runs, local)]),
+                "val": aggregate_client_metrics([per_client[k]["val"] for k in ks],
+                                                [len(r.clients[i].val) for r, i in zip(runs, local)])}
+        return out
+
+    def postfix(self, ev: Mapping[str, Any], rec: Mapping[str, Any]) -> dict[str, str]:
+        post = {f"{name}:{t['main_metric']}": f"{t['test']['mean'][t['main_metric']]:.3f}"
+                for name, t in ev["tasks"].items()}
+        return {**post, "loss": f"{np.mean(list(rec['train_loss'].values())):.3f}"}
+
+    def eval_text(self, ev: Mapping[str, Any]) -> str:
+        """An evaluation in a round's line: each task's clients' mean test main metric."""
+        return ", ".join(f"{name} test {t['main_metric']} {t['test']['mean'][t['main_metric']]:.4f}"
+                         for name, t in ev["tasks"].items())
+
+    def plot(self, history: list[dict[str, Any]], evals: list[dict[str, Any]], path: Path) -> None:
+        from .plots import plot_tasks_run
+
+        plot_tasks_run(history, evals, path, method=self.run_.method.name, clients=self.run_.K_train)
+
+    def summary(self, evals: list[dict[str, Any]], history: list[dict[str, Any]], wall: float) -> dict[str, Any]:
+        run = self.run_
+        first, last = evals[0], evals[-1]
+        tasks = {}
+        for name, t in last["tasks"].items():
+            main = t["main_metric"]
+            best = max(evals[1:] or evals, key=lambda e: e["tasks"][name]["test"]["mean"].get(main, float("-inf")))
+            tasks[name] = {"main_metric": main, "clients": t["clients"], "round0_test": first["tasks"][name]["test"],
+                           "final_test": t["test"],
+                           "best_round": {"round": best["round"], "test": best["tasks"][name]["test"],
+                                          "selected_on": "test"}}
+        records = run.local.records()
+        s = {"method": run.method.name, "task": " + ".join(run.tasks), "tasks": tasks,
+             "rounds": run.cfg.train.rounds, "clients": run.K_train,
+             "groups": [{"clients": ids, "model": c.model.name, "task": g.task.name}
+                        for (ids, c), g in zip(run.specs, run.groups)],
+             "final_clients": last["clients"],
+             "bytes_up_total": sum(sum(r["bytes_up"].values()) for r in history),
+             "bytes_down_total": sum(sum(r["bytes_down"].values()) for r in history),
+             "wall_s": wall, "record_bytes_per_client": {str(k): record_nbytes(records[k])
+                                                         for k in range(run.K_train)},
+             "n_clients_without_test": len(run.clients_without_test),
+             "clients_without_test": list(run.clients_without_test)}
+        not_computed = {g.task.name: g.task.not_computed for g in run.groups if g.task.not_computed}
+        if not_computed:
+            s["metrics_not_computed"] = not_computed
+        return s
 
     def save_adapters(self, folder: Path) -> list[Path]:
         """``client_<k>.safetensors`` per client (global id k), its group's model in the metadata (the
-        tensors are that model's parameter names)."""
+        tensors are that model's parameter names); each with what it lacks of the final state applied."""
         from safetensors.torch import save
 
         from .export import config_digest
 
-        paths = []
-        for k in range(self.K_train):
-            g, local = self.where[k]
-            meta = {"method": self.method.name, "clients": str(self.K_train), "client": str(k), "group": str(g),
-                    "model": self.specs[g][1].model.name, "config_sha256": config_digest(self.cfg.to_dict())}
+        run, paths = self.run_, []
+        for k in range(run.K_train):
+            g, _ = run.where[k]
+            meta = {"method": run.method.name, "clients": str(run.K_train), "client": str(k), "group": str(g),
+                    "model": run.specs[g][1].model.name, "config_sha256": config_digest(run.cfg.to_dict())}
             path = folder / f"client_{k}.safetensors"
-            write_bytes_atomic(path, save({n: v.contiguous() for n, v in self.client_adapter(k).items()},
-                                          metadata=meta))
+            adapter = run.local.client_adapter(k, run.server.download_for(k, shared_base=True))
+            write_bytes_atomic(path, save({n: v.contiguous() for n, v in adapter.items()}, metadata=meta))
             paths.append(path)
         return paths
 

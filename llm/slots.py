@@ -418,6 +418,17 @@ class SlotExecutor:
         everything = np.arange(len(self.test_data))
         return self.task.score(self._predict(self.enc_test, [everything], None)[0], self.test_data, everything)
 
+    @torch.no_grad()
+    def uploads(self, clients: Sequence[int]) -> dict[int, Payload]:
+        """What each of ``clients`` would upload from its record as it is (no training; read-only), in passes."""
+        out = {}
+        for chunk in chunks(list(clients), self.P):
+            self._bind(chunk)
+            self._load(chunk)
+            for i, k in enumerate(chunk):
+                out[k] = self.method.upload(i)
+        return out
+
     # records (checkpoints) -------------------------------------------------------------------------
     def records(self) -> dict[int, dict[str, torch.Tensor]]:
         """Every trained client's state record, as the store keeps it."""

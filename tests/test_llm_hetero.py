@@ -20,6 +20,7 @@ from fedlora.cli import main
 from fedlora.llm.config import RunConfig, group_configs
 from fedlora.llm.hetero import HeteroRun, module_types
 from fedlora.llm.runtime import FederatedRun, run_class
+from fedlora.llm.slots import SlotExecutor
 from fedlora.payload import Payload
 
 RANK = 4
@@ -68,21 +69,21 @@ class _Capture:
 
     def __init__(self, run: HeteroRun) -> None:
         self.rounds: list[dict] = []
-        real = run.train
+        real = run.local.train
 
         def train(rnd, clients, downloads):
             res = real(rnd, clients, downloads)
             self.rounds.append(res)
             return res
 
-        run.train = train
+        run.local.train = train
 
 
 @pytest.fixture(scope="module")
 def hetero(tmp_path_factory):
     out = tmp_path_factory.mktemp("hetero") / "run"
     cfg = _cfg(out)
-    run = run_class(cfg)(cfg)
+    run = run_class(cfg)(cfg).prepare()
     cap = _Capture(run)
     summary = run.run()
     return run, cap, summary, out
@@ -152,7 +153,7 @@ def test_the_server_state_is_the_unweighted_mean_of_the_clients_aligned_uploads(
         torch.testing.assert_close(state[name], mean, rtol=1e-6, atol=1e-7)
     # every client ends holding that state as its KL target (the final broadcast), whatever its model
     for k in range(3):
-        rec = run.store.get(k)
+        rec = run.local.records()[k]
         for name in TYPES:
             t = name[: -len(".lora_R")]
             assert torch.equal(rec[f"extra:global_R:{t}"], state[name]), (k, name)
@@ -163,7 +164,7 @@ def test_layer_alignment_maps_each_clients_depth_onto_the_global_layers(hetero):
     run, _, _, out = hetero
     assert run.global_layers == 3 and run.depths == [2, 3]
     for k, (L_k, group) in {0: (2, 0), 1: (2, 0), 2: (3, 1)}.items():
-        omega = run.store.get(k)["extra:omega"]
+        omega = run.local.records()[k]["extra:omega"]
         assert tuple(omega.shape) == (L_k, 3), k
     resolved = json.loads((out / "config.json").read_text())["resolved"]
     assert resolved["heterogeneous"] and resolved["global_layers"] == 3
@@ -232,7 +233,7 @@ def test_each_adapter_file_is_its_own_clients_record(hetero):
     for k, (meta, tensors) in files.items():
         g = run.where[k][0]
         assert (meta["client"], meta["group"], meta["model"]) == (str(k), str(g), (LLAMA, GEMMA)[g]["name"])
-        rec = {n.split(":", 1)[1]: v for n, v in run.store.get(k).items() if n.startswith(("param:", "buffer:"))}
+        rec = {n.split(":", 1)[1]: v for n, v in run.local.records()[k].items() if n.startswith(("param:", "buffer:"))}
         assert tensors and all(torch.equal(v, rec[n]) for n, v in tensors.items()), k
     t0, t1 = files[0][1], files[1][1]  # the two LLaMA clients: same names, different tensors
     assert t0.keys() == t1.keys() and any(not torch.equal(t0[n], t1[n]) for n in t0)
@@ -265,20 +266,20 @@ def test_the_first_kl_target_is_the_mean_of_every_clients_initial_upload(tmp_pat
     cfg = _cfg(tmp_path / "r")
     run = HeteroRun(cfg, write=False).prepare()
     # the initial R is seeded identically on every client: layer l of a type alike in both models
-    recs = [run.store.get(k) for k in range(3)]
+    recs = [run.local.records()[k] for k in range(3)]
     for proj in ("q_proj", "v_proj"):
         for layer in (0, 1):
             name = f"param:model.layers.{layer}.self_attn.{proj}.lora_R"
             assert float(recs[0][name].abs().sum()) > 0
             assert torch.equal(recs[0][name], recs[2][name]) and torch.equal(recs[1][name], recs[2][name]), name
-    targets = [{n: run.store.get(k)[f"extra:global_R:{n[:-len('.lora_R')]}"] for n in TYPES} for k in range(3)]
+    targets = [{n: run.local.records()[k][f"extra:global_R:{n[:-len('.lora_R')]}"] for n in TYPES} for k in range(3)]
     for k in (1, 2):
         for n in TYPES:
             assert torch.equal(targets[k][n], targets[0][n]), (k, n)
     # and it is not group 0's own mean: its uploads have nothing in global layer 2, the Gemma client's do
     g0 = run.groups[0]
-    g0._bind([0, 1])
-    g0._load([0, 1])
+    g0.slots._bind([0, 1])
+    g0.slots._load([0, 1])
     own = {n: torch.stack([g0.method.upload(i).tensors[n] for i in (0, 1)]).mean(0) for n in TYPES}
     assert all(float(own[n][2].abs().sum()) == 0.0 for n in TYPES)
     assert any(float(targets[0][n][2].abs().sum()) > 0.0 for n in TYPES)
@@ -325,7 +326,7 @@ def test_an_interrupted_hetero_run_resumes_to_the_uninterrupted_result(tmp_path,
     cfg = _cfg(whole, train={"rounds": 3, "local_steps": 2, "batch_size": 4})
     HeteroRun(cfg).run()
     stopped = tmp_path / "stopped"
-    real = FederatedRun.train_pass
+    real = SlotExecutor.train_pass
 
     def train_pass(self, clients, rnd, *a, **k):  # Ctrl-C while the Gemma group trains round 3
         if rnd == 2 and self.task.name == "debian-describe":
@@ -333,7 +334,7 @@ def test_an_interrupted_hetero_run_resumes_to_the_uninterrupted_result(tmp_path,
         return real(self, clients, rnd, *a, **k)
 
     with monkeypatch.context() as m:
-        m.setattr(FederatedRun, "train_pass", train_pass)
+        m.setattr(SlotExecutor, "train_pass", train_pass)
         with pytest.raises(KeyboardInterrupt):
             HeteroRun(_cfg(stopped, train={"rounds": 3, "local_steps": 2, "batch_size": 4})).run()
     assert json.loads((stopped / "run.json").read_text())["status"] == "interrupted"
@@ -434,23 +435,31 @@ def test_module_types_replace_layer_indices():
         {"model.layers.*.self_attn.q_proj": 2, "score": 1}
 
 
-def test_each_group_downloads_what_its_clients_lack_by_their_global_ids(tmp_path):
-    """A group's own downloads (evaluation, exports) and synchronisation marks are the one server's, for the
-    global client: once client 2 (the Gemma group's local client 0) is synchronised, its group's view sends
-    it nothing while client 0 (the LLaMA group's local client 0) still lacks the round's R_g."""
+def test_each_group_is_sent_what_its_clients_lack_by_their_global_ids(tmp_path):
+    """The server sends evaluation downloads by run-wide client id, and the heterogeneous executor hands each
+    to its group's local client: once client 2 (the Gemma group's local client 0) is synchronised it is sent
+    nothing, while client 0 (the LLaMA group's local client 0) still lacks the round's R_g."""
     cfg = _cfg(tmp_path / "s", train={"rounds": 3, "local_steps": 1, "batch_size": 4})
     run = HeteroRun(cfg, write=False).prepare()
-    run.run_round(0)
+    run.driver.run_round(0)
+    sent = run.server.evaluation_downloads(range(3), run.local)
     for k in range(3):
-        g, local = run.where[k]
-        view = run.groups[g].server.download_for(local, shared_base=True)
-        assert sorted(view.state) == sorted(TYPES), k
-        for n, v in view.state.items():
+        assert sorted(sent[k].state) == sorted(TYPES) and not sent[k].counted, k
+        for n, v in sent[k].state.items():
             assert torch.equal(v, run.server.states[0][n])
-    run.groups[1].server.ledgers[0].sync(0, 0)  # the Gemma group marks its local client 0 synchronised
+    run.server.ledgers[0].sync(2, 0)  # client 2 (the Gemma group's local client 0) synchronised
     assert run.server.synced(2) == 0 and run.server.synced(0) == -1
-    assert run.groups[1].server.download_for(0, shared_base=True).state == {}
-    assert sorted(run.groups[0].server.download_for(0, shared_base=True).state) == sorted(TYPES)
+    sent = run.server.evaluation_downloads(range(3), run.local)
+    assert sent[2].state == {} and sorted(sent[0].state) == sorted(TYPES)
+    seen = {}  # what each group's slot executor is handed, under its local ids
+    for g, (_, ex) in enumerate(run.local.groups):
+        def spy(rnd, clients, downloads, g=g, real=ex.evaluate):
+            seen[g] = (list(clients), {i: sorted(d.state) for i, d in downloads.items()})
+            return real(rnd, clients, downloads)
+
+        ex.evaluate = spy
+    run.local.evaluate(0, [0, 1, 2], sent)
+    assert seen == {0: ([0, 1], {0: sorted(TYPES), 1: sorted(TYPES)}), 1: ([0], {0: []})}
 
 
 def test_exports_give_each_client_its_own_base_model_as_the_run_evaluated_it(hetero, tmp_path):
@@ -470,14 +479,14 @@ def test_exports_give_each_client_its_own_base_model_as_the_run_evaluated_it(het
         g, local = run.where[k]
         grp = run.groups[g]
         rows = torch.as_tensor(grp.clients[local].test)
-        batch = grp._rows(grp.enc_test, rows)
+        batch = grp.slots._rows(grp.enc_test, rows)
         inputs = {n: v for n, v in batch.items() if n not in grp.task.label_keys}
-        grp._bind([local])
+        grp.slots._bind([local])
         grp.model.eval()
-        grp._load([local])
-        grp._sync(0, local, -1, count=False)
+        grp.slots._load([local])
+        grp.slots._apply(0, run.server.download_for(k, shared_base=True))  # what client k lacks, by its run-wide id
         with torch.no_grad():
-            ours = grp._forward(None, batch).float()
+            ours = grp.slots._forward(None, batch).float()
         view = client_view(info, k)
         assert view["config"]["model"]["name"] == (LLAMA if g == 0 else GEMMA)["name"]
         base, _ = load_run_base_model(view)
@@ -522,14 +531,14 @@ def test_a_failing_client_is_named_by_its_run_id_and_left_out_of_the_mean(tmp_pa
     """A client of the Gemma group that raises (client 2 = its group's local client 0) is recorded as client 2's
     failure; the server averages the two LLaMA clients' uploads alone."""
     cfg = _cfg(tmp_path / "x", train={"rounds": 1, "local_steps": 1, "batch_size": 4})
-    run = HeteroRun(cfg)
+    run = HeteroRun(cfg).prepare()
     cap = _Capture(run)
 
     def hook(client, rnd):
         if client == 2:
             raise RuntimeError("CUDA out of memory")
 
-    run.client_hook = hook
+    run.local.client_hook = hook
     run.run()
     rec = _records(tmp_path / "x")[1]
     assert rec["failures"] == {"2": {"kind": "error", "why": "RuntimeError: CUDA out of memory"}}
