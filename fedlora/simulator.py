@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from .errors import ConfigError
 from .methods.base import Method, Objective, Sampler
+from .payload import Payload
 from .server import ClientUpdate, Download, DownloadLedger, Federation, Server
 
 __all__ = ["Federation", "DownloadLedger", "StackedExecutor", "run_rounds", "round_record"]
@@ -22,22 +23,31 @@ __all__ = ["Federation", "DownloadLedger", "StackedExecutor", "run_rounds", "rou
 class StackedExecutor:
     """Every client of every federation as one replica of a stacked model, trained together: the
     round's ``local_steps`` steps run on all replicas at once, then the replicas that sat the round
-    out are restored (``Method.snapshot``/``restore``), so they neither train nor change."""
+    out are restored (``Method.snapshot``/``restore``), so they neither train nor change.
+
+    ``on_payload(direction, replica, payload)``: called with every upload (``"up"``) and download
+    (``"down"``) the executor makes, in order — to keep them (byte accounting tests), never to change them."""
 
     live = True
     shared_base = False
 
     def __init__(self, method: Method, federation: Federation, objective: Objective, sample: Sampler,
-                 local_steps: int) -> None:
+                 local_steps: int, on_payload: Callable[[str, int, Payload], None] | None = None) -> None:
         self.method, self.federation = method, federation
         self.objective, self.sample, self.local_steps = objective, sample, local_steps
+        self.on_payload = on_payload
+
+    def _seen(self, direction: str, replica: int, payload: Payload) -> Payload:
+        if self.on_payload is not None:
+            self.on_payload(direction, replica, payload)
+        return payload
 
     def train(self, round_idx: int, clients: Sequence[int], downloads: Mapping[int, Download]) -> dict[int, ClientUpdate]:
         m = self.method
         active = set(clients)
         idle = [i for i in range(self.federation.n_replicas) if i not in active]
         for i, d in downloads.items():  # a live executor's clients are current already: normally none
-            m.download(i, d.state)
+            self._seen("down", i, m.download(i, d.state))
         snap = m.snapshot() if idle else None
         m.begin_round(round_idx)
         for _ in range(self.local_steps):
@@ -45,12 +55,12 @@ class StackedExecutor:
         m.end_round(round_idx)
         if idle:  # sampled-out clients did not train: the stacked step is undone for them
             m.restore(snap, idle)
-        return {i: ClientUpdate(m.upload(i)) for i in clients}
+        return {i: ClientUpdate(self._seen("up", i, m.upload(i))) for i in clients}
 
     def deliver(self, round_idx: int, downloads: Mapping[int, Download]) -> dict[int, int]:
         out = {}
         for i, d in downloads.items():
-            sent = self.method.download(i, d.state)
+            sent = self._seen("down", i, self.method.download(i, d.state))
             out[i] = sent.nbytes if d.counted else 0
         return out
 
@@ -77,6 +87,7 @@ def run_rounds(
     rounds: int,
     local_steps: int,
     evaluate: Callable[[int], dict[str, Any]] | None = None,
+    on_payload: Callable[[str, int, Payload], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Run ``rounds`` rounds of the server's protocol with the stacked executor; one record per round.
 
@@ -89,7 +100,8 @@ def run_rounds(
     synchronised (``DownloadLedger``); the others take the round's changes uncounted (so every client
     is evaluated on the current global state) and are counted when they next synchronise; an
     increment (``method.incremental_download``: FLoRA's stack to merge) goes to every client, every
-    round, counted, as each must apply every increment to stay current.
+    round, counted, as each must apply every increment to stay current. ``on_payload``: see
+    ``StackedExecutor``.
     """
     if rounds < 1 or local_steps < 1:
         raise ConfigError(f"rounds and local_steps must be ≥ 1, got {rounds}, {local_steps}")
@@ -97,7 +109,7 @@ def run_rounds(
     weighted = dataclasses.replace(federation, client_weights=federation.weights.tolist())
     server = Server(method, weighted, [method.initial_server_state(federation.replicas_of(g)[0])
                                        for g in range(federation.n_groups)], rounds)
-    executor = StackedExecutor(method, federation, objective, sample, local_steps)
+    executor = StackedExecutor(method, federation, objective, sample, local_steps, on_payload)
     history: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     n = federation.n_replicas

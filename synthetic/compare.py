@@ -28,7 +28,7 @@ from typing import Any, Mapping
 import torch
 
 from fedlora.errors import ConfigError, did_you_mean, plural
-from fedlora.methods import available_methods, method_parameters
+from fedlora.methods import available_methods, get_method, method_parameters
 
 from .closed_forms import ols
 from .data import TASKS, make_heterogeneous_clients, per_client
@@ -36,9 +36,6 @@ from .runner import StackedData, build_method, run_method, stack_federations
 
 __all__ = ["CompareConfig", "MethodSpec", "method_spec", "run_compare", "to_markdown", "plot_compare",
            "DEFAULT_LR_GRID"]
-
-#: methods whose clients end with their own model (solid lines in the figure)
-PERSONALISED = ("pf2lora", "fedsa", "h2tune", "perfedavg", "local")
 
 DEFAULT_LR_GRID = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3)
 
@@ -94,6 +91,14 @@ def method_spec(name: str, rank: int, n_clients: int, overrides: Mapping[str, An
     if name == "hetlora":
         return MethodSpec(name, options, {"rank": int(options["r_max"])})
     return MethodSpec(name, options, None)
+
+
+def _personalised(name: str) -> bool:
+    """The method's ``personalised`` flag; False for a name no longer registered (a plugin's, plotted later)."""
+    try:
+        return get_method(name).personalised
+    except ConfigError:
+        return False
 
 
 def _with_suggestions(keys, allowed) -> str:
@@ -447,10 +452,12 @@ def plot_compare(result: dict[str, Any], path) -> Any:
             sd = [r["summary"][key]["std"] for r in rows]
             m = [np.nan if v is None else v for v in m]
             sd = [np.nan if v is None else v for v in sd]
-            # personalised methods (each client keeps its own model) solid, one-global-model ones dashed
+            # personalised methods (each client keeps its own model: ``Method.personalised``) solid,
+            # one-global-model ones dashed
+            personal = _personalised(name)
             ax.errorbar(np.asarray(hs) + 0.006 * (j - len(cfg["methods"]) / 2), m, yerr=sd, label=name,
                         color=cmap(j % 20), marker=markers[j % len(markers)], ms=4, capsize=2,
-                        lw=1.8 if name in PERSONALISED else 1.0, ls="-" if name in PERSONALISED else "--")
+                        lw=1.8 if personal else 1.0, ls="-" if personal else "--")
         refs = sorted((r for r in result["references"] if r["task"] == task), key=lambda r: r["heterogeneity"])
         ref_key = "bayes_test_accuracy" if key == "test_accuracy_mean" else "bayes_test_loss"
         ax.plot([r["heterogeneity"] for r in refs], [r[ref_key]["unweighted"]["mean"] for r in refs],

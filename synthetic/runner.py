@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 from fedlora.adapter import LoRALinear
 from fedlora.errors import ConfigError
-from fedlora.methods import Method, build, method_parameters
+from fedlora.methods import Method, RuntimeFacts, build, method_parameters
+from fedlora.payload import Payload
 from fedlora.seeds import TESTBED_INIT, TESTBED_METHOD, seed_of
 from fedlora.simulator import Federation, run_rounds
 
@@ -144,6 +145,8 @@ class RunResult:
     error: str | None = None
     #: every replica's final client state record (``Method.replica_state``), with ``keep_records``
     records: list[dict[str, torch.Tensor]] | None = None
+    #: with ``record_payloads``: every upload ("up") and download ("down") as (replica, ``Payload``), in order
+    payloads: dict[str, list[tuple[int, Payload]]] | None = None
 
 
 def _objectives(layer: LoRALinear, data: StackedData):
@@ -228,10 +231,9 @@ def build_run(name: str, data: StackedData, *, lr: float, options: Mapping[str, 
     G = fed.n_replicas
     layer = LoRALinear(data.d_in, data.d_out, stack=G, dtype=torch.float64, **adapter)
     objective, batch, metrics, output_fn = _objectives(layer, data)
-    if output_fn is not None and getattr(method, "output_fn", False) is None:
-        # H²Tune's eq. 7 needs the logits of a batch as well as the loss (see its docstring), and
-        # the padding mask so that its KL is a mean over each client's real rows
-        method.output_fn = output_fn
+    # every replica holds its own base; H²Tune's eq. 7 needs the logits of a batch as well as the loss (see
+    # its docstring), and the padding mask so that its KL is a mean over each client's real rows
+    method.use_runtime(RuntimeFacts(shared_base=False, output_fn=output_fn))
     _init_layer(layer, fed, data.group_seeds, name, adapter)
     # Methods that draw from the global RNG (e.g. random masks) get a stream fixed by the run.
     torch.manual_seed(seed_of(data.group_seeds[0], TESTBED_INIT, name))
@@ -262,21 +264,10 @@ def run_method(name: str, data: StackedData, *, lr: float, rounds: int, local_st
     G = fed.n_replicas
     sample = run.sample
 
-    payloads: dict[str, list] = {"up": [], "down": []}
-    if record_payloads:  # wrap, do not change, what the simulator sees
-        up, down = method.upload, method.download
+    payloads: dict[str, list[tuple[int, Payload]]] = {"up": [], "down": []}
 
-        def upload(i):
-            p = up(i)
-            payloads["up"].append((i, p))
-            return p
-
-        def download(i, state):
-            p = down(i, state)
-            payloads["down"].append((i, p))
-            return p
-
-        method.upload, method.download = upload, download  # type: ignore[method-assign]
+    def keep(direction: str, replica: int, payload: Payload) -> None:  # keep, do not change, what is sent
+        payloads[direction].append((replica, payload))
 
     def evaluate(rnd: int) -> dict[str, Any]:
         return {"train_loss": run.train_loss()}
@@ -287,7 +278,8 @@ def run_method(name: str, data: StackedData, *, lr: float, rounds: int, local_st
         with warnings.catch_warnings():
             if data.task == "regression":  # expected: H²Tune's output KL is for classifiers (docs/methods/h2tune.md)
                 warnings.filterwarnings("ignore", message="h2tune: no output_fn")
-            history = run_rounds(method, fed, objective, sample, rounds, local_steps, evaluate)
+            history = run_rounds(method, fed, objective, sample, rounds, local_steps, evaluate,
+                                 on_payload=keep if record_payloads else None)
     except (RuntimeError, ValueError, ArithmeticError) as e:
         diverged = not all(torch.isfinite(p).all() for p in layer.parameters())
         if isinstance(e, ConfigError) and not diverged:
@@ -299,11 +291,9 @@ def run_method(name: str, data: StackedData, *, lr: float, rounds: int, local_st
     wall = time.perf_counter() - t0
     final = _final_metrics(layer, method, objective, sample, metrics, data, rank_tol) if error is None else \
         _failed_metrics(G, data)
-    result = RunResult(history, final, wall, error,
-                       [method.replica_state(i) for i in range(G)] if keep_records and error is None else None)
-    if record_payloads:
-        result.payloads = payloads  # type: ignore[attr-defined]
-    return result
+    return RunResult(history, final, wall, error,
+                     [method.replica_state(i) for i in range(G)] if keep_records and error is None else None,
+                     payloads if record_payloads else None)
 
 
 def _final_metrics(layer, method, objective, sample, metrics, data: StackedData, rank_tol: float) -> dict[str, list]:

@@ -6,8 +6,8 @@ Every module of this package is imported here, so a new method only has to exist
 import importlib as _importlib
 import pkgutil as _pkgutil
 
-from .base import (AveragedFactors, Method, Objective, Sampler, available_methods, build, create_method, get_method,
-                   method_parameters, register, resolve_options)
+from .base import (AveragedFactors, Method, Objective, RankSlots, RuntimeFacts, Sampler, available_methods, build,
+                   create_method, get_method, method_parameters, register, resolve_options)
 
 _INFRA = {"base", "hypergradient"}
 for _m in sorted(m.name for m in _pkgutil.iter_modules(__path__)):
@@ -16,6 +16,7 @@ for _m in sorted(m.name for m in _pkgutil.iter_modules(__path__)):
         for _name in getattr(_mod, "__all__", ()):
             globals()[_name] = getattr(_mod, _name)
 
-__all__ = ["Method", "AveragedFactors", "FactorLoRA", "Objective", "Sampler", "available_methods", "build",
-           "create_method", "get_method", "method_parameters", "register", "resolve_options"] + sorted(
+__all__ = ["Method", "AveragedFactors", "FactorLoRA", "Objective", "RankSlots", "RuntimeFacts", "Sampler",
+           "available_methods", "build", "create_method", "get_method", "method_parameters", "register",
+           "resolve_options"] + sorted(
     n for n, v in list(globals().items()) if isinstance(v, type) and issubclass(v, Method) and v is not Method)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import inspect
+from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import torch
@@ -24,7 +25,8 @@ from ..payload import Payload
 from ..seeds import FEDERATION, seed_of
 
 __all__ = ["Method", "AveragedFactors", "Objective", "Sampler", "register", "get_method", "build", "create_method",
-           "method_parameters", "resolve_options", "available_methods", "broadcast_initial_factors", "RankSlots"]
+           "method_parameters", "resolve_options", "available_methods", "broadcast_initial_factors", "RankSlots",
+           "RuntimeFacts"]
 
 
 #: params (name → tensor, the model's trainable parameters or substitutes) × batch → loss per replica (G,)
@@ -175,6 +177,25 @@ def broadcast_initial_factors(model: torch.nn.Module, groups: Sequence[Sequence[
                     p[list(g)] = p[g[0]].clone().expand(len(g), *p.shape[1:])
 
 
+@dataclass(frozen=True)
+class RuntimeFacts:
+    """What a runtime tells a method about where it runs, all at once (``Method.use_runtime``, before
+    ``bind``); a method takes the facts it has a use for and ignores the others.
+
+    ``shared_base``: the clients share one base model, into which the server merges a method's
+    increments (the LLM slot executor; FLoRA merges server-side then). ``head_mode``: how a trainable
+    classifier head is treated (``Method.head_modes``; ``None``: the method's ``default_head``).
+    ``output_fn``: ``(params, batch) -> logits`` (or ``(logits, mask)``) of the model, for a method that
+    needs the model's outputs as well as its loss (H²Tune's eq. 7; a constructor's own wins).
+    ``global_layers``: the depth L_g of the deepest model of the federation (H²Tune over client models of
+    different depth; ``None``: the method's own option)."""
+
+    shared_base: bool = False
+    head_mode: str | None = None
+    output_fn: Callable[..., Any] | None = None
+    global_layers: int | None = None
+
+
 class Method(abc.ABC):
     """One federated algorithm. Subclasses set ``name`` and implement the abstract hooks."""
 
@@ -210,6 +231,9 @@ class Method(abc.ABC):
     #: one model trained on the clients' pooled data (Centralized): a runtime trains ONE client on
     #: the union of the clients' rows, and that model is both every client's and the global model
     pooled_data: ClassVar[bool] = False
+    #: each client ends with a model of its own (personal factors, a personalisation step, or no
+    #: server at all): PF2LoRA, FedSA-LoRA, H²Tune, Per-FedAvg, Local; plots and tables mark them
+    personalised: ClassVar[bool] = False
     #: part of a round's training runs in ``end_round`` for every replica alike (LoRA-A²'s masked
     #: steps after the probe), so replicas trained together must take the same number of local steps
     #: (a runtime groups clients with unequal steps into separate passes)
@@ -305,6 +329,15 @@ class Method(abc.ABC):
             raise ConfigError(f"{self.name}: head must be one of {', '.join(self.head_modes)}, got {mode!r}")
         self.__dict__["_head_mode"] = mode
 
+    def use_runtime(self, facts: RuntimeFacts) -> None:
+        """Take what the runtime says of itself (``RuntimeFacts``), in one call before ``bind``; the base
+        takes the head mode (a bad one: a one-line ``ConfigError`` naming ``head_modes``). Methods that
+        use other facts extend it and call ``super().use_runtime`` first."""
+        if not isinstance(facts, RuntimeFacts):
+            raise TypeError(f"{self.name}: use_runtime takes a RuntimeFacts, got {type(facts).__name__}")
+        if facts.head_mode is not None:
+            self.head_mode = facts.head_mode
+
     def head_names(self) -> list[str]:
         """The trainable head's parameters (empty when the model has none or the head is frozen)."""
         return [] if self.head_mode == "frozen" else self._names("head_weight", "head_bias")
@@ -368,13 +401,15 @@ class Method(abc.ABC):
             raise ConfigError(f"{self.name}: unexpected runtime state {sorted(state)[:3]}")
 
     # client state records (docs/design.md §8): everything replica i keeps between rounds -----------------
-    def _stacked_buffers(self) -> dict[str, torch.Tensor]:
+    def stacked_buffers(self) -> dict[str, torch.Tensor]:
         """Buffers with a replica dimension (TriLoRA supports, a per-replica merged W0), by name."""
         out = {}
         for mod_name, mod in self.model.named_modules():
             for b in getattr(mod, "replica_buffers", lambda: ())():
                 out[f"{mod_name}.{b}" if mod_name else b] = getattr(mod, b)
         return out
+
+    _stacked_buffers = stacked_buffers  # the former private name, until no caller outside uses it
 
     def _optimizer_attrs(self) -> dict[str, torch.optim.Optimizer]:
         return {a: o for a, o in sorted(vars(self).items()) if isinstance(o, torch.optim.Optimizer)}
@@ -398,7 +433,7 @@ class Method(abc.ABC):
         out: dict[str, torch.Tensor] = {}
         for n, p in self.params.items():
             out[f"param:{n}"] = p.detach()[replica].clone()
-        for n, b in self._stacked_buffers().items():
+        for n, b in self.stacked_buffers().items():
             out[f"buffer:{n}"] = b[replica].clone()
         names = {id(t): n for n, t in self._named_trainables().items()}
         for attr, opt in self._optimizer_attrs().items():
@@ -414,7 +449,7 @@ class Method(abc.ABC):
         """Write a client state record (``replica_state``) into replica ``replica``. Optimizer state
         the record does not hold is reset to a fresh optimizer's (zero moments, step 0)."""
         G = len(self.replica_clients)
-        stacked = self._stacked_buffers()
+        stacked = self.stacked_buffers()
         named = self._named_trainables()
         opts = self._optimizer_attrs()
         extra: dict[str, torch.Tensor] = {}
@@ -488,7 +523,7 @@ class Method(abc.ABC):
         """Everything a round may change on a replica: parameters, buffers with a stack dimension,
         optimizer moments, and method state from ``_extra_state``. Restored by ``restore``."""
         snap: dict[str, Any] = {"params": {n: p.detach().clone() for n, p in self.params.items()},
-                                "buffers": {n: b.clone() for n, b in self._stacked_buffers().items()},
+                                "buffers": {n: b.clone() for n, b in self.stacked_buffers().items()},
                                 "opt": {}, "extra": self._extra_state()}
         for opt in self._optimizers():
             for p, st in opt.state.items():
@@ -507,7 +542,7 @@ class Method(abc.ABC):
             for n, p in self.params.items():
                 if p.dim() >= 1 and p.shape[0] == len(self.replica_clients):
                     p[idx] = snap["params"][n][idx]
-            for n, b in self._stacked_buffers().items():
+            for n, b in self.stacked_buffers().items():
                 old = snap["buffers"].get(n)
                 if old is not None and old.shape == b.shape:
                     b[idx] = old[idx]

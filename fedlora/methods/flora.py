@@ -44,7 +44,7 @@ from ..aggmath import flora_merge, flora_stack
 from ..errors import ConfigError
 from ..payload import Payload
 from ..seeds import FLORA_FRESH, seed_of
-from .base import Method, Objective, RankSlots, Sampler, register
+from .base import Method, Objective, RankSlots, RuntimeFacts, Sampler, register
 from .fedavg import FactorLoRA
 
 __all__ = ["FLoRA"]
@@ -63,6 +63,11 @@ class FLoRA(FactorLoRA):
     #: each round's stack into it once (``apply_to_base``) and a client's download only restarts its
     #: adapters; False (the synthetic testbed): each replica holds and merges its own W0
     shared_base: bool = False
+
+    def use_runtime(self, facts: RuntimeFacts) -> None:
+        """The base model is shared by every client where the runtime says so (``facts.shared_base``)."""
+        super().use_runtime(facts)
+        self.shared_base = bool(facts.shared_base)
 
     def __init__(self, rank: int = 8, lr: float = 5e-4, optimizer: str = "adamw", weight_decay: float = 0.0,
                  ranks: Sequence[int] | None = None, seed: int | Sequence[int] = 0,

@@ -100,7 +100,7 @@ from ..errors import ConfigError
 from ..optim import make_optimizer
 from ..payload import Payload
 from ..seeds import H2TUNE_OMEGA, seed_of
-from .base import Method, Objective, Sampler, register
+from .base import Method, Objective, RuntimeFacts, Sampler, register
 
 __all__ = ["H2Tune", "output_kl"]
 
@@ -155,6 +155,7 @@ class H2Tune(Method):
     """
 
     name = "h2tune"
+    personalised = True  # the private A_k, B_k
     default_head = "personal"  # task-specific knowledge (clients may even have different label sets)
     head_modes = ("frozen", "personal")
     has_global_model = False
@@ -196,10 +197,24 @@ class H2Tune(Method):
         self.client_layers = None if client_layers is None else list(client_layers)
         self.global_layers, self.nu, self.kl_weight = global_layers, nu, kl_weight
         self.disentangle_sign, self.output_fn, self.receive = disentangle_sign, output_fn, receive
+        self._own_output_fn = output_fn is not None  # a constructor's output_fn is not replaced by a runtime's
         seed = self.check_seed("h2tune", seed)
         self.support_by, self.omega_init, self.r_init_std, self.seed = support_by, omega_init, r_init_std, seed
         self.optimizer = optimizer
         self._warned = False
+
+    def use_runtime(self, facts: RuntimeFacts) -> None:
+        """The model's outputs for eq. 7 (``facts.output_fn``, unless the constructor was given one) and
+        the federation's deepest model L_g (``facts.global_layers``: client models of different depth)."""
+        super().use_runtime(facts)
+        if facts.output_fn is not None and not self._own_output_fn:
+            if not callable(facts.output_fn):
+                raise ConfigError(f"h2tune: output_fn must be callable (params, batch) -> logits, got {facts.output_fn!r}")
+            self.output_fn = facts.output_fn
+        if facts.global_layers is not None:
+            if not isinstance(facts.global_layers, int) or facts.global_layers < 1:
+                raise ConfigError(f"h2tune: global_layers (L_g) must be an integer ≥ 1, got {facts.global_layers!r}")
+            self.global_layers = facts.global_layers
 
     def step_sizes(self) -> dict:
         """η on the task-specific A, B and η' on the task-shared R, Φ, Ω (App. A, Alg. 1)."""

@@ -60,6 +60,7 @@ class PerFedAvgLoRA(AveragedFactors):
     """
 
     name = "perfedavg"
+    personalised = True  # one SGD step on the client's own data (personalised_params)
     head_modes = ("frozen", "shared")  # a trained head is part of the meta-learned x
 
     def __init__(self, rank: int = 8, lr: float = 1e-3, inner_lr: float = 1e-3, variant: str = "first-order",

@@ -30,6 +30,7 @@ __all__ = ["PF2LoRA"]
 @register
 class PF2LoRA(AveragedFactors):
     name = "pf2lora"
+    personalised = True  # the client adapter C_k, D_k
     needs_client_adapter = True
     lr_option, optimizer_option = "upper_lr", "upper_optimizer"
     #: §6.1.1 / Table 5: SGD on the client adapter at the common adapter's step (1e-3 on GLUE)

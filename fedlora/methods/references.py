@@ -95,6 +95,7 @@ class Local(FactorLoRA):
     """No-communication reference. Args: rank r, lr, optimizer ("adamw" | "sgd"), weight_decay."""
 
     name = "local"
+    personalised = True  # no server: every client's model is its own
     global_factors = ()  # no server: every client starts from its own draw
     default_head = "personal"
     head_modes = ("frozen", "personal")
