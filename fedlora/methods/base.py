@@ -320,7 +320,8 @@ class Method(abc.ABC):
 
     @property
     def head_mode(self) -> str:
-        """How this instance treats a trainable head (the runtime sets it; default ``default_head``)."""
+        """How this instance treats a trainable head (a runtime's ``RuntimeFacts.head_mode`` through
+        ``use_runtime``; default ``default_head``)."""
         return self.__dict__.get("_head_mode", self.default_head)
 
     @head_mode.setter

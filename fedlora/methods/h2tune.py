@@ -67,7 +67,7 @@ B ≠ 0 and every later step (1) is live. The first KL target is the server mean
 initial uploads (what round −1 would send): with equal L_k it is R_init itself.
 
 Model outputs. The Objective contract returns one loss per replica; eq. 7 also needs logits. Pass
-``output_fn(params, batch) -> (G, …, C)`` logits (constructor or attribute ``method.output_fn``),
+``output_fn(params, batch) -> (G, …, C)`` logits (constructor, or a runtime's ``RuntimeFacts.output_fn``),
 evaluated with the same ``params`` mapping as the objective, or ``-> (logits, mask)`` with ``mask``
 (G, …) = 1 for real samples and 0 for padding, so that the KL is averaged over each client's real
 samples only (the synthetic runner pads clients of different sizes to one length; without the mask
