@@ -12,6 +12,9 @@ Dispatch (``FEDLORA_KERNELS`` environment variable, read at every call):
   ``TRITON_INTERPRET=1`` set before triton is imported (tests) and float32.
 * ``reference``: always the pure-PyTorch reference.
 
+The policy (``backend_for``) lives in ``fedlora.kernels.lora_linear`` beside the Triton path it guards, which
+``lora_linear_multi`` dispatches by too; this package imports its modules and none imports it back.
+
 Triton-path knobs (arguments of ``lora_linear``/``lora_linear_multi``, or environment):
 
 * ``base_gemm`` / ``FEDLORA_KERNELS_BASE_GEMM``: ``auto`` (default: on CUDA, time the Triton-GEMM and
@@ -27,57 +30,13 @@ Triton-path knobs (arguments of ``lora_linear``/``lora_linear_multi``, or enviro
 """
 from __future__ import annotations
 
-import os
-
-import torch
-
-from .lora_linear import (FUSE_MAX_M, HAS_TRITON, MAX_RANK, fold_adapters, interpreter_active,
-                          lora_linear_multi, lora_linear_triton, select_precision)
+from .lora_linear import (FUSE_MAX_M, HAS_TRITON, MAX_RANK, _check_extras, _use_triton, backend_for, fold_adapters,
+                          interpreter_active, lora_linear_multi, lora_linear_triton, select_precision)
 from .reference import check_lora_shapes, lora_linear_reference
 
 __all__ = ["lora_linear", "lora_linear_reference", "check_lora_shapes", "lora_linear_triton",
            "lora_linear_multi", "fold_adapters", "backend_for", "interpreter_active", "MAX_RANK", "FUSE_MAX_M",
            "HAS_TRITON", "select_precision"]
-
-_BACKENDS = ("auto", "triton", "reference")
-
-
-def _mode(backend: str | None) -> str:
-    mode = (backend or os.environ.get("FEDLORA_KERNELS", "auto") or "auto").lower()
-    if mode not in _BACKENDS:
-        raise ValueError(f"kernels: backend / FEDLORA_KERNELS must be one of {_BACKENDS}, got {mode!r}")
-    return mode
-
-
-def _auto_ok(x: torch.Tensor, tensors) -> bool:
-    if not (HAS_TRITON and x.is_cuda) or torch.is_autocast_enabled():
-        return False
-    from .lora_linear import _load_triton
-
-    try:
-        _load_triton()
-    except ValueError:  # broken triton install: stay on the reference
-        return False
-    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        return False
-    if tensors and tensors[0] is not None and tensors[0].dim() == 3:  # per-replica W0: reference only
-        return False
-    return all(t is None or (t.device == x.device and t.dtype == x.dtype) for t in tensors)
-
-
-def _use_triton(x: torch.Tensor, backend: str | None = None, tensors=()) -> bool:
-    mode = _mode(backend)
-    if mode == "reference":
-        return False
-    if mode == "triton":
-        return True
-    return _auto_ok(x, tensors)
-
-
-def backend_for(x: torch.Tensor, *tensors, backend: str | None = None) -> str:
-    """'triton' or 'reference': what ``lora_linear`` would run for these operands."""
-    return "triton" if _use_triton(x, backend, tensors) else "reference"
-
 
 def lora_linear(x, weight, bias, a, b, scale=1.0, c=None, d=None, client_scale=1.0, *,
                 rank_mask=None, client_rank_mask=None, middle=None, middle_phi=None, middle_mask=None,
@@ -101,8 +60,6 @@ def lora_linear(x, weight, bias, a, b, scale=1.0, c=None, d=None, client_scale=1
                                   middle_mask=middle_mask, precision=precision, fuse=fuse, base_gemm=base_gemm)
     if all(e is None for e in extras):
         return lora_linear_reference(x, weight, bias, a, b, scale, c, d, client_scale)
-    from .lora_linear import _check_extras
-
     check_lora_shapes(x, weight, bias, a, b, c, d)
     _check_extras(a, rank_mask, middle, middle_phi, middle_mask, c, client_rank_mask,
                   a.shape[:1] if a.dim() == 3 else ())

@@ -77,7 +77,7 @@ def _load_triton():
         try:
             import triton as _triton
 
-            from . import _triton_kernels
+            import fedlora.kernels._triton_kernels as _triton_kernels
         except Exception as exc:  # broken install
             HAS_TRITON, _TRITON_IMPORT_ERROR = False, exc
             raise ValueError(f"lora_linear: importing triton failed: {exc!r}") from exc
@@ -85,8 +85,49 @@ def _load_triton():
     return _tk
 
 
-__all__ = ["lora_linear_triton", "lora_linear_multi", "fold_adapters", "MAX_RANK", "HAS_TRITON",
+__all__ = ["lora_linear_triton", "lora_linear_multi", "fold_adapters", "backend_for", "MAX_RANK", "HAS_TRITON",
            "FUSE_MAX_M", "interpreter_active", "select_precision", "compile_only"]
+
+# ---------------------------------------------------------------------------------------------
+# the dispatch policy (``fedlora.kernels``' module docstring): Triton or the reference, per call
+
+_BACKENDS = ("auto", "triton", "reference")
+
+
+def _mode(backend: str | None) -> str:
+    mode = (backend or os.environ.get("FEDLORA_KERNELS", "auto") or "auto").lower()
+    if mode not in _BACKENDS:
+        raise ValueError(f"kernels: backend / FEDLORA_KERNELS must be one of {_BACKENDS}, got {mode!r}")
+    return mode
+
+
+def _auto_ok(x: torch.Tensor, tensors) -> bool:
+    if not (HAS_TRITON and x.is_cuda) or torch.is_autocast_enabled():
+        return False
+    try:
+        _load_triton()
+    except ValueError:  # broken triton install: stay on the reference
+        return False
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return False
+    if tensors and tensors[0] is not None and tensors[0].dim() == 3:  # per-replica W0: reference only
+        return False
+    return all(t is None or (t.device == x.device and t.dtype == x.dtype) for t in tensors)
+
+
+def _use_triton(x: torch.Tensor, backend: str | None = None, tensors=()) -> bool:
+    mode = _mode(backend)
+    if mode == "reference":
+        return False
+    if mode == "triton":
+        return True
+    return _auto_ok(x, tensors)
+
+
+def backend_for(x: torch.Tensor, *tensors, backend: str | None = None) -> str:
+    """'triton' or 'reference': what ``fedlora.kernels.lora_linear`` would run for these operands."""
+    return "triton" if _use_triton(x, backend, tensors) else "reference"
+
 
 MAX_RANK = 128  # r + r̃ (padded to a power of two ≥ 16 inside the kernels)
 FUSE_MAX_M = 512  # tokens up to which the shrink runs in the same K loop as the base GEMM
@@ -752,8 +793,6 @@ def lora_linear_multi(x, weight, bias, a, b, c, d, seg_offsets, scale=1.0, clien
     on the Triton path (no host sync: checked by ``torch._assert_async``, the grid is sized by the
     bound cdiv(M, BLOCK_M) + K); the reference path and double backward read it on the host.
     """
-    from . import _use_triton  # local import: dispatch policy lives in the package
-
     if a.dim() != 2 or b.dim() != 2:
         raise ValueError(f"lora_linear_multi: A, B must be 2-D (shared), got A {_shape(a)}, B {_shape(b)}")
     if c is None or d is None or c.dim() != 3 or d.dim() != 3:
