@@ -1,4 +1,5 @@
-"""Child-process entry for ``run_rank_recovery``'s parallel methods (``rank_recovery._CHILD`` runs ``main``).
+"""The child processes of ``run_rank_recovery``'s parallel methods: started (``spawn``, ``prestart``), handed out
+(``take``) and ended (``discard``) here; each runs ``CHILD``, the program ``fedlora.synthetic._child.main``.
 
 The child imports torch and the experiment first, then reads a pickled (method name, RankRecoveryConfig,
 torch threads) from stdin and writes the pickled ``(history, extra)`` of ``_run_method`` to stdout. Importing
@@ -7,20 +8,20 @@ imports torch itself, so that the two imports overlap); a child whose stdin clos
 once. A plain subprocess rather than multiprocessing: it never re-imports the caller's ``__main__``, so
 scripts without an ``if __name__ == "__main__"`` guard (and notebooks) can call ``run_rank_recovery`` safely.
 
-This module imports no torch (the parent's side of ``prestart`` runs before it has).
+This module imports no torch (the parent's side of ``prestart`` runs before it has) and nothing of the
+experiment (which imports it): the child's program is a string naming ``_child``.
 """
 from __future__ import annotations
 
 import os
-import pickle
 import subprocess
 import sys
 
-#: the child's program: ``main`` below without the current folder on sys.path. ``python -m`` would put it
-#: first, and from a clone's root that makes the source folder ``fedlora/`` (which holds no
+#: the child's program: ``fedlora.synthetic._child.main`` without the current folder on sys.path. ``python -m``
+#: would put it first, and from a clone's root that makes the source folder ``fedlora/`` (which holds no
 #: ``kernels``/``llm``/``synthetic``: they install as fedlora.*) shadow the installed package, and the
 #: folder ``kernels/`` HuggingFace's ``kernels``. The parent's own sys.path comes through PYTHONPATH.
-CHILD = "import sys; sys.path[:] = [p for p in sys.path if p]; from fedlora.synthetic._worker import main; main()"
+CHILD = "import sys; sys.path[:] = [p for p in sys.path if p]; from fedlora.synthetic._child import main; main()"
 
 #: children started by ``prestart`` that no job has taken yet (``take`` hands them out, ``discard`` ends them)
 _idle: list[subprocess.Popen] = []
@@ -63,26 +64,3 @@ def discard() -> None:
         proc = _idle.pop()
         proc.kill()
         proc.communicate()
-
-
-def main() -> None:
-    import torch
-
-    from .rank_recovery import _data_for, _run_method
-
-    job = sys.stdin.buffer.read()
-    if not job:  # prestarted, then not needed
-        return
-    name, cfg, threads = pickle.loads(job)
-    torch.set_num_threads(threads)
-    result = _run_method(name, cfg, _data_for(cfg))
-    sys.stdout.buffer.write(pickle.dumps(result))
-    sys.stdout.buffer.flush()
-    sys.stderr.flush()
-    # nothing is left to clean up: skip the interpreter's teardown (≈ 0.9 s with torch loaded), which the
-    # parent would wait for
-    os._exit(0)
-
-
-if __name__ == "__main__":
-    main()
