@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from fedlora import kernels
+from fedlora.kernels import fold_adapters  # noqa: F401  (the layers fold adapters through the core: fedlora.llm.export)
 
 from .errors import ConfigError
 

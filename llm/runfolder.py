@@ -1,4 +1,8 @@
-"""Reading a ``fedlora run`` folder: the one reader of what a run wrote (docs/design.md §9, "a run folder").
+"""A ``fedlora run`` folder: the names of its files, the digest that ties them to the run, and the one reader
+of what a run wrote (docs/design.md §9, "a run folder").
+
+``MERGED_UPDATE`` names FLoRA's merged update in ``adapters/``; ``config_digest`` is the SHA-256 of a run's config
+that every adapter file and checkpoint carries, so that export and resume refuse files another run left behind.
 
 ``read_run_config`` reads ``config.json`` (the config as given and as resolved); ``read_run`` reads the
 whole record — config.json, ``rounds.jsonl`` (line 0 the evaluation before training, then one record
@@ -14,14 +18,23 @@ It imports no torch: ``fedlora export`` claims its ``--out`` (``claim_export_dir
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 from fedlora.errors import ConfigError
+from fedlora.io import claim_output_dir
 
-__all__ = ["RunFolder", "read_run", "read_run_config", "read_status", "client_view", "EXPORT_WRITES", "claim_export_dir"]
+from .config import RunConfig, group_configs
+from .tasks import TASKS
+
+__all__ = ["RunFolder", "read_run", "read_run_config", "read_status", "client_view", "EXPORT_WRITES", "claim_export_dir",
+           "MERGED_UPDATE", "config_digest", "data_label"]
+
+#: FLoRA: the update merged into the run's shared base (in ``adapters/``, one for all clients)
+MERGED_UPDATE = "merged_update.safetensors"
 
 #: every entry an export (PEFT or merged) may write into its ``--out``: ``--overwrite`` clears only these
 #: (fnmatch patterns for sharded weights). The tokenizer's files are those HF tokenizers save.
@@ -31,6 +44,13 @@ EXPORT_WRITES = ("adapter_config.json", "adapter_model.safetensors", "fedlora_ex
                  "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                  "chat_template.jinja", "chat_template.json", "vocab.txt", "vocab.json", "merges.txt",
                  "tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
+
+
+def config_digest(config: Mapping[str, Any]) -> str:
+    """SHA-256 of a run's config (``RunConfig.to_dict()``, config.json's "config"), as canonical JSON:
+    the saved adapters carry it, so export knows they belong to the config.json beside them."""
+    canon = json.dumps(json.loads(json.dumps(config)), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canon.encode()).hexdigest()
 
 
 def _json_file(path: Path, what: str) -> Any:
@@ -62,8 +82,6 @@ def claim_export_dir(out: str | Path, overwrite: bool, run_dir: str | Path, flag
     """``out`` as the export's folder (``fedlora.io.claim_output_dir``, nothing cleared yet: the export clears
     it with ``OutputDir.clear`` once everything else is checked): new or empty, or with ``overwrite`` a folder
     that holds nothing but an earlier export's files (``EXPORT_WRITES``); never the run folder or one holding it."""
-    from fedlora.io import claim_output_dir
-
     o, r = Path(out).resolve(), Path(run_dir).resolve()
     if overwrite and (o == r or o in r.parents):
         raise ConfigError(f"{flag}: {str(out)!r} holds the run folder {str(run_dir)!r}: --overwrite would delete it")
@@ -77,8 +95,6 @@ def client_view(info: Mapping[str, Any], client: int) -> dict[str, Any]:
     res = info["resolved"]
     if not res.get("heterogeneous"):
         return dict(info)
-    from .config import RunConfig, group_configs
-
     for g, grp in enumerate(res["groups"]):
         if client in grp["clients"]:
             return {"config": group_configs(RunConfig.from_dict(info["config"]))[g][1].to_dict(), "resolved": grp}
@@ -162,8 +178,6 @@ class RunFolder:
         the first of the run's metrics (config.json's ``resolved.metrics``, main first for every task)."""
         if self.summary and "main_metric" in self.summary:
             return str(self.summary["main_metric"])
-        from .tasks import TASKS
-
         spec = TASKS.get(self.task)
         if spec is not None:
             return spec.main_metric

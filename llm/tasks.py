@@ -48,10 +48,12 @@ from fedlora.errors import ConfigError
 
 from .datasets import DEBIAN_DESCRIBE_DIR, DEBIAN_SECTIONS_DIR
 
-__all__ = ["TaskSpec", "TASKS", "TASK_KINDS", "get_task", "available_tasks", "Task", "EvalContext", "slot_batches", "build_task", "task_for", "task_from_resolved"]
+__all__ = ["TaskSpec", "TASKS", "TASK_KINDS", "register_kind", "get_task", "available_tasks", "Task", "EvalContext",
+           "slot_batches"]
 
-#: the kinds of task, each one ``Task`` implementation (``build_task``)
-TASK_KINDS = ("classification", "generation", "qa")
+#: the kinds of task: kind → its ``Task`` implementation. The implementation modules fill it (``register_kind``);
+#: this module imports none of them. ``fedlora.llm.task_kinds`` imports them all and builds tasks from it.
+TASK_KINDS: dict[str, type[Task]] = {}
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,7 @@ class TaskSpec:
             needs it without reading the dataset).
         kind: ``"classification"``, ``"generation"`` (prompt → target with a causal LM) or ``"qa"``
             (extractive question answering, SQuAD format): which :class:`Task` implementation runs it
-            (``build_task``).
+            (``fedlora.llm.task_kinds.build_task``).
         target_column: generation: the column holding the target text (``text_column`` holds the source).
         linearise: generation: how a row's source becomes the prompt (``fedlora.llm.generation.LINEARISERS``:
             ``"text"``, the column as it is; ``"e2e"``; ``"webnlg"``).
@@ -114,8 +116,6 @@ class TaskSpec:
     allow_no_answer: bool = False
 
     def __post_init__(self) -> None:
-        if self.kind not in TASK_KINDS:
-            raise ConfigError(f"task {self.name!r}: kind {self.kind!r} is not one of {TASK_KINDS}")
         if self.kind == "generation" and not self.target_column:
             raise ConfigError(f"task {self.name!r}: a generation task names its target_column")
         if self.kind == "qa" and not (self.text_pair_column and self.target_column):
@@ -393,45 +393,22 @@ class Task(abc.ABC):
         """The task's metrics (and ``loss``) of one slot's ``prediction`` on ``dataset``'s ``rows``; {} for none."""
 
     def restore(self, resolved: Mapping[str, Any]) -> None:
-        """Take back what ``describe`` recorded (``task_from_resolved``)."""
+        """Take back what ``describe`` recorded (``fedlora.llm.task_kinds.task_from_resolved``)."""
 
     def describe(self) -> dict[str, Any]:
         """What config.json's ``resolved`` records of the task."""
         return {"task": self.name, "task_kind": self.kind, "metrics": list(self.metrics)}
 
 
-def task_for(task: str | TaskSpec | None, target_column: str | None = None) -> Task:
-    """The ``Task`` of a data section: a registered task (name or spec) by its kind; without one (local files,
-    any Hub dataset) generation when a target column is named, else classification."""
-    spec = get_task(task) if isinstance(task, str) else task
-    kind = spec.kind if spec is not None else ("generation" if target_column else "classification")
-    return build_task(spec, kind)
+def register_kind(kind: str):
+    """Class decorator of a ``Task`` implementation: it runs the tasks of ``kind`` (``TASK_KINDS[kind]``). A kind
+    has one implementation; registering another class under it is an error."""
+    def register(cls: type[Task]) -> type[Task]:
+        old = TASK_KINDS.get(kind)
+        if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise ValueError(f"task kind {kind!r} is {old.__module__}.{old.__qualname__}'s already, not "
+                             f"{cls.__module__}.{cls.__qualname__}'s")
+        TASK_KINDS[kind] = cls
+        return cls
 
-
-def build_task(spec: TaskSpec | None, kind: str | None = None) -> Task:
-    """The ``Task`` implementation of ``kind`` (default ``spec.kind``) around ``spec`` (None: a source without
-    a registered task; ``load_data`` makes its spec)."""
-    kind = kind or spec.kind
-    if kind not in TASK_KINDS:
-        raise ConfigError(f"task kind {kind!r}: one of {TASK_KINDS}")
-    if kind == "generation":
-        from .generation import GenerationTask
-
-        return GenerationTask(spec)
-    if kind == "qa":
-        from .qa import QATask
-
-        return QATask(spec)
-    from .classification import ClassificationTask
-
-    return ClassificationTask(spec)
-
-
-def task_from_resolved(resolved: Mapping[str, Any]) -> Task:
-    """The ``Task`` of a finished run, from its config.json ``resolved`` section (what ``Task.describe`` wrote),
-    ready to ``build_model`` the run's base again (export). Runs written before tasks had kinds are
-    classification runs."""
-    kind = resolved.get("task_kind", "classification")
-    task = build_task(TASKS.get(resolved.get("task")), kind)
-    task.restore(resolved)
-    return task
+    return register
