@@ -1,5 +1,5 @@
-"""Layering of the command line (issue 13 §3) and of the one import name (issue 18 §2): dependencies
-point fedlora.kernels ← fedlora ← fedlora.synthetic, fedlora.llm.
+"""Layering of the command line and of the one import name: dependencies point
+fedlora.kernels ← fedlora ← fedlora.synthetic, fedlora.llm.
 
 * The folders install under one name (pyproject.toml's ``package-dir``: ``kernels/`` is ``fedlora.kernels``,
   ``llm/`` ``fedlora.llm``, ``synthetic/`` ``fedlora.synthetic``). Read from the source with ``ast``
@@ -9,6 +9,11 @@ point fedlora.kernels ← fedlora ← fedlora.synthetic, fedlora.llm.
   of ``fedlora.kernels``: it must stay light, which ``test_importing_fedlora_loads_no_layer`` checks);
   and no module anywhere imports the old top-level names ``kernels``/``llm``/``synthetic`` — those are
   HuggingFace's and PyPI's projects now.
+* The import graph of every folder (imports inside functions included): no import cycle inside a folder, and
+  no import between the sibling folders ``kernels/``, ``llm/``, ``synthetic/`` (they meet in ``fedlora/``). The
+  checks are functions of the graph (module → modules it imports), tried on planted graphs and files; what
+  still breaks them is listed (``KNOWN_CYCLES``, ``KNOWN_SIBLING_IMPORTS``), and a listed one that is gone
+  fails the test too, so the lists only shrink.
 * The ``fedlora`` command discovers its subcommands through the entry-point group ``fedlora.commands``:
   pyproject.toml's table, the dispatcher's built-in fallback and (when the distribution is installed)
   the installed metadata agree, and every entry point resolves and adds its command.
@@ -166,6 +171,201 @@ def test_the_import_reader_sees_every_form(tmp_path):
                  "    from ..synthetic.x import y\n    importlib.import_module('llm.cli')\n    __import__('synthetic')\n")
     names = [n for _, n in _imports(f, "fedlora.sub.m")]
     assert {"llm.runtime", "synthetic.cli", "fedlora.sub.llm", "fedlora.synthetic.x.y", "llm.cli", "synthetic"} <= set(names)
+
+
+# ---------------------------------------------------------------------------------------------
+# the import graph: no cycle inside a folder, no import between the sibling folders
+
+#: the folders built on the core: each imports the core (``fedlora/``) and itself, never another of them
+SIBLINGS = ("kernels", "llm", "synthetic")
+
+# Violations that exist today, listed so that no new one comes in; the test also fails when a listed one is gone,
+# so these lists only shrink. The Flower code moves into fedlora/ (a transport with a registry where llm and
+# synthetic register their nodes) and the heterogeneous run becomes an executor composed of slot executors:
+# then both lists are empty.
+#: (importer, imported) between two sibling folders
+KNOWN_SIBLING_IMPORTS = {
+    ("fedlora.llm.flower", "fedlora.synthetic.flower"),
+    ("fedlora.synthetic.cli", "fedlora.llm.flower"),
+    ("fedlora.synthetic.cli", "fedlora.llm.flower_deploy"),
+    ("fedlora.synthetic.flower", "fedlora.llm.flower"),
+}
+#: the modules of each import cycle inside a folder
+KNOWN_CYCLES = {
+    frozenset({"fedlora.llm.hetero", "fedlora.llm.runtime"}),
+}
+
+
+def _import_graph(modules) -> dict[str, set[str]]:
+    """module → the modules of ``modules`` ((path, dotted name) pairs) it imports, read by ``_imports``
+    (imports inside functions included). A name resolves to the longest module it lies in (``from .data import
+    x``: ``….data``). ``from P import m`` with ``m`` a module of P is an import of P.m only: the package P itself
+    is imported before any of its modules anyway, by every import of them (so a package that imports its own
+    modules is in no cycle with them for that); ``from P import name`` (a name defined in P) imports P."""
+    names = {module for _, module in modules}
+
+    def resolve(name: str) -> str | None:
+        while name and name not in names:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {module: set() for module in names}
+    for path, module in modules:
+        by_line: dict[int, list[str]] = {}
+        for line, name in _imports(path, module):
+            by_line.setdefault(line, []).append(name)
+        for found in by_line.values():
+            for name in found:
+                if any(other.startswith(name + ".") for other in found):
+                    continue  # the package of a ``from P import …`` line: its names say what is imported
+                target = resolve(name)
+                if target is not None and target != module:
+                    graph[module].add(target)
+    return graph
+
+
+def _folder_of(module: str) -> str:
+    """The folder a module lies in (the longest import name of ``PACKAGE_OF`` it lies under)."""
+    return max((f for f, name in PACKAGE_OF.items() if _under(module, (name,))), key=lambda f: len(PACKAGE_OF[f]))
+
+
+def import_cycles(graph, folder_of=_folder_of) -> set[frozenset[str]]:
+    """The import cycles inside a folder of ``graph`` (module → modules it imports): the strongly connected
+    components of more than one module among the imports between modules of the same folder."""
+    edges = {m: sorted(t for t in ts if t in graph and folder_of(t) == folder_of(m)) for m, ts in graph.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = set()
+    for root in sorted(edges):  # Tarjan's algorithm, with an explicit stack of (module, next edge)
+        if root in index:
+            continue
+        work = [(root, 0)]
+        while work:
+            m, i = work.pop()
+            if i == 0:
+                index[m] = low[m] = len(index)
+                stack.append(m)
+            if i < len(edges[m]):
+                work.append((m, i + 1))
+                t = edges[m][i]
+                if t not in index:
+                    work.append((t, 0))
+                elif t in stack:
+                    low[m] = min(low[m], index[t])
+                continue
+            if low[m] == index[m]:
+                component = set()
+                while True:
+                    t = stack.pop()
+                    component.add(t)
+                    if t == m:
+                        break
+                if len(component) > 1:
+                    cycles.add(frozenset(component))
+            if work:  # back in the module that reached this one
+                low[work[-1][0]] = min(low[work[-1][0]], low[m])
+    return cycles
+
+
+def sibling_imports(graph, folder_of=_folder_of) -> set[tuple[str, str]]:
+    """(importer, imported) of ``graph`` whose folders are two different ones of ``SIBLINGS``."""
+    return {(m, t) for m, ts in graph.items() for t in ts
+            if folder_of(m) in SIBLINGS and folder_of(t) in SIBLINGS and folder_of(m) != folder_of(t)}
+
+
+def _against_known(found: set, known: set, what: str) -> list[str]:
+    """One line per violation that is not listed and per listed one that is gone (the list only shrinks)."""
+    show = lambda v: " -> ".join(v) if isinstance(v, tuple) else ", ".join(sorted(v))  # noqa: E731
+    return ([f"new {what}: {show(v)}" for v in sorted(found - known, key=sorted)]
+            + [f"listed {what} no longer exists, remove it from the list: {show(v)}" for v in sorted(known - found, key=sorted)])
+
+
+@pytest.fixture(scope="module")
+def graph():
+    modules = [m for folder in PACKAGE_OF for m in _modules(folder)]
+    assert {_folder_of(module) for _, module in modules} == set(PACKAGE_OF)  # every folder's files are read
+    return _import_graph(modules)
+
+
+def test_no_import_cycle_inside_a_folder(graph):
+    """No folder's modules import each other round in a circle, however hidden (imports inside functions
+    count): the only ones are the listed ones, each still there."""
+    assert graph["fedlora.llm.task_kinds"] >= {"fedlora.llm.classification", "fedlora.llm.tasks"}  # edges are read
+    problems = _against_known(import_cycles(graph), KNOWN_CYCLES, "import cycle")
+    assert not problems, "\n".join(problems)
+
+
+def test_no_import_between_the_sibling_folders(graph):
+    """kernels/, llm/ and synthetic/ meet only in fedlora/ (the core): the only imports between them are the
+    listed ones, each still there."""
+    assert ("fedlora.llm.runtime", "fedlora.llm.config") in {(m, t) for m, ts in graph.items() for t in ts}
+    problems = _against_known(sibling_imports(graph), KNOWN_SIBLING_IMPORTS, "import between sibling folders")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("edges, cycles", [
+    ({"fedlora.llm.a": {"fedlora.llm.b"}, "fedlora.llm.b": {"fedlora.llm.a"}}, {("a", "b")}),
+    ({"fedlora.llm.a": {"fedlora.llm.b"}, "fedlora.llm.b": {"fedlora.llm.c"}, "fedlora.llm.c": {"fedlora.llm.a"},
+      "fedlora.llm.d": {"fedlora.llm.a"}}, {("a", "b", "c")}),
+    ({"fedlora.llm.a": {"fedlora.llm.b", "fedlora.llm.c"}, "fedlora.llm.b": {"fedlora.llm.c"}, "fedlora.llm.c": set()}, set()),
+    # two cycles at once, one in the core
+    ({"fedlora.x": {"fedlora.y"}, "fedlora.y": {"fedlora.x"}, "fedlora.kernels": {"fedlora.kernels.k"},
+      "fedlora.kernels.k": {"fedlora.kernels"}}, {("x", "y"), ("kernels", "k")}),
+    # a circle through another folder is no cycle inside one (the layering rules forbid its upward import)
+    ({"fedlora.llm.a": {"fedlora.m"}, "fedlora.m": {"fedlora.llm.b"}, "fedlora.llm.b": {"fedlora.llm.a"}}, set()),
+])
+def test_the_cycle_check_finds_every_cycle_and_only_cycles(edges, cycles):
+    found = import_cycles(edges)
+    assert {tuple(sorted(m.rpartition(".")[2] for m in c)) for c in found} == {tuple(sorted(c)) for c in cycles}
+
+
+@pytest.mark.parametrize("importer, imported, bad", [
+    ("fedlora.llm.export", "fedlora.kernels", True),
+    ("fedlora.llm.flower", "fedlora.synthetic.flower", True),
+    ("fedlora.synthetic.cli", "fedlora.llm.flower_deploy", True),
+    ("fedlora.kernels.aot", "fedlora.llm.inject", True),
+    ("fedlora.llm.export", "fedlora.adapter", False),
+    ("fedlora.adapter", "fedlora.kernels", False),
+    ("fedlora.synthetic.runner", "fedlora.synthetic.data", False),
+])
+def test_the_sibling_check_catches_what_it_must(importer, imported, bad):
+    assert bool(sibling_imports({importer: {imported}, imported: set()})) is bad
+
+
+def test_planted_modules_make_the_cycle_and_the_sibling_import_found(tmp_path):
+    """From files: an import inside a function closes a cycle; ``from . import m`` of a module is no import of
+    the package, ``from . import name`` of a name defined there is; a sibling import is seen in a function."""
+    pkg = tmp_path / "llm"
+    pkg.mkdir()
+    files = {"__init__": "from .a import A\n", "a": "A = 1\ndef f():\n    from .b import g\n",
+             "b": "from . import a\ndef g():\n    pass\n", "c": "from . import A\n",
+             "d": "def h():\n    from fedlora.synthetic.runner import run\n"}
+    for name, text in files.items():
+        (pkg / f"{name}.py").write_text(text)
+    mods = [(pkg / f"{n}.py", "fedlora.llm" if n == "__init__" else f"fedlora.llm.{n}") for n in files]
+    mods.append((tmp_path / "runner.py", "fedlora.synthetic.runner"))
+    (tmp_path / "runner.py").write_text("")
+    g = _import_graph(mods)
+    assert g["fedlora.llm.b"] == {"fedlora.llm.a"} and g["fedlora.llm.c"] == {"fedlora.llm"}
+    assert import_cycles(g) == {frozenset({"fedlora.llm.a", "fedlora.llm.b"})}
+    assert sibling_imports(g) == {("fedlora.llm.d", "fedlora.synthetic.runner")}
+    (pkg / "a.py").write_text("A = 1\n")  # the function's import gone: no cycle
+    assert import_cycles(_import_graph(mods)) == set()
+    # c ↔ __init__: c reads a name of the package, which imports c
+    (pkg / "__init__.py").write_text("from .a import A\nfrom .c import C\n")
+    assert import_cycles(_import_graph(mods)) == {frozenset({"fedlora.llm", "fedlora.llm.c"})}
+
+
+def test_the_known_lists_only_shrink():
+    """A violation not listed fails; so does a listed one that is gone."""
+    known = {("fedlora.llm.flower", "fedlora.synthetic.flower")}
+    assert _against_known(set(known), known, "x") == []
+    new = _against_known(known | {("fedlora.llm.export", "fedlora.kernels")}, known, "x")
+    assert new == ["new x: fedlora.llm.export -> fedlora.kernels"]
+    gone = _against_known(set(), known, "x")
+    assert gone == ["listed x no longer exists, remove it from the list: fedlora.llm.flower -> fedlora.synthetic.flower"]
+    assert _against_known({frozenset({"b", "a"})}, set(), "cycle") == ["new cycle: a, b"]
 
 
 # ---------------------------------------------------------------------------------------------
