@@ -389,6 +389,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # --out is a path, never YAML: quoted, so "123", "yes" or "null" stay folder names
     overrides = list(args.set) + ([f"output_dir={json.dumps(args.out)}"] if args.out is not None else [])
     cfg = load_config(args.config, overrides)
+    if args.runtime == "flower":  # what Flower cannot run is refused before anything is claimed or built
+        from .flower import check_flower_config
+
+        check_flower_config(cfg)
     if args.dry_run:  # every check of the run's preparation, no weights loaded, nothing trained (FederatedRun.check)
         from .config import describe_method
         from .runtime import run_class
@@ -402,8 +406,19 @@ def _cmd_run(args: argparse.Namespace) -> int:
     folder = claim_output_dir(cfg.output_dir, "--out" if args.out is not None else "output_dir", writes=RUN_WRITES,
                               overwrite=args.overwrite)
     bar, log = _progress_and_log(args)
-    _report(run_class(cfg)(cfg, progress=bar, output=folder, runtime=args.runtime, log=log).run(), folder.path)
+    run = run_class(cfg)(cfg, progress=bar, output=folder, runtime=args.runtime, log=log)
+    _report(_execute(run), folder.path)
     return 0
+
+
+def _execute(run):
+    """Run ``run`` over the executor its runtime names: its own (slots; one slot executor per model group), or
+    Flower's simulation engine, one SuperNode per client (``fedlora.llm.flower.run_simulation``)."""
+    if run.runtime == "flower":
+        from .flower import run_simulation
+
+        return run_simulation(run)
+    return run.run()
 
 
 def _resume(args: argparse.Namespace) -> int:
@@ -419,7 +434,7 @@ def _resume(args: argparse.Namespace) -> int:
     for path, why in ck.skipped:
         print(f"fedlora: skipped checkpoint {path}: {why}")
     print(f"resuming {args.resume} after round {ck.round} of {run.cfg.train.rounds} ({ck.path.name})")
-    _report(run.run(), run.output.path)
+    _report(_execute(run), run.output.path)
     return 0
 
 

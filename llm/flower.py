@@ -9,11 +9,12 @@ its training loss, ranks and the bytes of the download it applied — or an erro
 ``evaluate`` messages (each client scores its own model on its own rows; the server scores the global
 model itself), downloads outside training (the final broadcast) are ``query`` messages.
 
-The ClientApp is the slot executor of ``fedlora run`` with one client per message
-(``clients_per_pass = 1``): it rebuilds the same run from the config in the message (cached per
-process), takes its partition from the SuperNode's node config (``partition-id``), and keeps its
-client state record in the node's ``context.state`` between rounds. Same config and seed give the
-same numbers as the embedded runtime.
+The ClientApp is a node: the slot executor of ``fedlora run`` with one client per message
+(``clients_per_pass = 1``, ``fedlora.llm.runtime.slot_executor``), rebuilt from the config in the
+message (cached per process); it takes its partition from the SuperNode's node config
+(``partition-id``) and keeps its client state record in the node's ``context.state`` between rounds,
+handing it to the executor (``restore``) and taking it back (``records``) around every message. Same
+config and seed give the same numbers as the embedded runtime.
 
 Deployment: ``write_app_dir(path)`` writes the Flower app folder ``flwr run`` submits; the SuperLink,
 the SuperNodes (one per client, ``--node-config 'partition-id=K num-partitions=N'``) and TLS are
@@ -107,15 +108,26 @@ def check_flower_config(cfg) -> None:
 
 # ------------------------------------------------------------------------------------------------------
 # client side
-_RUNS: dict[str, Any] = {}  # per process: the config's digest → its prepared run (model, data, split)
+class _Node:
+    """This process's copy of a run's clients: its ``executor`` (a ``fedlora.server.ClientExecutor``), its
+    ``n_clients``, every client's initial record (a node's first message) and where the node keeps its
+    client's record in ``context.state`` (``state_key``)."""
+
+    def __init__(self, executor, n_clients: int, config_json: str) -> None:
+        self.executor, self.n_clients = executor, int(n_clients)
+        self.initial = executor.records()
+        self.state_key = _state_key(config_json)
+
+
+_RUNS: dict[str, _Node] = {}  # per process: the config's digest → its node (model, data, split)
 
 
 def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _local_run(config_json: str):
-    """This process's copy of the run (write nothing; one client per pass), built once per config."""
+def _local_run(config_json: str) -> _Node:
+    """This process's node of the run (writes nothing; one client per pass), built once per config."""
     key = _digest(config_json)
     if key not in _RUNS:
         cfg = json.loads(config_json)
@@ -123,16 +135,14 @@ def _local_run(config_json: str):
         if cfg.get(TASK_KEY) == "synthetic":  # the testbed's node (fedlora.synthetic.flower)
             from fedlora.synthetic.flower import SyntheticNode
 
-            run = SyntheticNode(cfg)
+            executor = SyntheticNode(cfg)
         else:
             from .config import RunConfig
-            from .runtime import FederatedRun
+            from .runtime import slot_executor
 
             cfg["federation"] = {**cfg.get("federation", {}), "clients_per_pass": 1, "store": "memory"}
-            run = FederatedRun(RunConfig.from_dict(cfg), write=False).prepare()
-        run._initial_records = {k: run.store.get(k) for k in range(run.K_train)}  # a node's first message
-        run._state_key = _state_key(config_json)
-        _RUNS[key] = run
+            executor = slot_executor(RunConfig.from_dict(cfg))
+        _RUNS[key] = _Node(executor, _n_clients(cfg), config_json)
     return _RUNS[key]
 
 
@@ -147,10 +157,9 @@ def _n_clients(config: Mapping[str, Any]) -> int:
     return int(config["federation"]["clients"])
 
 
-def _partition(context, run=None, config_json: str | None = None) -> int:
+def _partition(context, node: _Node | None = None, config_json: str | None = None) -> int:
     """The client this node holds (its node config's ``partition-id``), checked against the run's clients
-    (``run.K_train``, or the config's ``federation.clients`` where the run is not built: Flower refuses
-    Centralized, the one method with fewer trained clients than clients)."""
+    (the config's: Flower refuses Centralized, the one method with fewer trained clients than clients)."""
     pid = context.node_config.get("partition-id")
     if pid is None:
         raise ConfigError("this SuperNode has no partition: start it with --node-config "
@@ -159,7 +168,7 @@ def _partition(context, run=None, config_json: str | None = None) -> int:
         k = int(pid)
     except (TypeError, ValueError):
         raise ConfigError(f"node config partition-id: must be an integer, got {pid!r}") from None
-    K = run.K_train if run is not None else _n_clients(json.loads(config_json))
+    K = node.n_clients if node is not None else _n_clients(json.loads(config_json))
     if not 0 <= k < K:
         raise ConfigError(f"node config partition-id: {k} is not a client of this run (0..{K - 1})")
     return k
@@ -171,16 +180,16 @@ def _state_key(config_json: str) -> str:
     return f"fedlora-record-{_digest(config_json)[:16]}"
 
 
-def _load_state(run, k: int, context) -> None:
-    """The client's record from the node's state (its initial record the first time)."""
-    if run._state_key in context.state:
-        run.store.put(k, record_to_tensors(context.state[run._state_key]), copy=False)
+def _load_state(node: _Node, k: int, context) -> None:
+    """The client's record from the node's state (its initial record the first time), handed to the executor."""
+    if node.state_key in context.state:
+        node.executor.restore({k: record_to_tensors(context.state[node.state_key])})
     else:
-        run.store.put(k, run._initial_records[k], copy=True)
+        node.executor.restore({k: node.initial[k]})
 
 
-def _save_state(run, k: int, context) -> None:
-    context.state[run._state_key] = tensors_to_record(run.store.get(k))
+def _save_state(node: _Node, k: int, context) -> None:
+    context.state[node.state_key] = tensors_to_record(node.executor.records()[k])
 
 
 def _downloads(k: int, content) -> dict[int, Download]:
@@ -203,17 +212,17 @@ def _reply(msg, **records):
 def _client_train(msg, context):
     app = _flwr()
     conf = msg.content["config"]
-    run = _local_run(str(conf["fedlora-config"]))
-    k = _partition(context, run)
+    node = _local_run(str(conf["fedlora-config"]))
+    k = _partition(context, node)
     if int(conf["client"]) != k:
         raise ConfigError(f"misrouted: the message is for client {int(conf['client'])}, this node holds {k}")
     rnd = int(conf["round"])
-    _load_state(run, k, context)
-    res = run.train(rnd, [k], _downloads(k, msg.content))[k]
+    _load_state(node, k, context)
+    res = node.executor.train(rnd, [k], _downloads(k, msg.content))[k]
     if isinstance(res, ClientFailure):  # its record was not stored: the node keeps the one before the round
         return _reply(msg, result=app.ConfigRecord({"failure-kind": res.kind, "failure-why": res.why,
                                                      "bytes-down": int(res.bytes_down)}))
-    _save_state(run, k, context)
+    _save_state(node, k, context)
     return _reply(msg, upload=tensors_to_record(res.upload.tensors),
                   meta=app.ConfigRecord(dict(res.upload.meta)),
                   result=app.ConfigRecord({"bytes-down": int(res.bytes_down), "ranks": json.dumps(res.ranks),
@@ -238,23 +247,23 @@ def _client_query(msg, context):
     if op == "get-record" and _state_key(config_json) in context.state:  # a checkpoint: the record it keeps
         _partition(context, config_json=config_json)
         return _reply(msg, record=context.state[_state_key(config_json)])
-    run = _local_run(config_json)
-    k = _partition(context, run)
-    _load_state(run, k, context)
+    node = _local_run(config_json)
+    k = _partition(context, node)
+    _load_state(node, k, context)
     if op == "get-record":  # a client that never trained here: its initial record
-        return _reply(msg, record=tensors_to_record(run.store.get(k)))
-    sent = run.deliver(int(conf["round"]), {k: _download(msg.content)})
-    _save_state(run, k, context)
+        return _reply(msg, record=tensors_to_record(node.executor.records()[k]))
+    sent = node.executor.deliver(int(conf["round"]), {k: _download(msg.content)})
+    _save_state(node, k, context)
     return _reply(msg, result=app.ConfigRecord({"bytes-down": int(sent[k])}))
 
 
 def _client_evaluate(msg, context):
     app = _flwr()
     conf = msg.content["config"]
-    run = _local_run(str(conf["fedlora-config"]))
-    k = _partition(context, run)
-    _load_state(run, k, context)
-    scores = run.evaluate_clients([k], int(conf["round"]), downloads=_downloads(k, msg.content))[k]
+    node = _local_run(str(conf["fedlora-config"]))
+    k = _partition(context, node)
+    _load_state(node, k, context)
+    scores = node.executor.evaluate(int(conf["round"]), [k], _downloads(k, msg.content))[k]
     return _reply(msg, result=app.ConfigRecord({"scores": json.dumps(scores, allow_nan=True)}))
 
 
@@ -277,15 +286,15 @@ class FlowerExecutor:
 
     shared_base = False  # every client has its own base model (FLoRA is refused: check_flower_method)
 
-    def __init__(self, grid, run, *, timeout: float = 600.0, poll: float = 0.05, node_wait: float = 120.0,
-                 live: bool = False) -> None:
-        """``run``: what the nodes rebuild — ``K_train`` (clients), ``flower_config()`` (the JSON-able config
-        every message carries) and ``server``. ``live``: the server sends every client the round's changes
-        at the end of each round (``deliver``), as the testbed's executor does, instead of each client's
-        download with its next round's message (``fedlora run``)."""
-        self.grid, self.run, self.timeout, self.poll = grid, run, float(timeout), float(poll)
+    def __init__(self, grid, config: Mapping[str, Any], n_clients: int, *, timeout: float = 600.0,
+                 poll: float = 0.05, node_wait: float = 120.0, live: bool = False) -> None:
+        """``config``: what the nodes rebuild the run from (JSON-able; every message carries it);
+        ``n_clients``: the run's clients, one node each. ``live``: the server sends every client the round's
+        changes at the end of each round (``deliver``), as the testbed's executor does, instead of each
+        client's download with its next round's message (``fedlora run``)."""
+        self.grid, self.n_clients, self.timeout, self.poll = grid, int(n_clients), float(timeout), float(poll)
         self.live = bool(live)
-        self.config_json = json.dumps(run.flower_config(), sort_keys=True)
+        self.config_json = json.dumps(dict(config), sort_keys=True)
         self.node_of = self._map_partitions(node_wait)
         #: what Flower carried for training and synchronisation: array bytes (the tensors) and config bytes
         #: (the run's config travels in every message, so that a node needs nothing but its data)
@@ -324,7 +333,7 @@ class FlowerExecutor:
         return out
 
     def _map_partitions(self, node_wait: float) -> dict[int, int]:
-        K = self.run.K_train
+        K = self.n_clients
         deadline = time.monotonic() + node_wait
         while True:
             nodes = sorted(self.grid.get_node_ids())
@@ -399,11 +408,11 @@ class FlowerExecutor:
                 for k in sorted(self.node_of)]
         return self._required(msgs, sorted(self.node_of), f"did not answer {op}")
 
-    def client_records(self) -> dict[int, dict[str, torch.Tensor]]:
+    def records(self) -> dict[int, dict[str, torch.Tensor]]:
         """Every client's state record, as its node keeps it (what a checkpoint holds)."""
         return {k: record_to_tensors(rep.content["record"]) for k, rep in self._ask_all("get-record").items()}
 
-    def restore_records(self, records: Mapping[int, Mapping[str, torch.Tensor]]) -> None:
+    def restore(self, records: Mapping[int, Mapping[str, torch.Tensor]]) -> None:
         """Give every node the record of a checkpoint (a resumed run)."""
         self._ask_all("put-record", records)
 
@@ -415,9 +424,9 @@ class FlowerExecutor:
     def merge_into_base(self, state) -> None:  # refused up front (check_flower_method)
         raise NotImplementedError
 
-    def evaluate_clients(self, clients: Sequence[int], rnd: int) -> dict[int, dict]:
-        server = self.run.server
-        msgs = [self._message("evaluate", k, rnd, None if self.live else server.download_for(k)) for k in clients]
+    def evaluate(self, rnd: int, clients: Sequence[int], downloads: Mapping[int, Download]) -> dict[int, dict]:
+        """Each client scores its own model on its own rows on its node, with what the server sent it."""
+        msgs = [self._message("evaluate", k, rnd, None if self.live else downloads.get(k)) for k in clients]
         replies = self._required(msgs, list(clients), "could not be evaluated")
         return {k: json.loads(str(rep.content["result"]["scores"])) for k, rep in replies.items()}
 
@@ -495,18 +504,20 @@ def simulate(main, n_clients: int):
     return box["out"]
 
 
-def executor_over(grid):
-    """The ``executor_factory`` of a run whose clients are the nodes of the Flower ``grid``: a
+def executor_over(grid, cfg) -> FlowerExecutor:
+    """The executor of a run (``RunConfig`` ``cfg``) whose clients are the nodes of the Flower ``grid``: a
     ``FlowerExecutor`` waiting for each round's replies as long as the run's ``federation.timeout_s``."""
-    return lambda run: FlowerExecutor(grid, run, timeout=run.cfg.federation.timeout_s)
+    return FlowerExecutor(grid, cfg.to_dict(), cfg.federation.clients, timeout=cfg.federation.timeout_s)
 
 
 def run_simulation(run) -> dict[str, Any]:
     """``fedlora run CONFIG --runtime flower``: Flower's simulation engine (Ray) with one SuperNode per
-    client; the ServerApp runs in this process and writes the run folder as ``fedlora run`` does."""
+    client; the ServerApp runs ``run`` (a ``fedlora.llm.runtime.FederatedRun``) in this process over a
+    ``FlowerExecutor`` and writes the run folder as ``fedlora run`` does."""
+    check_flower_config(run.cfg)
+
     def main(grid):
-        run.executor_factory = executor_over(grid)
-        return run._run()
+        return run.run(executor=executor_over(grid, run.cfg))
 
     t0 = time.perf_counter()
     summary = simulate(main, run.cfg.federation.clients)  # one SuperNode per client (pooled training is refused)
@@ -537,9 +548,9 @@ def _deployment_main(grid, context) -> None:
     cfg = RunConfig.from_dict(json.loads(text)) if text else load_config(path)
     if str(rc.get("out", "")):
         cfg = RunConfig.from_dict({**cfg.to_dict(), "output_dir": str(rc["out"])})
+    check_flower_config(cfg)
     run = FederatedRun(cfg, runtime="flower", overwrite=bool(rc.get("overwrite", False)))
-    run.executor_factory = executor_over(grid)
-    run.run()
+    run.run(executor=executor_over(grid, cfg))
 
 
 def _make_server_app():

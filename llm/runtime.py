@@ -33,7 +33,7 @@ from .dropout import install_client_dropout
 from .manifest import data_files, environment, file_hashes, split_indices
 from .inject import head_linear_names, inject_adapters, make_head_trainable, match_targets
 
-__all__ = ["FederatedRun", "ClientSampler", "run", "run_class", "RUN_WRITES"]
+__all__ = ["FederatedRun", "ClientSampler", "run", "run_class", "slot_executor", "RUN_WRITES"]
 
 #: every entry a run writes into its output folder: ``--overwrite`` clears a folder only when it holds
 #: nothing else (``fedlora.io.claim_output_dir``). A new output file or folder must be added here.
@@ -455,6 +455,12 @@ def run(config: RunConfig | Mapping[str, Any] | str | os.PathLike, overrides: Se
     else:
         cfg = load_config(config, overrides)
     return run_class(cfg)(cfg, progress=progress, overwrite=overwrite).run()
+
+
+def slot_executor(cfg: RunConfig) -> SlotExecutor:
+    """The slot executor of the run ``cfg`` describes, its parts built as ``FederatedRun.prepare`` builds them
+    and nothing written: what a Flower node runs (``fedlora.llm.flower``)."""
+    return FederatedRun(cfg, write=False).prepare().slots
 
 
 def run_class(cfg: RunConfig) -> type[FederatedRun]:

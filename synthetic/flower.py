@@ -69,30 +69,21 @@ def build_spec_run(spec: Mapping[str, Any]) -> SyntheticRun:
                      sample_fraction=cfg.sample_fraction, sample_seed=cfg.seed_offset)
 
 
-class _ReplicaStore:
-    """A client's state record is its replica's (``Method.replica_state`` / ``load_replica_state``)."""
-
-    def __init__(self, method) -> None:
-        self.method = method
-
-    def get(self, k: int) -> dict[str, torch.Tensor]:
-        return self.method.replica_state(k)
-
-    def put(self, k: int, record: Mapping[str, torch.Tensor], copy: bool = True) -> None:
-        self.method.load_replica_state(k, {n: (v.clone() if copy else v) for n, v in record.items()})
-
-
 class SyntheticNode:
-    """A Flower node's copy of the run (the interface ``fedlora.llm.flower``'s ClientApp uses): ``K_train``,
-    ``store``, ``train``, ``deliver``, ``evaluate_clients``."""
+    """A Flower node's copy of the run: a ``fedlora.server.ClientExecutor`` (the ClientApp of
+    ``fedlora.llm.flower`` drives it through that protocol) over the stacked executor of the whole
+    federation; a client's state record is its replica's (``Method.replica_state`` /
+    ``load_replica_state``). ``evaluate`` gives each client's training loss on what it holds."""
+
+    shared_base = False
 
     def __init__(self, spec: Mapping[str, Any]) -> None:
         self.run = build_spec_run(spec)
         cfg = _config(spec)
-        self.K_train = cfg.clients
-        self.store = _ReplicaStore(self.run.method)
+        self.n_clients = cfg.clients
         self.executor = StackedExecutor(self.run.method, self.run.federation, self.run.objective, self.run.sample,
                                         cfg.local_steps)
+        self.live = self.executor.live
 
     def train(self, rnd: int, clients, downloads: Mapping[int, Download]) -> dict[int, ClientUpdate]:
         with warnings.catch_warnings():
@@ -103,21 +94,21 @@ class SyntheticNode:
     def deliver(self, rnd: int, downloads: Mapping[int, Download]) -> dict[int, int]:
         return self.executor.deliver(rnd, downloads)
 
-    def evaluate_clients(self, clients, rnd: int, downloads: Mapping[int, Download] | None = None) -> dict[int, dict]:
+    def merge_into_base(self, state) -> None:
+        self.executor.merge_into_base(state)
+
+    def evaluate(self, rnd: int, clients, downloads: Mapping[int, Download]) -> dict[int, dict]:
         if downloads:
             raise ConfigError("synthetic: a live executor's clients are evaluated on what they hold (no download)")
         loss = self.run.train_loss()
         return {k: {"train_loss": loss[k]} for k in clients}
 
+    def records(self) -> dict[int, dict[str, torch.Tensor]]:
+        return {k: self.run.method.replica_state(k) for k in range(self.n_clients)}
 
-class _Served:
-    """What ``FlowerExecutor`` needs of the run: its clients, the spec every message carries, the server."""
-
-    def __init__(self, spec: Mapping[str, Any], server: Server) -> None:
-        self.spec, self.server, self.K_train = dict(spec), server, int(spec["clients"])
-
-    def flower_config(self) -> dict[str, Any]:
-        return self.spec
+    def restore(self, records: Mapping[int, Mapping[str, torch.Tensor]]) -> None:
+        for k, rec in records.items():
+            self.run.method.load_replica_state(k, {n: v.clone() for n, v in rec.items()})
 
 
 def serve(grid, spec: Mapping[str, Any], *, timeout: float = 600.0) -> list[dict[str, Any]]:
@@ -131,7 +122,7 @@ def serve_with_records(grid, spec: Mapping[str, Any], *,
     """``serve``, and every client's final state record as its node keeps it (``Method.replica_state``:
     adapter, optimizer moments, method state) — what ``run_embedded(spec, records=True)`` gives embedded."""
     history, executor = _serve(grid, spec, timeout)
-    return history, executor.client_records()
+    return history, executor.records()
 
 
 def _serve(grid, spec: Mapping[str, Any], timeout: float):
@@ -142,11 +133,12 @@ def _serve(grid, spec: Mapping[str, Any], timeout: float):
     fed, m = run.federation, run.method
     weighted = dataclasses.replace(fed, client_weights=fed.weights.tolist())  # as run_rounds
     server = Server(m, weighted, [m.initial_server_state(0)], cfg.rounds)
-    executor = FlowerExecutor(grid, _Served(spec, server), timeout=timeout, live=True)
+    executor = FlowerExecutor(grid, spec, int(spec["clients"]), timeout=timeout, live=True)
     history, t0 = [], time.perf_counter()
+    everyone = list(range(fed.n_replicas))
     for rnd in range(cfg.rounds):
         rec = round_record(server.run_round(executor, rnd), rnd, cfg.local_steps, fed.n_replicas, t0)
-        scores = executor.evaluate_clients(list(range(fed.n_replicas)), rnd)
+        scores = executor.evaluate(rnd, everyone, server.evaluation_downloads(everyone, executor))
         rec["train_loss"] = [float(scores[k]["train_loss"]) for k in range(fed.n_replicas)]
         history.append(rec)
     return history, executor

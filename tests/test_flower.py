@@ -71,9 +71,7 @@ def ray_runs(tmp_path_factory):
     def main_(grid):
         for m in METHODS:
             cfg = load_config("tiny-smoke", [f"method.name={m}", f"output_dir={root / m}"])
-            run = FederatedRun(cfg, runtime="flower")
-            run.executor_factory = executor_over(grid)
-            run.run()
+            FederatedRun(cfg, runtime="flower").run(executor=executor_over(grid, cfg))
         return root
 
     return simulate(main_, 3)

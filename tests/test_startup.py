@@ -117,4 +117,4 @@ def test_an_embedded_run_imports_no_flower_and_matplotlib_only_for_its_figure(tm
     out = json.loads(res.stdout.splitlines()[-1])
     assert out["dry run"] == [0, []]  # neither flwr nor matplotlib
     assert out["run"] == [0, ["matplotlib"]]  # no flwr
-    assert "_plot" in out["matplotlib imported by"]  # matplotlib came to draw rounds.png, not before
+    assert "plot" in out["matplotlib imported by"]  # Report.plot: matplotlib came to draw rounds.png, not before
