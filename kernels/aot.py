@@ -41,16 +41,26 @@ subset (``CI_CASES``) keeps the largest shape per kernel flavour.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
 import contextlib
 import dataclasses
 import io
 import json
+import multiprocessing as mp
 import os
 import pathlib
 import re
 import sys
 import tempfile
 import time
+
+import torch
+
+from fedlora import kernels  # the package (torch, its modules) is imported before this module anyway
+
+from .lora_linear import _load_triton, compile_only
+
+# triton (an optional dependency) is imported by check_environment, which first unsets TRITON_INTERPRET
 
 SMEM_LIMIT_H100 = 232448  # bytes per block (227 KiB, opt-in maximum on sm_90)
 MIN_TRITON = (3, 9)
@@ -99,8 +109,6 @@ def check_environment():
     if knobs.runtime.interpret:
         raise AOTUnavailable("TRITON_INTERPRET=1 was set when triton was imported in this process; run "
                              "`python -m fedlora.kernels.aot` in a fresh process")
-    from .lora_linear import _load_triton
-
     tk = _load_triton()
     if tk.INTERPRET:
         raise AOTUnavailable("the kernels were loaded under the Triton interpreter in this process; run "
@@ -126,8 +134,6 @@ class _StandInDriver:
         return 0
 
     def get_active_torch_device(self):
-        import torch
-
         return torch.device("meta")
 
     @staticmethod
@@ -301,11 +307,6 @@ class Compiler:
         self.launches.append(launch)
 
     def run_case(self, case: Case):
-        import torch
-
-        from fedlora import kernels
-        from fedlora.kernels.lora_linear import compile_only
-
         self.case = case
         dt = getattr(torch, _DTYPES[case.dtype])
 
@@ -478,9 +479,6 @@ def run(cases, arch: int = 90, smem_limit: int = SMEM_LIMIT_H100, jobs: int = 1,
             for i, case in enumerate(cases):
                 done(i, case, *_run_one(comp, case))
     else:
-        import concurrent.futures as cf
-        import multiprocessing as mp
-
         with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"),
                                     initializer=_worker_init, initargs=(arch, smem_limit, each_config_once)) as pool:
             futs = [pool.submit(_worker_case, dataclasses.asdict(c)) for c in cases]
@@ -515,8 +513,6 @@ def main(argv=None) -> int:
     except AOTUnavailable as exc:
         print(f"fedlora.kernels.aot: cannot compile ahead of time: {exc}", file=sys.stderr)
         return 2
-    import torch
-
     out = pathlib.Path(args.out) if args.out else pathlib.Path(tempfile.mkdtemp(prefix="kernels_aot_"))
     t0 = time.perf_counter()
     if args.jobs < 1:

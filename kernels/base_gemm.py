@@ -24,6 +24,8 @@ import math
 import os
 import statistics
 
+import torch
+
 __all__ = ["BASE_GEMMS", "ENV_VAR", "requested_base_gemm", "Chooser", "cuda_event_timer", "m_bucket",
            "shape_key"]
 
@@ -53,8 +55,6 @@ def shape_key(M, N, K, R, dtype, device, grad: bool) -> tuple:
 def cuda_event_timer(name, fn, warmup: int = 2, rep: int = 5) -> float:
     """Median milliseconds of ``fn()`` on the current CUDA stream (after ``warmup`` untimed calls,
     the first of which runs Triton's autotuning); ``name`` is the variant (unused here)."""
-    import torch
-
     for _ in range(warmup):
         fn()
     times = []

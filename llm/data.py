@@ -12,7 +12,8 @@
   ``.qa``): :func:`read_tables` (a source's train and test :class:`Table`), :func:`column_texts`,
   :func:`check_columns`, :func:`subsample`, and ``STAND_IN_WORDS`` for the tiny variant's stand-in rows.
 
-No model and no training loop here; everything is deterministic given ``seed``.  Every bad input
+No model and no training loop here; everything is deterministic given ``seed``. ``datasets`` (an optional
+dependency of the LLM layer, slow to import) is imported where a Hub or saved dataset is read.  Every bad input
 raises :class:`fedlora.errors.ConfigError` with a one-line message, including a dataset the Hub
 cannot serve (offline, unknown name).
 """
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from fedlora.errors import ConfigError, plural, quoted
 from fedlora.partition import label_histograms, parse_partition
@@ -990,8 +992,6 @@ def encode(dataset: TextDataset, tokenizer: Any, max_length: int) -> dict[str, A
     Returns ``{"input_ids": (n, L) long, "attention_mask": (n, L), ["token_type_ids": (n, L)],
     "labels": (n,) long}`` with L ≤ max_length.
     """
-    import torch
-
     if isinstance(max_length, bool) or not isinstance(max_length, numbers.Integral) or max_length < 2:
         raise ConfigError(f"encode: max_length must be an integer ≥ 2 (got {max_length!r})")
     if len(dataset) == 0:

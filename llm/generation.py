@@ -114,7 +114,8 @@ def _with_params(model, params: Mapping[str, torch.Tensor] | None):
     if not params:
         yield model
         return
-    from torch.nn.utils.stateless import _reparametrize_module  # what torch.func.functional_call uses
+    # what torch.func.functional_call uses: a private torch API, imported where it is used
+    from torch.nn.utils.stateless import _reparametrize_module
 
     with _reparametrize_module(model, dict(params), strict=False):
         yield model

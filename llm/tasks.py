@@ -282,7 +282,7 @@ class EvalContext:
 def slot_batches(row_sets: Sequence[np.ndarray], b: int):
     """Slot p's rows ``row_sets[p]`` in steps of ``b``: per step the (S·b,) row indices, slot-major, each slot
     padded to ``b`` with its first row (slots must be equal in number), and each slot's real count."""
-    import torch
+    import torch  # here, not at the top: reading a run folder (fedlora.llm.runfolder) reads the tasks, without torch
 
     n_iter = max(math.ceil(len(r) / b) for r in row_sets) if any(len(r) for r in row_sets) else 0
     for it in range(n_iter):
