@@ -310,10 +310,33 @@ class Report:
         return s
 
     def save_adapters(self, folder: Path) -> list[Path]:
-        """Every client's final model and FLoRA's merged update (``SlotExecutor.save_adapters``)."""
-        run = self.run_
-        downloads = {k: self.server.download_for(k, shared_base=True) for k in range(run.K_train)}
-        return run.local.save_adapters(folder, downloads, len(self.server.increments[0]))
+        """Every client's final model (``SlotExecutor.client_adapter``: its record with what it lacks of the
+        final state applied; Centralized's one model for each) as ``client_<k>.safetensors``, and FLoRA's
+        merged update (``SlotExecutor.merged_update``) once as ``merged_update.safetensors``; each file's
+        metadata names the method, the client, the number of clients and the SHA-256 of the run's config
+        (``fedlora.llm.export.config_digest``), so export refuses files another run left in the folder."""
+        from safetensors.torch import save
+
+        from .export import MERGED_UPDATE, config_digest
+
+        local, cfg = self.run_.local, self.cfg
+        meta = {"method": self.method.name, "clients": str(cfg.federation.clients),
+                "config_sha256": config_digest(cfg.to_dict())}
+        merged = local.merged_update()
+        if merged is not None:
+            tensors, form = merged
+            write_bytes_atomic(folder / MERGED_UPDATE, save(tensors, metadata={
+                **meta, "form": form, "merges": str(len(self.server.increments[0]))}))
+            meta["merged_update"] = MERGED_UPDATE
+        paths = []
+        for k in range(cfg.federation.clients):
+            owner = 0 if local.centralized else k
+            adapter = local.client_adapter(k, self.server.download_for(owner, shared_base=True))
+            path = folder / f"client_{k}.safetensors"
+            write_bytes_atomic(path, save({n: v.contiguous() for n, v in adapter.items()},
+                                          metadata={**meta, "client": str(k)}))
+            paths.append(path)
+        return paths
 
 
 def comparable(config: Mapping[str, Any]) -> dict[str, Any]:

@@ -193,68 +193,8 @@ class FederatedRun:
         self.method.head_mode = self.head_mode
 
     def check(self) -> dict[str, Any]:
-        """``fedlora run --dry-run``: every check of the run's preparation (``prepare_model``), by the same functions,
-        with no weights loaded and nothing trained or written — the method and device (``_settings``), the data
-        and its split (``check_data``), the model built from its config on the meta device (``_base_model`` in
-        ``skeleton_models``: the task's fit, ``model.max_length`` against its positions), the windows of
-        extractive QA (``check_fits``), the target modules, ranks and head (``_adapt``), per-client dropout
-        (``install_client_dropout``). What a dry run does not fetch (hub data; a hub model not in the HF cache) is
-        said in the result, not refused.
-        A device this machine lacks (``model.device: cuda`` on a laptop) is said, not refused: the config may be
-        for another machine. Returns ``{"data": …, "head": …, "model": …}``: what was checked and the facts
-        resolved (the head policy, the targets)."""
-        from .model import ModelUnavailable, skeleton_models
-        from .qa import QATask
-
-        self._settings(machine=False)
-        data = self.check_data()
-        if not data["checked"]:
-            self._task_without_rows()
-        try:
-            with skeleton_models():
-                self._base_model()
-        except ModelUnavailable as e:
-            return {"data": data, "head": self._head_mode(),
-                    "model": {"checked": False,
-                              "why": f"{e.key} {e.name!r} is not in the Hugging Face cache and a dry run downloads "
-                                     f"nothing: model.target_modules, the ranks, model.max_length and the model's "
-                                     f"head are checked when the run has the model"}}
-        fits = getattr(self.task, "check_fits", None)  # extractive QA: every question's windows
-        if fits is not None and data["checked"]:
-            fits(self.train_data, self.tokenizer, self.cfg.model.max_length)
-            fits(self.test_data, self.tokenizer, self.cfg.model.max_length)
-        self._adapt(1)
-        install_client_dropout(self.model, self.cfg.model.dropout, self.cfg.model.max_length, "cpu")  # as the run
-        mod = {"checked": True, "model_type": getattr(self.model.config, "model_type", None), **self._machine(),
-               "targets": len(self.targets), "target_modules": sorted({t.rsplit(".", 1)[-1] for t in self.targets}),
-               "head_linear": self.head_linear}
-        if not data["checked"] and isinstance(self.task, QATask):
-            mod["not_checked"] = "the questions' windows in model.max_length (data.doc_stride): the data is not fetched"
-        return {"data": data, "head": self.head_mode, "model": mod}
-
-    def _machine(self) -> dict[str, str]:
-        """A dry run's word on a device this machine lacks (the run refuses it here: ``_settings``)."""
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            return {"device": f"model.device {self.cfg.model.device!r}: CUDA is not available on this machine; "
-                              f"the run needs a machine that has it"}
-        return {}
-
-    def _task_without_rows(self) -> None:
-        """The task's setup where a dry run does not fetch the data (hub): a registered task's class names give
-        the classifier's size (a Hub dataset without a task: 2, the head's size not checked); a generation task's
-        decoding settings (``eval.decoding`` over the task's) bound its positions."""
-        from .classification import ClassificationTask
-        from .generation import GenerationTask, check_decoding
-
-        dc = self.cfg.data
-        self.task = task_for(dc.task, dc.target_column)
-        spec = self.task.spec
-        if isinstance(self.task, ClassificationTask):
-            names = spec.label_names if spec is not None else None
-            self.task.label_names = list(names) if names else ["0", "1"]
-            self.task.num_labels = len(self.task.label_names)
-        elif isinstance(self.task, GenerationTask):
-            self.task.decoding = check_decoding({**dict(spec.decoding if spec else ()), **self.cfg.eval.decoding})
+        """``fedlora run --dry-run``: every check of the preparation, nothing loaded or written (``dry_run``)."""
+        return dry_run(self)
 
     def prepare_clients(self) -> "FederatedRun":
         """Every client's initial state record (``ClientStore``) and the round protocol's ``Server``."""
@@ -304,25 +244,6 @@ class FederatedRun:
             self.driver.executor = executor
         return self.driver.run()
 
-    def _check_test_rows(self) -> None:
-        """Clients whose split gave them no test rows are left out of the clients' mean (``n_skipped``
-        in every evaluation; the summary says how many). Refused before training when that is most of
-        the clients (more than half) unless ``eval.allow_clients_without_test``, and always when none
-        has a test row."""
-        K = len(self.clients)
-        self.clients_without_test = [k for k, c in enumerate(self.clients) if len(c.test) == 0]
-        n = len(self.clients_without_test)
-        how = (f"the {len(self.test_data)} test rows go to the clients that hold their labels "
-               f"(partition {self.cfg.federation.partition!r})")
-        if n == K:
-            raise ConfigError(f"federation.clients: none of the {K} clients gets a test row ({how}); use fewer "
-                              f"clients or more test data (data.max_test_samples, data.test_fraction)")
-        if 2 * n > K and not self.cfg.eval.allow_clients_without_test:
-            raise ConfigError(f"federation.clients: {n} of {K} clients get no test rows ({how}), so the clients' "
-                              f"mean would score only {K - n}; use fewer clients or more test data "
-                              f"(data.max_test_samples, data.test_fraction), or set "
-                              f"eval.allow_clients_without_test: true to leave them out of the mean")
-
     def _load_data(self) -> None:
         """The labelled text, the clients' split and its report (``train_data``, ``test_data``,
         ``task``, ``num_labels``, ``clients``, ``split_report``): every check of the data and the
@@ -330,16 +251,7 @@ class FederatedRun:
         from . import data as D
 
         cfg, dc, fc = self.cfg, self.cfg.data, self.cfg.federation
-        columns = {field: getattr(dc, key.split(".")[1]) for field, key in D.CONFIG_FIELD.items()
-                   if getattr(dc, key.split(".")[1]) is not None} or None  # the task's columns, overridden field by field
-        from fedlora.partition import validate_partition_spec
-
-        scheme, params = validate_partition_spec(fc.partition)
-        if scheme == "by_key" and params.get("column") is not None:  # by_key(topic): the key column
-            if dc.client_column is not None and dc.client_column != params["column"]:
-                raise ConfigError(f"federation.partition: {fc.partition!r} names the key column "
-                                  f"{params['column']!r} but data.client_column is {dc.client_column!r}; give one")
-            columns = {**(columns or {}), "client_key": params["column"]}
+        columns = data_columns(cfg)
         if cfg.tiny and dc.path is None and dc.hf_name is not None:
             raise ConfigError("tiny: data.hf_name has no offline stand-in; give data.task (a registered task) "
                               "or data.path (local files)")
@@ -352,7 +264,7 @@ class FederatedRun:
         from .runfolder import data_label
 
         self.task_label = data_label(self.task.name, self.task.kind, dc.task, dc.path)
-        self._check_test_rows()
+        self.clients_without_test = clients_without_test(cfg, self.clients, self.test_data)
 
     def check_data(self) -> dict[str, Any]:
         """A dry run's data check: read the local or bundled data (columns, labels), split it among the
@@ -432,6 +344,113 @@ class FederatedRun:
         dc = self.cfg.data
         local_dir = get_task(dc.task).local_dir if dc.task is not None and dc.path is None else None
         return {**environment(), "data_files": file_hashes(data_files(dc.path, local_dir))}
+
+
+def dry_run(run: "FederatedRun") -> dict[str, Any]:
+    """``fedlora run --dry-run`` (``FederatedRun.check``): every check of the run's preparation (``prepare_model``), by the same functions,
+    with no weights loaded and nothing trained or written — the method and device (``_settings``), the data
+    and its split (``check_data``), the model built from its config on the meta device (``_base_model`` in
+    ``skeleton_models``: the task's fit, ``model.max_length`` against its positions), the windows of
+    extractive QA (``check_fits``), the target modules, ranks and head (``_adapt``), per-client dropout
+    (``install_client_dropout``). What a dry run does not fetch (hub data; a hub model not in the HF cache) is
+    said in the result, not refused.
+    A device this machine lacks (``model.device: cuda`` on a laptop) is said, not refused: the config may be
+    for another machine. Returns ``{"data": …, "head": …, "model": …}``: what was checked and the facts
+    resolved (the head policy, the targets)."""
+    from .model import ModelUnavailable, skeleton_models
+    from .qa import QATask
+
+    run._settings(machine=False)
+    data = run.check_data()
+    if not data["checked"]:
+        run.task = _task_without_rows(run.cfg)
+    try:
+        with skeleton_models():
+            run._base_model()
+    except ModelUnavailable as e:
+        return {"data": data, "head": run._head_mode(),
+                "model": {"checked": False,
+                          "why": f"{e.key} {e.name!r} is not in the Hugging Face cache and a dry run downloads "
+                                 f"nothing: model.target_modules, the ranks, model.max_length and the model's "
+                                 f"head are checked when the run has the model"}}
+    fits = getattr(run.task, "check_fits", None)  # extractive QA: every question's windows
+    if fits is not None and data["checked"]:
+        fits(run.train_data, run.tokenizer, run.cfg.model.max_length)
+        fits(run.test_data, run.tokenizer, run.cfg.model.max_length)
+    run._adapt(1)
+    install_client_dropout(run.model, run.cfg.model.dropout, run.cfg.model.max_length, "cpu")  # as the run
+    mod = {"checked": True, "model_type": getattr(run.model.config, "model_type", None), **_machine(run),
+           "targets": len(run.targets), "target_modules": sorted({t.rsplit(".", 1)[-1] for t in run.targets}),
+           "head_linear": run.head_linear}
+    if not data["checked"] and isinstance(run.task, QATask):
+        mod["not_checked"] = "the questions' windows in model.max_length (data.doc_stride): the data is not fetched"
+    return {"data": data, "head": run.head_mode, "model": mod}
+
+
+def _machine(run: "FederatedRun") -> dict[str, str]:
+    """A dry run's word on a device this machine lacks (the run refuses it here: ``_settings``)."""
+    if run.device.type == "cuda" and not torch.cuda.is_available():
+        return {"device": f"model.device {run.cfg.model.device!r}: CUDA is not available on this machine; "
+                          f"the run needs a machine that has it"}
+    return {}
+
+
+def _task_without_rows(cfg: RunConfig):
+    """The task's setup where a dry run does not fetch the data (hub): a registered task's class names give
+    the classifier's size (a Hub dataset without a task: 2, the head's size not checked); a generation task's
+    decoding settings (``eval.decoding`` over the task's) bound its positions."""
+    from .classification import ClassificationTask
+    from .generation import GenerationTask, check_decoding
+
+    dc = cfg.data
+    task = task_for(dc.task, dc.target_column)
+    spec = task.spec
+    if isinstance(task, ClassificationTask):
+        names = spec.label_names if spec is not None else None
+        task.label_names = list(names) if names else ["0", "1"]
+        task.num_labels = len(task.label_names)
+    elif isinstance(task, GenerationTask):
+        task.decoding = check_decoding({**dict(spec.decoding if spec else ()), **cfg.eval.decoding})
+    return task
+
+
+def clients_without_test(cfg: RunConfig, clients, test_data) -> list[int]:
+    """Clients whose split gave them no test rows are left out of the clients' mean (``n_skipped``
+    in every evaluation; the summary says how many). Refused before training when that is most of
+    the clients (more than half) unless ``eval.allow_clients_without_test``, and always when none
+    has a test row."""
+    K = len(clients)
+    without = [k for k, c in enumerate(clients) if len(c.test) == 0]
+    n = len(without)
+    how = (f"the {len(test_data)} test rows go to the clients that hold their labels "
+           f"(partition {cfg.federation.partition!r})")
+    if n == K:
+        raise ConfigError(f"federation.clients: none of the {K} clients gets a test row ({how}); use fewer "
+                          f"clients or more test data (data.max_test_samples, data.test_fraction)")
+    if 2 * n > K and not cfg.eval.allow_clients_without_test:
+        raise ConfigError(f"federation.clients: {n} of {K} clients get no test rows ({how}), so the clients' "
+                          f"mean would score only {K - n}; use fewer clients or more test data "
+                          f"(data.max_test_samples, data.test_fraction), or set "
+                          f"eval.allow_clients_without_test: true to leave them out of the mean")
+    return without
+
+
+def data_columns(cfg: RunConfig) -> dict[str, str] | None:
+    """The data section's columns (the task's, overridden field by field; ``by_key(column)``'s key column)."""
+    from fedlora.partition import validate_partition_spec
+
+    from . import data as D
+
+    dc, fc = cfg.data, cfg.federation
+    columns = {field: getattr(dc, key.split(".")[1]) for field, key in D.CONFIG_FIELD.items()
+               if getattr(dc, key.split(".")[1]) is not None} or None  # the task's columns, overridden field by field
+    scheme, params = validate_partition_spec(fc.partition)
+    if scheme == "by_key" and params.get("column") is not None:  # by_key(topic): the key column
+        if dc.client_column is not None and dc.client_column != params["column"]:
+            raise ConfigError(f"federation.partition: {fc.partition!r} names the key column "
+                              f"{params['column']!r} but data.client_column is {dc.client_column!r}; give one")
+        columns = {**(columns or {}), "client_key": params["column"]}
+    return columns
 
 
 def _eager_attention(model) -> None:

@@ -27,14 +27,12 @@ split. ``SlotExecutor`` is a ``fedlora.server.ClientExecutor``; it holds no serv
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 from torch.func import functional_call
 
-from fedlora.io import write_bytes_atomic
 from fedlora.methods.base import Method
 from fedlora.payload import Payload
 from fedlora.server import ClientFailure, ClientUpdate, Download
@@ -480,30 +478,3 @@ class SlotExecutor:
             return {n: v.contiguous() for n, v in factors.items()}, "lora"
         return {f"{n}.weight": self.model.get_submodule(n).weight.detach().cpu().contiguous()
                 for n in self.targets}, "dense"
-
-    def save_adapters(self, folder: Path, downloads: Mapping[int, Download], merges: int) -> list[Path]:
-        """Every client's final model (``client_adapter``) as ``client_<k>.safetensors``, and FLoRA's
-        merged update (``merged_update``) once as ``merged_update.safetensors``; each file's metadata
-        names the method, the client, the number of clients and the SHA-256 of the run's config
-        (``fedlora.llm.export.config_digest``), so export refuses files another run left in the folder.
-        ``downloads``: what each trained client lacks of the final state (the server's); ``merges``: the
-        increments merged into the base (FLoRA)."""
-        from safetensors.torch import save
-
-        from .export import MERGED_UPDATE, config_digest
-
-        meta = {"method": self.method.name, "clients": str(self.cfg.federation.clients),
-                "config_sha256": config_digest(self.cfg.to_dict())}
-        merged = self.merged_update()
-        if merged is not None:
-            tensors, form = merged
-            write_bytes_atomic(folder / MERGED_UPDATE, save(tensors, metadata={
-                **meta, "form": form, "merges": str(merges)}))
-            meta["merged_update"] = MERGED_UPDATE
-        paths = []
-        for k in range(self.cfg.federation.clients):
-            path = folder / f"client_{k}.safetensors"
-            write_bytes_atomic(path, save({n: v.contiguous() for n, v in self.client_adapter(k, downloads[0 if self.centralized else k]).items()},
-                                          metadata={**meta, "client": str(k)}))
-            paths.append(path)
-        return paths
