@@ -1,7 +1,7 @@
 """Loading the frozen base model and its tokenizer (HF hub name, local folder, the bundled MiniLM, or
 a random model built from a config): every model loader of the LLM layer, ``load_base`` (a run's classifier
 and tokenizer) and ``check_max_length`` (its positions) included. transformers and huggingface_hub (optional
-dependencies of the LLM layer, slow to import) are imported by the loaders that use them. Loading code is real and kept; offline, a model that cannot be
+dependencies of the LLM layer, slow to import) and the MiniLM package are imported by the loaders that use them. Loading code is real and kept; offline, a model that cannot be
 fetched is one line naming it and how to point at a local copy."""
 from __future__ import annotations
 
