@@ -37,6 +37,7 @@ import torch
 
 from fedlora.errors import ConfigError, plural, quoted
 from fedlora.partition import label_histograms, parse_partition
+from fedlora.seeds import DATA_SPLIT, DATA_SUBSAMPLE, DATA_TEST, DATA_VAL, seed_of
 from fedlora.partition import partition as _partition
 
 from .tasks import TaskSpec, get_task
@@ -560,7 +561,7 @@ def subsample(n: int, m: int | None, seed: int, stream: int, what: str) -> np.nd
         raise ConfigError(f"data.{what} must be a positive integer or None (got {m!r})")
     if m >= n:
         return None
-    rng = np.random.default_rng([seed, stream])
+    rng = np.random.default_rng(seed_of(seed, DATA_SUBSAMPLE, stream))
     return np.sort(rng.choice(n, size=int(m), replace=False))
 
 
@@ -571,7 +572,7 @@ def _split_one(t: Table, test_fraction: float, seed: int) -> tuple[Table, Table]
     if n < 2:
         raise ConfigError(f"{t.where}: {n} row(s); splitting into train and test needs at least 2")
     n_test = min(n - 1, max(1, int(round(test_fraction * n))))
-    perm = np.random.default_rng([seed, 10]).permutation(n)
+    perm = np.random.default_rng(seed_of(seed, DATA_SPLIT)).permutation(n)
     return (
         t.take(np.sort(perm[n_test:]), f"{t.where} (train part)"),
         t.take(np.sort(perm[:n_test]), f"{t.where} (test part)"),
@@ -928,7 +929,7 @@ def split_clients(
             f"({'1 to train on' if need == 1 else f'{need - 1} for validation and 1 to train on'}){hint}"
         )
 
-    rng_val = np.random.default_rng([int(seed), 7])
+    rng_val = np.random.default_rng(seed_of(int(seed), DATA_VAL))
     train_idx: list[np.ndarray] = []
     val_idx: list[np.ndarray] = []
     for p in parts:
@@ -949,7 +950,7 @@ def split_clients(
     elif len(test):
         n_cls = max(train.num_labels, test.num_labels)  # every label id is below its set's num_labels
         hist = label_histograms(train.labels, parts, n_classes=n_cls)  # (K, C) share counts
-        rng_test = np.random.default_rng([int(seed), 8])
+        rng_test = np.random.default_rng(seed_of(int(seed), DATA_TEST))
         for c in range(n_cls):
             idx = np.flatnonzero(test.labels == c)
             if idx.size == 0 or hist[:, c].sum() == 0:
