@@ -1,4 +1,4 @@
-"""fedlora — federated LoRA fine-tuning: methods, pure aggregation, simulator, CLI."""
+"""fedlora — federated LoRA fine-tuning: methods, pure aggregation, the server's round protocol, simulator, CLI."""
 from .errors import ConfigError
 
 __version__ = "0.1.0"

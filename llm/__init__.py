@@ -1,8 +1,10 @@
 """The LLM layer (docs/design.md §8): federated LoRA fine-tuning of HuggingFace models with every method.
 
 * ``fedlora.llm.inject`` — PEFT-style targets, slot adapters (``fedlora.adapter.LoRALinear``) and slot heads;
-* ``fedlora.llm.runtime`` — many simulated clients on one frozen base model: client state records, slots and
-  passes (``FederatedRun``, ``run``);
+* ``fedlora.llm.runtime`` — builds a run's parts from its config (``FederatedRun``, ``run``);
+* ``fedlora.llm.driver`` — one run's round loop over the server, evaluation schedule, records, checkpoints, resume;
+* ``fedlora.llm.slots`` — the slot executor: many simulated clients on one frozen base model, in passes, their state
+  records in a store; ``fedlora.llm.hetero`` — one slot executor per model group (heterogeneous client models);
 * ``fedlora.llm.config`` — the one validated run configuration (``RunConfig``, ``load_config``);
 * ``fedlora.llm.data``, ``fedlora.llm.tasks``, ``fedlora.llm.metrics`` — text data, client splits, metrics;
 * ``fedlora.llm.export`` — a client's model as a PEFT adapter or merged into the base weights.

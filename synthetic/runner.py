@@ -2,7 +2,7 @@
 
 Every group (federation) g of ``n_clients`` clients is a block of replicas of ONE stacked
 ``LoRALinear`` with W0 = 0 (replica g·K + k is client k of federation g, as in
-``fedlora.simulator.Federation``). Groups may differ in seed and in data (e.g. one group per
+``fedlora.server.Federation``). Groups may differ in seed and in data (e.g. one group per
 seed × heterogeneity level): a method's local step is per replica and its aggregation is per
 federation, so stacking them is the same as running them one after another, only faster.
 
@@ -254,7 +254,7 @@ def run_method(name: str, data: StackedData, *, lr: float, rounds: int, local_st
     (Per-FedAvg's one local step). Numerical failures (NaN, a failed factorisation) do not raise:
     they come back as ``error`` and non-finite metrics, so a step-size grid can go on.
     ``record_payloads``: also keep every upload/download ``Payload`` (for byte accounting tests).
-    ``sample_fraction``, ``sample_seed``: client sampling per round (``fedlora.simulator.Federation``).
+    ``sample_fraction``, ``sample_seed``: client sampling per round (``fedlora.server.Federation``).
     ``keep_records``: also keep every replica's final client state record (``RunResult.records``: adapter,
     optimizer moments, method state), e.g. to compare with the records a Flower run's nodes keep.
     """

@@ -2,7 +2,8 @@
 
 A Method declares the adapter structure it needs, runs a client's local steps, says what a client
 uploads (a :class:`~fedlora.payload.Payload`) and aggregates on the server with a **pure** static
-function of payloads and weights. Runtimes (the embedded simulator, later Flower) drive it.
+function of payloads and weights. Every client executor drives it, through the one round protocol of
+``fedlora.server``.
 
 Replicas: the model's adapter factors may carry a leading stack dimension G (see
 ``fedlora.adapter.LoRALinear``); replica ``i`` is one client of one independent federation. A
@@ -283,7 +284,7 @@ class Method(abc.ABC):
         """Bind to ``model`` and put the protocol's initial state on every replica: ``bind`` then
         ``init_state``. ``replica_clients[i]`` is the client index k of replica i.
 
-        Replicas are group-major (see ``fedlora.simulator.Federation``): replica i belongs to
+        Replicas are group-major (see ``fedlora.server.Federation``): replica i belongs to
         federation ``i // n_clients``; ``self.groups`` lists each federation's replicas.
         ``n_clients``: clients per federation (default ``max(replica_clients) + 1``).
         """

@@ -25,7 +25,7 @@ B_cat A_cat = Σ_t B_stack,t A_stack,t (a block product: the sum over rounds of 
 itself a LoRA, scale 1, the p_k s_k already in B). That reproduces the run's base up to the rounding
 of each round's merge to the base's dtype: negligible in float32/float64; a bfloat16/float16 base
 rounds every merge to 8/11 significant bits, which no LoRA reproduces, so there ``merged_update`` is
-``None`` (nothing is kept) and the runtime saves the merged weights instead (fedlora.llm.runtime, fedlora.llm.export).
+``None`` (nothing is kept) and the runtime saves the merged weights instead (``fedlora.llm.driver`` writes them, ``fedlora.llm.export`` reads them).
 
 Optimizer: the official code builds a new trainer every round, so by default (``reset_optimizer``)
 the moments of replicas that merged are dropped at the next ``begin_round`` (the whole state, step

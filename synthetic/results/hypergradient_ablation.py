@@ -1,5 +1,5 @@
 """Does PF2LoRA's bilevel step matter on the testbed? The measurements behind docs/tutorials/rank-recovery.md, "The
-'without bilevel' ablation" (issue 18 §6). Run from the repository root:
+'without bilevel' ablation". Run from the repository root:
 
     python synthetic/results/hypergradient_ablation.py [--seeds 5] [--speed-seeds 20] [--out FILE.json]
 
