@@ -48,14 +48,16 @@ def run_embedded(tmp: Path, method: str, rounds: int) -> dict:
 
 
 def run_simulation(tmp: Path, method: str, rounds: int) -> dict:
+    from fedlora.llm import flower
     from fedlora.llm.runtime import FederatedRun
 
     out = tmp / "simulation"
     run = FederatedRun(_config(out, method, rounds), runtime="flower")
     t0 = time.perf_counter()
-    run.run()
+    flower.run_simulation(run)  # as `fedlora run --runtime flower`
     return {"total_s": time.perf_counter() - t0, "round_s": [r["wall_s"] for r in _rounds(out)],
-            "payload_bytes": _payload_bytes(out), "flower_array_bytes_train": dict(run.executor.wire_bytes)}  # train + deliver
+            "payload_bytes": _payload_bytes(out),
+            "flower_array_bytes_train": dict(run.driver.executor.wire_bytes)}  # train + deliver
 
 
 def run_deployment(tmp: Path, method: str, rounds: int) -> dict:

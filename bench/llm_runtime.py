@@ -7,7 +7,7 @@ as the number of simulated clients grows. Numbers, not assertions: results go to
 
 **Speed.** One round of P participants of FedAvg-LoRA on MiniLM-L6 (rank 8 on query/value, trained head),
 done on the same data by:
-  * fedlora: ``FederatedRun.run_round`` with ``clients_per_pass`` = S ∈ {P, P/2, …, 1} (``--passes``) — S
+  * fedlora: ``Driver.run_round`` with ``clients_per_pass`` = S ∈ {P, P/2, …, 1} (``--passes``) — S
     clients' batches in ONE base forward per step, each slot through its own adapter, records loaded and
     stored, server aggregate (S = 1 is fedlora's own sequential loop);
   * the usual loop: one ``peft.get_peft_model`` model; per client ``set_peft_model_state_dict`` (its
@@ -115,7 +115,7 @@ def speed(args) -> dict:
         out = {}
         for k in range(P):
             s = ClientSampler.from_state(run.sizes[k], {n: v for n, v in run.store.get(k).items() if n.startswith(_RNG)})
-            out[k] = [run._rows(run.enc_train, torch.as_tensor(run.train_sets[k])[s.next(batch)]) for _ in range(steps)]
+            out[k] = [run.slots._rows(run.enc_train, torch.as_tensor(run.train_sets[k])[s.next(batch)]) for _ in range(steps)]
         return out
 
     times: dict[str, list[float]] = {"peft_loop": [], **{f"fedlora_pass{s}": [] for s in passes}}
@@ -126,7 +126,7 @@ def speed(args) -> dict:
         got = {"peft_loop": time.perf_counter() - t}
         for s in passes:
             t = time.perf_counter()
-            runs[s].run_round(rnd)
+            runs[s].driver.run_round(rnd)
             got[f"fedlora_pass{s}"] = time.perf_counter() - t
         if rnd:
             for k, v in got.items():
@@ -166,7 +166,7 @@ def memory_one(args) -> dict:
     steps, batch = (1, 2) if args.smoke else (2, 8)
     cfg = RunConfig.from_dict(_config(args.clients, 1, args.smoke, str(Path(args.out) / "memory-run"), steps, batch))
     run = FederatedRun(cfg, write=False).prepare()
-    rec = run.run_round(0)
+    rec = run.driver.run_round(0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     gc.collect()
     try:  # give freed heap back to the OS, so the resident size is what is still held

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import zlib
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -40,11 +39,6 @@ __all__ = ["FederatedRun", "ClientSampler", "run", "run_class", "slot_executor",
 RUNTIMES = ("embedded", "flower")  # fedlora run --runtime: this process, or Flower (fedlora.llm.flower)
 RUN_WRITES = ("config.json", "run.json", "rounds.jsonl", "summary.json", "rounds.png", "adapters", "clients",
               "checkpoints")
-
-
-def _seed_of(*parts: Any) -> int:
-    """A 63-bit seed from a tuple (crc32 of its repr: stable across processes and Python versions)."""
-    return zlib.crc32(repr(parts).encode()) * 2_654_435_761 % (2**63 - 1)
 
 
 #: where a config with heterogeneous client models cannot go (Flower's nodes build one model per run)
@@ -217,7 +211,7 @@ class FederatedRun:
                                                targets=self.targets)
         if hasattr(self.method, "output_fn"):
             self.method.output_fn = self.slots._logits_fn  # H²Tune's eq. 7 needs the logits
-        initial = self.slots.init_records(_seed_of)
+        initial = self.slots.init_records()
         self.initial_record = self.slots.initial_record
         self.server = Server(self.method, self.federation, [initial], cfg.train.rounds,
                              min_clients=1 if self.centralized else fc.min_clients,

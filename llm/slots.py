@@ -35,6 +35,7 @@ from torch.func import functional_call
 
 from fedlora.methods.base import Method
 from fedlora.payload import Payload
+from fedlora.seeds import ADAPTER, DROPOUT, SAMPLER, seed_of
 from fedlora.server import ClientFailure, ClientUpdate, Download
 from fedlora.state import ClientStore
 
@@ -128,21 +129,21 @@ class SlotExecutor:
         self.client_hook: Callable[[int, int], None] | None = None
         self.initial_record: dict[str, torch.Tensor] | None = None  # a fresh replica (init_records)
 
-    def init_records(self, seed_of: Callable[..., int]) -> dict[str, torch.Tensor]:
+    def init_records(self) -> dict[str, torch.Tensor]:
         """Every client's initial state record into the store (PEFT init per slot, its data sampler and
         dropout generators seeded by client); returns the server's initial state."""
         seed = self.cfg.seed
         initial: dict[str, torch.Tensor] | None = None
         for chunk in chunks(list(range(self.K_train)), self.P):
             self._bind(chunk)
-            self._init_slots(chunk, seed_of)
+            self._init_slots(chunk)
             self.method.init_state()
             if initial is None:
                 initial = {k: v.detach().cpu().clone() for k, v in self.method.initial_server_state(0).items()}
             for i, k in enumerate(chunk):
-                sampler = ClientSampler(self.sizes[k], seed_of(seed, "sampler", k))
+                sampler = ClientSampler(self.sizes[k], seed_of(seed, SAMPLER, k))
                 self.store.put(k, {**self.method.replica_state(i), **sampler.state(),
-                                   **self.dropout.initial_state(seed_of(seed, "dropout", k))}, copy=False)
+                                   **self.dropout.initial_state(seed_of(seed, DROPOUT, k))}, copy=False)
         self.initial_record = self.store.get(0)
         return initial
 
@@ -157,7 +158,7 @@ class SlotExecutor:
         self._active = torch.ones(len(clients), dtype=torch.float64, device=self.device)
 
     @torch.no_grad()
-    def _init_slots(self, clients: Sequence[int], seed_of: Callable[..., int]) -> None:
+    def _init_slots(self, clients: Sequence[int]) -> None:
         """PEFT init per slot (down factors Kaiming-uniform(a=√5), up factors 0; TriLoRA R = 0, Φ = 1):
         the method's global factors from one draw (the server's adapter, equal on every client),
         personal factors from the client's own generator — independent of slot and chunk."""
@@ -170,7 +171,7 @@ class SlotExecutor:
                     continue
                 for i, k in enumerate(clients):
                     owner = "global" if down in glob else k
-                    g = torch.Generator().manual_seed(seed_of(seed, "adapter", owner, j, down))
+                    g = torch.Generator().manual_seed(seed_of(seed, ADAPTER, owner, j, down))
                     D_[i] = (torch.rand(D_.shape[1:], generator=g, dtype=torch.float64) * 2 * bound - bound).to(D_.dtype)
                 U_.zero_()
             if layer.middle:
