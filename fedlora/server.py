@@ -6,15 +6,17 @@ input is a client's upload), aggregate with the method's pure ``aggregate`` over
 uploads, ``server_update``, count the bytes from the serialised payloads and write the round's
 record — lives here and nowhere else. Runtimes differ only in how clients execute a round: a
 ``ClientExecutor`` takes (round, clients, downloads) and returns each client's ``ClientUpdate`` or
-``ClientFailure``:
+``ClientFailure``; it also applies deliveries, scores its clients on the downloads the server sends
+for evaluation (``evaluation_downloads``) and hands over / takes back every client's state record:
 
 - the stacked executor of the synthetic testbed (``fedlora.simulator``): every client of every
   federation is a live replica of one stacked layer (``live = True``: it receives the server's
   changes at the end of every round, so each client is always evaluated on the current state);
-- the slot executor of real models (``fedlora.llm.runtime``): participants in passes over one frozen
+- the slot executor of real models (``fedlora.llm.slots``): participants in passes over one frozen
   base model, their state records in a store (``live = False``: a client receives what it lacks
-  with its next round's instructions, as a real deployment sends it);
-- a Flower ClientApp (one client per message) — planned on the same interface.
+  with its next round's instructions, as a real deployment sends it); heterogeneous client models
+  compose one per model group (``fedlora.llm.hetero``);
+- the Flower executor (``fedlora.llm.flower``): each client's round is one message to its node.
 
 Bytes are counted when a client receives them: ``bytes_down`` of round r holds what each client took
 in that round (its download for round r with the round's instructions; a live executor's clients at

@@ -47,11 +47,13 @@ HETERO_EMBEDDED_ONLY = ("federation.client_models: heterogeneous client models r
 
 
 class FederatedRun:
-    """One federated fine-tuning run of a HF classifier (``fedlora run CONFIG``).
+    """One run of ``fedlora run CONFIG`` over one base model (any task kind), built from its config.
 
-    ``prepare()`` loads the model, data and method and creates every client's initial state record;
-    ``run()`` does the rounds, evaluates and writes the outputs. Tests may pass a ready ``model``
-    and ``tokenizer`` (the model is modified in place: adapters are injected).
+    ``prepare()`` builds its parts — the method, the task's data and the clients' split, the model with
+    the adapters injected, every client's initial state record, the ``Server``, the slot executor
+    (``slots``, also ``local``: the executor in this process) and the ``driver``; ``run(executor)`` has
+    the driver do the rounds over ``executor`` (default: the slots), evaluate and write the outputs. Tests
+    may pass a ready ``model`` and ``tokenizer`` (the model is modified in place: adapters are injected).
 
     ``write``: the run's output folder (``cfg.output_dir``) is claimed before any work
     (``fedlora.io.claim_output_dir``: a folder that is not empty is refused unless ``overwrite``,
