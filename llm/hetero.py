@@ -237,8 +237,8 @@ class HeteroRun:
         if L_g < max(depth):
             raise ConfigError(f"method.options.global_layers: must be ≥ the deepest group's {max(depth)} adapted "
                               f"layers per module type, got {L_g}")
-        for run in self.groups:
-            run.method.global_layers = L_g
+        for run in self.groups:  # told to each group's method with its other runtime facts (prepare_clients)
+            run.global_layers = L_g
         self.global_layers, self.depths = L_g, depth
 
     @torch.no_grad()

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from fedlora.errors import ConfigError
-from fedlora.methods.base import Method
+from fedlora.methods.base import Method, RuntimeFacts
 from fedlora.io import OutputDir, claim_output_dir
 from fedlora.server import ClientExecutor, Federation, Server, UploadSpec
 from fedlora.state import ClientStore
@@ -141,8 +141,7 @@ class FederatedRun:
         self.K_train = 1 if self.centralized else K  # Centralized: one model on the pooled data
         self.P = min(self._clients_per_pass(), self.K_train)
         self._adapt(self.P)
-        if hasattr(self.method, "shared_base"):
-            self.method.shared_base = True  # FLoRA: one base for all clients, merged server-side
+        self.global_layers: int | None = None  # H²Tune's L_g over client models of different depth (hetero sets it)
         self.model.to(device=self.device)
         self.dropout = install_client_dropout(self.model, mc.dropout, mc.max_length, self.device)  # eval mode
         return self
@@ -186,7 +185,6 @@ class FederatedRun:
         if self.head_mode != "frozen" and not self.head:
             raise ConfigError(f"model.head: {self.head_mode!r} but the model has no nn.Linear classifier head "
                               f"(modules named 'classifier', 'score' or 'qa_outputs')")
-        self.method.head_mode = self.head_mode
 
     def check(self) -> dict[str, Any]:
         """``fedlora run --dry-run``: every check of the preparation, nothing loaded or written (``dry_run``)."""
@@ -211,8 +209,10 @@ class FederatedRun:
                                                self.store, self.dropout, P=self.P, centralized=self.centralized,
                                                head_mode=self.head_mode, head_linear=self.head_linear,
                                                targets=self.targets)
-        if hasattr(self.method, "output_fn"):
-            self.method.output_fn = self.slots._logits_fn  # H²Tune's eq. 7 needs the logits
+        # what the method is told of where it runs, in one call before it is bound: one base model shared by every
+        # client (FLoRA merges into it server-side), the head policy, the logits (H²Tune's eq. 7), L_g (hetero)
+        self.method.use_runtime(RuntimeFacts(shared_base=True, head_mode=self.head_mode,
+                                             output_fn=self.slots._logits_fn, global_layers=self.global_layers))
         initial = self.slots.init_records()
         self.initial_record = self.slots.initial_record
         self.server = Server(self.method, self.federation, [initial], cfg.train.rounds,

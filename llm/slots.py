@@ -456,7 +456,7 @@ class SlotExecutor:
         params = self.method.personalised_params(self._objective, self._sampler_fn(samplers, [owner]))
         src = self.method.params if params is None else {n: params[n] for n in self.method.params}
         out = {n: p.detach()[0].cpu().clone() for n, p in src.items()}
-        out.update({n: b[0].cpu().clone() for n, b in self.method._stacked_buffers().items()})
+        out.update({n: b[0].cpu().clone() for n, b in self.method.stacked_buffers().items()})
         if self.head_mode == "frozen":  # the run's own (seeded) head: no checkpoint holds it
             for h in self.head_linear:
                 lin = self.model.get_submodule(h)
