@@ -20,6 +20,7 @@ import torch
 from fedlora.errors import ConfigError
 from fedlora.methods.base import Method, RuntimeFacts
 from fedlora.io import OutputDir, claim_output_dir
+from fedlora.seeds import clients_drawn
 from fedlora.server import ClientExecutor, Federation, Server, UploadSpec
 from fedlora.state import ClientStore
 
@@ -302,7 +303,7 @@ class FederatedRun:
         fc = self.cfg.federation
         if fc.clients_per_pass != "auto":
             return fc.clients_per_pass
-        return auto_clients_per_pass(self.device, max(1, math.ceil(fc.sample_fraction * fc.clients - 1e-9)),
+        return auto_clients_per_pass(self.device, clients_drawn(fc.sample_fraction, fc.clients),
                                      self.model if hasattr(self, "model") else None, self.cfg.train.batch_size,
                                      self.cfg.model.max_length)
 
@@ -316,7 +317,7 @@ class FederatedRun:
         per_client = t.local_steps if t.local_steps is not None else 10
         if self.centralized:
             fc = self.cfg.federation
-            return [per_client * max(1, math.ceil(fc.sample_fraction * fc.clients - 1e-9))]
+            return [per_client * clients_drawn(fc.sample_fraction, fc.clients)]
         return [per_client] * len(self.sizes)
 
     def describe(self) -> dict[str, Any]:
