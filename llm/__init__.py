@@ -23,7 +23,7 @@ from typing import Any
 __all__ = ["RunConfig", "load_config", "FederatedRun", "run"]
 
 #: name → the module of this package that defines it (imported on first use: start-up time)
-_HOME = {"RunConfig": "config", "load_config": "config", "FederatedRun": "runtime", "run": "runtime"}
+_HOME = {"RunConfig": "config", "load_config": "config", "FederatedRun": "runtime", "run": "runs"}
 
 
 def __getattr__(name: str) -> Any:

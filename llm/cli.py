@@ -395,13 +395,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
         check_flower_config(cfg)
     if args.dry_run:  # every check of the run's preparation, no weights loaded, nothing trained (FederatedRun.check)
         from .config import describe_method
-        from .runtime import run_class
+        from .runs import run_class
 
         method = describe_method(cfg)
         checked = run_class(cfg)(cfg, write=False, runtime=args.runtime).check()  # data, split, model, adapters, head
         print(json.dumps({**cfg.to_dict(), "resolved": {"method": method, **checked}}, indent=1))
         return 0
-    from fedlora.llm.runtime import RUN_WRITES, run_class
+    from fedlora.llm.runs import RUN_WRITES, run_class
 
     folder = claim_output_dir(cfg.output_dir, "--out" if args.out is not None else "output_dir", writes=RUN_WRITES,
                               overwrite=args.overwrite)
@@ -423,14 +423,14 @@ def _execute(run):
 
 def _resume(args: argparse.Namespace) -> int:
     """``fedlora run [CONFIG] --resume RUN_DIR``: finish an interrupted run from its newest intact checkpoint."""
-    from fedlora.llm.runtime import FederatedRun
+    from fedlora.llm.runs import resume
 
     for flag, bad in (("--out", args.out is not None), ("--overwrite", args.overwrite), ("--dry-run", args.dry_run)):
         if bad:
             raise ConfigError(f"{flag}: not with --resume (a resumed run continues in its own folder)")
     bar, log = _progress_and_log(args)
-    run = FederatedRun.resume(args.resume, args.config, args.set, progress=bar, log=log)
-    ck = run._resume_from
+    run = resume(args.resume, args.config, args.set, progress=bar, log=log)
+    ck = run.resume_from
     for path, why in ck.skipped:
         print(f"fedlora: skipped checkpoint {path}: {why}")
     print(f"resuming {args.resume} after round {ck.round} of {run.cfg.train.rounds} ({ck.path.name})")

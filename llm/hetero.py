@@ -140,7 +140,7 @@ class HeteroRun:
 
     def __init__(self, cfg: RunConfig, *, progress: bool = False, write: bool = True, overwrite: bool = False,
                  output: OutputDir | None = None, runtime: str = "embedded",
-                 log: Callable[[str], None] | None = None) -> None:
+                 log: Callable[[str], None] | None = None, resume_from=None) -> None:
         if runtime not in RUNTIMES:
             raise ConfigError(f"--runtime: one of {', '.join(RUNTIMES)}, got {runtime!r}")
         if runtime != "embedded":
@@ -150,7 +150,8 @@ class HeteroRun:
         self.cfg, self.runtime = cfg, runtime
         self.progress, self.write, self.log, self.overwrite, self.output = progress, write, log, overwrite, output
         self.prepared = False
-        self._resume_from = None  # a verified checkpoint (``FederatedRun.resume``)
+        #: a verified checkpoint to continue from (``fedlora.llm.runs.resume``), or None
+        self.resume_from = resume_from
         self.specs = group_configs(cfg)  # [(global ids, the group's RunConfig)]
         self.where = {k: (g, i) for g, (ids, _) in enumerate(self.specs) for i, k in enumerate(ids)}
 
@@ -205,7 +206,7 @@ class HeteroRun:
         self.report = TasksReport(self)
         self.prepared = True
         self.driver = Driver(self, self.local, progress=self.progress, write=self.write, output=self.output,
-                             log=self.log, resume_from=self._resume_from)
+                             log=self.log, resume_from=self.resume_from)
         return self
 
     def run(self, executor: ClientExecutor | None = None) -> dict[str, Any]:

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -25,15 +24,15 @@ from fedlora.server import ClientExecutor, Federation, Server, UploadSpec
 from fedlora.state import ClientStore
 
 from .config import RunConfig
-from .driver import CHECKPOINTS, Driver, Report, abandon, comparable as _comparable, config_differences, resume_point  # noqa: F401 (re-exported)
-from .slots import _RNG, ClientSampler, RunData, SlotExecutor, chunks as _chunks  # noqa: F401 (re-exported)
+from .driver import Driver, Report, abandon
+from .slots import _RNG, ClientSampler, RunData, SlotExecutor  # noqa: F401 (_RNG, ClientSampler: re-exported for tests and bench/llm_runtime.py)
 from .task_kinds import task_for
 from .model import check_max_length, load_base  # noqa: F401  (load_base: fedlora.llm.runtime's too)
 from .dropout import install_client_dropout
 from .manifest import data_files, environment, file_hashes, split_indices
 from .inject import head_linear_names, inject_adapters, make_head_trainable, match_targets
 
-__all__ = ["FederatedRun", "ClientSampler", "run", "run_class", "slot_executor", "RUN_WRITES"]
+__all__ = ["FederatedRun", "ClientSampler", "slot_executor", "RUN_WRITES"]
 
 #: every entry a run writes into its output folder: ``--overwrite`` clears a folder only when it holds
 #: nothing else (``fedlora.io.claim_output_dir``). A new output file or folder must be added here.
@@ -65,7 +64,7 @@ class FederatedRun:
 
     def __init__(self, cfg: RunConfig, *, progress: bool = False, model=None, tokenizer=None,
                  write: bool = True, overwrite: bool = False, output: OutputDir | None = None,
-                 runtime: str = "embedded", log: Callable[[str], None] | None = None) -> None:
+                 runtime: str = "embedded", log: Callable[[str], None] | None = None, resume_from=None) -> None:
         if runtime not in RUNTIMES:
             raise ConfigError(f"--runtime: one of {', '.join(RUNTIMES)}, got {runtime!r}")
         if cfg.federation.client_models is not None and not self.groups_of_models:
@@ -78,20 +77,8 @@ class FederatedRun:
         self.overwrite, self.output = overwrite, output
         self._given_model, self._given_tokenizer = model, tokenizer
         self.prepared = False
-        self._resume_from = None  # a verified checkpoint (``FederatedRun.resume``)
-
-    @classmethod
-    def resume(cls, run_dir: str | os.PathLike, config: RunConfig | str | os.PathLike | None = None,
-               overrides: Sequence[str] = (), progress: bool = False,
-               log: Callable[[str], None] | None = None) -> "FederatedRun":
-        """A run that continues the interrupted run in ``run_dir`` from its newest intact checkpoint
-        (``fedlora run --resume RUN_DIR``; ``fedlora.llm.driver.resume_point`` checks it); ``.run()``
-        finishes it, bit for bit as if it had never stopped (CPU)."""
-        cfg, ckpt, runtime = resume_point(run_dir, config, overrides)
-        run = run_class(cfg)(cfg, progress=progress, output=OutputDir(Path(cfg.output_dir), None, RUN_WRITES),
-                             runtime=runtime, log=log)
-        run._resume_from = ckpt
-        return run
+        #: a verified checkpoint to continue from (``fedlora.llm.runs.resume``), or None
+        self.resume_from = resume_from
 
     def flower_config(self) -> dict[str, Any]:
         """What a Flower node rebuilds this run from (``fedlora.llm.flower``): the config."""
@@ -222,7 +209,7 @@ class FederatedRun:
         self.report = Report(self)
         self.prepared = True
         self.driver = Driver(self, self.slots, progress=self.progress, write=self.write, output=self.output,
-                             log=self.log, resume_from=self._resume_from)
+                             log=self.log, resume_from=self.resume_from)
         return self
 
     def run(self, executor: ClientExecutor | None = None) -> dict[str, Any]:
@@ -458,35 +445,10 @@ def _eager_attention(model) -> None:
         model.config._attn_implementation = "eager"
 
 
-def run(config: RunConfig | Mapping[str, Any] | str | os.PathLike, overrides: Sequence[str] = (),
-        progress: bool = False, overwrite: bool = False) -> dict[str, Any]:
-    """``fedlora run`` from Python: a RunConfig, a dict of sections, a YAML/TOML/JSON path or a
-    bundled config's name. ``overwrite``: clear an output folder that holds an earlier run (else a
-    folder that is not empty is refused, as ``fedlora run`` without ``--overwrite``)."""
-    from .config import apply_overrides, load_config
-
-    if isinstance(config, (RunConfig, Mapping)):
-        data = config.to_dict() if isinstance(config, RunConfig) else dict(config)
-        cfg = RunConfig.from_dict(apply_overrides(data, overrides))
-    else:
-        cfg = load_config(config, overrides)
-    return run_class(cfg)(cfg, progress=progress, overwrite=overwrite).run()
-
-
 def slot_executor(cfg: RunConfig) -> SlotExecutor:
     """The slot executor of the run ``cfg`` describes, its parts built as ``FederatedRun.prepare`` builds them
     and nothing written: what a Flower node runs (``fedlora.llm.flower``)."""
     return FederatedRun(cfg, write=False).prepare().slots
-
-
-def run_class(cfg: RunConfig) -> type[FederatedRun]:
-    """The run a config describes: ``FederatedRun`` over one base model, or — with
-    ``federation.client_models`` — ``fedlora.llm.hetero.HeteroRun`` over one base per group."""
-    if cfg.federation.client_models is not None:
-        from .hetero import HeteroRun
-
-        return HeteroRun
-    return FederatedRun
 
 
 def auto_clients_per_pass(device: torch.device, participants: int, model=None, batch_size: int = 16,

@@ -19,7 +19,8 @@ from fedlora.errors import ConfigError
 from fedlora.cli import main
 from fedlora.llm.config import RunConfig, group_configs
 from fedlora.llm.hetero import HeteroRun, module_types
-from fedlora.llm.runtime import FederatedRun, run_class
+from fedlora.llm.runs import run_class
+from fedlora.llm.runtime import FederatedRun
 from fedlora.llm.slots import SlotExecutor
 from fedlora.payload import Payload
 
