@@ -313,7 +313,7 @@ def _flower_local(args: argparse.Namespace) -> int:
     overrides = list(args.set) + ([f"output_dir={json.dumps(args.out)}"] if args.out is not None else [])
     cfg = load_config(args.config, overrides)
     from .flower import check_flower_config
-    from .runtime import RUN_WRITES
+    from .runfolder import RUN_WRITES
 
     check_flower_config(cfg)  # a method or config Flower cannot run is refused before anything is said or started
     # checked here (nothing cleared yet), claimed again by the ServerApp — the folder must be usable before
@@ -401,7 +401,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         checked = run_class(cfg)(cfg, write=False, runtime=args.runtime).check()  # data, split, model, adapters, head
         print(json.dumps({**cfg.to_dict(), "resolved": {"method": method, **checked}}, indent=1))
         return 0
-    from fedlora.llm.runs import RUN_WRITES, run_class
+    from fedlora.llm.runfolder import RUN_WRITES
+    from fedlora.llm.runs import run_class
 
     folder = claim_output_dir(cfg.output_dir, "--out" if args.out is not None else "output_dir", writes=RUN_WRITES,
                               overwrite=args.overwrite)

@@ -21,11 +21,12 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from fedlora.io import OutputDir, write_bytes_atomic, write_json_atomic
+from fedlora.io import OutputDir, claim_output_dir, write_bytes_atomic, write_json_atomic
 from fedlora.payload import Payload
 from fedlora.server import ClientExecutor
 from fedlora.state import record_nbytes
 
+from .runfolder import MERGED_UPDATE, RUN_WRITES, config_digest
 from .slots import first_line
 
 __all__ = ["Driver", "Report", "CHECKPOINTS", "abandon", "resume_point", "comparable", "config_differences"]
@@ -163,8 +164,6 @@ class Driver:
     def save_checkpoint(self, rounds_done: int) -> Path:
         """``output_dir/checkpoints/round_<r>/`` (atomic, hashed, the last two kept)."""
         from fedlora.checkpoint import write_checkpoint
-
-        from .export import config_digest
 
         return write_checkpoint(Path(self.cfg.output_dir) / CHECKPOINTS, rounds_done, self.checkpoint_files(),
                                 meta={"config_sha256": config_digest(comparable(self.cfg.to_dict())),
@@ -316,8 +315,6 @@ class Report:
         metadata names the method, the client, the number of clients and the SHA-256 of the run's config
         (``fedlora.llm.export.config_digest``), so export refuses files another run left in the folder."""
         from safetensors.torch import save
-
-        from .export import MERGED_UPDATE, config_digest
 
         local, cfg = self.run_.local, self.cfg
         meta = {"method": self.method.name, "clients": str(cfg.federation.clients),
@@ -475,7 +472,6 @@ def resume_point(run_dir, config=None, overrides: Sequence[str] = ()):
     from fedlora.errors import ConfigError
 
     from .config import RunConfig, apply_overrides, load_config
-    from .export import config_digest
     from .runfolder import read_run_config, read_status
 
     folder = Path(run_dir)
@@ -500,3 +496,29 @@ def resume_point(run_dir, config=None, overrides: Sequence[str] = ()):
                           f"{str(folder / 'config.json')!r}")
     cfg = RunConfig.from_dict({**given.to_dict(), "output_dir": str(folder)})
     return cfg, ckpt, info["resolved"].get("runtime", "embedded")
+
+
+def claim_run_folder(run) -> None:
+    """Claim ``run``'s output folder (``cfg.output_dir``) once, before any work — unless it writes nothing or its
+    caller claimed one already (``run.output``, the command line): a folder that is not empty is refused unless
+    ``run.overwrite`` (``fedlora.io.claim_output_dir``). For the one-base run and the heterogeneous one alike."""
+    if run.write and run.output is None:
+        run.output = claim_output_dir(run.cfg.output_dir, "output_dir", writes=RUN_WRITES,
+                                      overwrite=run.overwrite, overwrite_flag="overwrite=True")
+
+
+def run_to_end(run, executor: ClientExecutor | None = None) -> dict[str, Any]:
+    """``run.run()`` of a built run (``FederatedRun``, ``HeteroRun``): its folder claimed before any work, its
+    parts prepared (a failure there marks or removes the folder: ``abandon``), then all rounds with evaluation by
+    its driver over ``executor`` — the caller's choice (the command line: Flower's) — or the run's own."""
+    claim_run_folder(run)
+    try:
+        if not run.prepared:
+            run.prepare()
+    except BaseException as e:
+        if run.write:
+            abandon(e, run.cfg, run.output)
+        raise
+    if executor is not None:
+        run.driver.executor = executor
+    return run.driver.run()

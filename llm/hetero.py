@@ -43,13 +43,13 @@ import numpy as np
 import torch
 
 from fedlora.errors import ConfigError
-from fedlora.io import OutputDir, claim_output_dir, write_bytes_atomic
+from fedlora.io import OutputDir, write_bytes_atomic
 from fedlora.server import ClientExecutor, ClientFailure, ClientUpdate, Download, Federation, Server, UploadSpec
 from fedlora.state import record_nbytes
 
 from .config import RunConfig, group_configs
-from .driver import Driver, abandon
-from .runtime import RUN_WRITES, RUNTIMES, FederatedRun
+from .driver import Driver, claim_run_folder, run_to_end
+from .runtime import RUNTIMES, FederatedRun
 from .slots import SlotExecutor
 
 __all__ = ["HeteroRun", "HeteroExecutor", "TasksReport", "module_types"]
@@ -155,11 +155,6 @@ class HeteroRun:
         self.specs = group_configs(cfg)  # [(global ids, the group's RunConfig)]
         self.where = {k: (g, i) for g, (ids, _) in enumerate(self.specs) for i, k in enumerate(ids)}
 
-    def _claim(self) -> None:
-        if self.write and self.output is None:
-            self.output = claim_output_dir(self.cfg.output_dir, "output_dir", writes=RUN_WRITES,
-                                           overwrite=self.overwrite, overwrite_flag="overwrite=True")
-
     def check(self) -> dict[str, Any]:
         """A dry run's checks (``FederatedRun.check``), per group, then across groups as ``prepare`` does (the
         module types every group adapts, ``_align_layers``) where every group's model was checked:
@@ -174,7 +169,7 @@ class HeteroRun:
 
     def prepare(self) -> "HeteroRun":
         cfg, fc = self.cfg, self.cfg.federation
-        self._claim()
+        claim_run_folder(self)
         if cfg.train.threads is not None:
             torch.set_num_threads(cfg.train.threads)
         self.groups = [FederatedRun(c, write=False).prepare_model() for _, c in self.specs]
@@ -211,17 +206,7 @@ class HeteroRun:
 
     def run(self, executor: ClientExecutor | None = None) -> dict[str, Any]:
         """All rounds (``fedlora.llm.driver.Driver``) over ``executor`` or this run's ``HeteroExecutor``."""
-        self._claim()
-        try:
-            if not self.prepared:
-                self.prepare()
-        except BaseException as e:
-            if self.write:
-                abandon(e, self.cfg, self.output)
-            raise
-        if executor is not None:
-            self.driver.executor = executor
-        return self.driver.run()
+        return run_to_end(self, executor)
 
     def _align_layers(self) -> None:
         """The module types every group adapts must agree (H²Tune shares R per type); L_g = the
@@ -337,7 +322,7 @@ class TasksReport:
         tensors are that model's parameter names); each with what it lacks of the final state applied."""
         from safetensors.torch import save
 
-        from .export import config_digest
+        from .runfolder import config_digest
 
         run, paths = self.run_, []
         for k in range(run.K_train):

@@ -30,6 +30,11 @@ from fedlora.io import claim_output_dir
 from .config import RunConfig, group_configs
 from .tasks import TASKS
 
+#: every entry a run writes into its output folder: ``--overwrite`` clears a folder only when it holds
+#: nothing else (``fedlora.io.claim_output_dir``). A new output file or folder must be added here.
+RUN_WRITES = ("config.json", "run.json", "rounds.jsonl", "summary.json", "rounds.png", "adapters", "clients",
+              "checkpoints")
+
 __all__ = ["RunFolder", "read_run", "read_run_config", "read_status", "client_view", "EXPORT_WRITES", "claim_export_dir",
            "MERGED_UPDATE", "config_digest", "data_label"]
 

@@ -15,7 +15,8 @@ from fedlora.io import OutputDir
 from .config import RunConfig, apply_overrides, load_config
 from .driver import resume_point
 from .hetero import HeteroRun
-from .runtime import RUN_WRITES, FederatedRun
+from .runfolder import RUN_WRITES
+from .runtime import FederatedRun
 
 __all__ = ["run", "resume", "run_class"]
 

@@ -18,13 +18,13 @@ import torch
 
 from fedlora.errors import ConfigError
 from fedlora.methods.base import Method, RuntimeFacts
-from fedlora.io import OutputDir, claim_output_dir
+from fedlora.io import OutputDir
 from fedlora.seeds import clients_drawn
 from fedlora.server import ClientExecutor, Federation, Server, UploadSpec
 from fedlora.state import ClientStore
 
 from .config import RunConfig
-from .driver import Driver, Report, abandon
+from .driver import Driver, Report, claim_run_folder, run_to_end
 from .slots import _RNG, ClientSampler, RunData, SlotExecutor  # noqa: F401 (_RNG, ClientSampler: re-exported for tests and bench/llm_runtime.py)
 from .task_kinds import task_for
 from .model import check_max_length, load_base  # noqa: F401  (load_base: fedlora.llm.runtime's too)
@@ -32,13 +32,9 @@ from .dropout import install_client_dropout
 from .manifest import data_files, environment, file_hashes, split_indices
 from .inject import head_linear_names, inject_adapters, make_head_trainable, match_targets
 
-__all__ = ["FederatedRun", "ClientSampler", "slot_executor", "RUN_WRITES"]
+__all__ = ["FederatedRun", "ClientSampler", "slot_executor"]
 
-#: every entry a run writes into its output folder: ``--overwrite`` clears a folder only when it holds
-#: nothing else (``fedlora.io.claim_output_dir``). A new output file or folder must be added here.
 RUNTIMES = ("embedded", "flower")  # fedlora run --runtime: this process, or Flower (fedlora.llm.flower)
-RUN_WRITES = ("config.json", "run.json", "rounds.jsonl", "summary.json", "rounds.png", "adapters", "clients",
-              "checkpoints")
 
 
 #: where a config with heterogeneous client models cannot go (Flower's nodes build one model per run)
@@ -84,12 +80,6 @@ class FederatedRun:
         """What a Flower node rebuilds this run from (``fedlora.llm.flower``): the config."""
         return self.cfg.to_dict()
 
-    def _claim(self) -> None:
-        """Claim the output folder (once, before any work; ``prepare`` may write ``clients/`` there)."""
-        if self.write and self.output is None:
-            self.output = claim_output_dir(self.cfg.output_dir, "output_dir", writes=RUN_WRITES,
-                                           overwrite=self.overwrite, overwrite_flag="overwrite=True")
-
     # ------------------------------------------------------------------------------------------
     # preparation
     def prepare(self) -> "FederatedRun":
@@ -105,7 +95,7 @@ class FederatedRun:
         from .model import torch_dtype
 
         cfg = self.cfg
-        self._claim()
+        claim_run_folder(self)
         if cfg.train.threads is not None:
             torch.set_num_threads(cfg.train.threads)
         self._settings()  # cheap checks first: bad options fail before any loading
@@ -215,18 +205,8 @@ class FederatedRun:
     def run(self, executor: ClientExecutor | None = None) -> dict[str, Any]:
         """All rounds with evaluation (``fedlora.llm.driver.Driver``) over ``executor`` — the caller's choice
         (the command line: Flower's) — or this run's own slot executor; writes ``output_dir`` (see
-        docs/reference/run-folder.md), claimed before any work (``_claim``)."""
-        self._claim()  # an unusable or occupied output folder is found before any work
-        try:
-            if not self.prepared:
-                self.prepare()
-        except BaseException as e:
-            if self.write:
-                abandon(e, self.cfg, self.output)
-            raise
-        if executor is not None:
-            self.driver.executor = executor
-        return self.driver.run()
+        docs/reference/run-folder.md), claimed before any work (``fedlora.llm.driver.run_to_end``)."""
+        return run_to_end(self, executor)
 
     def _load_data(self) -> None:
         """The labelled text, the clients' split and its report (``train_data``, ``test_data``,
