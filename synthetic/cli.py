@@ -375,7 +375,7 @@ def _cmd_flower(args: argparse.Namespace) -> int:
     import tempfile
 
     from fedlora.io import write_bytes_atomic
-    from fedlora.synthetic.flower import flower_spec, run_embedded, run_flower
+    from fedlora.synthetic.flower import APP, flower_spec, run_embedded, run_flower
 
     if args.task not in ("regression", "classification"):
         raise ConfigError(f"--task: must be regression or classification, got {args.task!r}")
@@ -383,17 +383,17 @@ def _cmd_flower(args: argparse.Namespace) -> int:
                if flag not in _NOT_FLOWER and getattr(args, flag.replace("-", "_")) is not None}
     spec = flower_spec(args.method, args.lr, task=args.task, heterogeneity=args.h, **options)
     if args.deployment:
-        from fedlora.llm.flower import check_flower_method
+        from fedlora.flower import check_flower_method
         from fedlora.methods import get_method
 
         check_flower_method(get_method(args.method))
     out = _claim(args)
     expected = run_embedded(spec)
     if args.deployment:
-        from fedlora.llm.flower_deploy import LocalDeployment
+        from fedlora.flower_deploy import LocalDeployment
 
         with tempfile.TemporaryDirectory(prefix="fedlora-flower-") as work:
-            with LocalDeployment(work, spec["clients"]) as dep:
+            with LocalDeployment(work, spec["clients"], app=APP) as dep:
                 print(f"a SuperLink and {spec['clients']} SuperNodes on 127.0.0.1 (TLS)", flush=True)
                 run_id = dep.submit(spec, out=out, overwrite=True)
                 dep.wait(run_id, out, timeout=3600)

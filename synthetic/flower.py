@@ -1,6 +1,6 @@
 """The synthetic testbed on Flower (docs/design.md §9): one federation of ``synthetic compare``'s testbed,
 each client on its own SuperNode, the round loop the server's (``fedlora.server.Server.run_round``) as in
-the embedded ``run_rounds``.
+the embedded ``run_rounds``, over the transport of ``fedlora.flower``.
 
 A **spec** (``flower_spec``) is what every message carries: the testbed's options (``CompareConfig``
 fields), the task, the heterogeneity level, the method and its step size — everything a node needs to
@@ -9,7 +9,9 @@ rebuild the same run (``build_run``: same data, same initial adapters, same meth
 reports only its own client (replica ``partition-id``): the stacked step runs on every replica and the
 others are put back (``StackedExecutor``), so its client's numbers are those of the embedded run, and
 heterogeneous per-client settings (HetLoRA's ranks, LoRA-A²'s budgets, H²Tune's draws) stay per client.
-Its client state record (``Method.replica_state``) lives in the node's context between messages.
+Its client state record (``Method.replica_state``) lives in the node's context between messages. The node is
+registered as ``synthetic`` with ``fedlora.flower.register_node`` when this module is imported; the module is
+also the testbed's Flower app (``server_app``: ``serve_to_folder`` over the spec the run carries, ``client_app``).
 
 The testbed's executor is *live*: the server sends every client the round's changes at the end of each
 round (counted for the clients drawn next, uncounted for the others, who are evaluated on them), so the
@@ -24,7 +26,9 @@ from typing import Any, Mapping
 
 import torch
 
+from fedlora import flower
 from fedlora.errors import ConfigError
+from fedlora.flower import FlowerExecutor
 from fedlora.server import ClientUpdate, Download, Server
 from fedlora.simulator import StackedExecutor, round_record
 
@@ -32,9 +36,12 @@ from .compare import CompareConfig, _make_data, method_spec
 from .runner import SyntheticRun, build_run, run_method
 
 __all__ = ["flower_spec", "build_spec_run", "SyntheticNode", "serve", "serve_with_records", "serve_to_folder",
-           "run_flower", "run_embedded"]
+           "run_flower", "run_embedded", "server_app", "client_app", "APP"]
 
+#: the testbed's node kind in ``fedlora.flower``'s registry (and its spec's ``fedlora-task``)
 TASK = "synthetic"
+#: the testbed's Flower app module (``fedlora.flower_deploy.write_app_dir`` / ``LocalDeployment``'s ``app``)
+APP = __name__
 
 
 def flower_spec(method: str, lr: float, *, task: str = "regression", heterogeneity: float = 0.5,
@@ -71,7 +78,7 @@ def build_spec_run(spec: Mapping[str, Any]) -> SyntheticRun:
 
 class SyntheticNode:
     """A Flower node's copy of the run: a ``fedlora.server.ClientExecutor`` (the ClientApp of
-    ``fedlora.llm.flower`` drives it through that protocol) over the stacked executor of the whole
+    ``fedlora.flower`` drives it through that protocol) over the stacked executor of the whole
     federation; a client's state record is its replica's (``Method.replica_state`` /
     ``load_replica_state``). ``evaluate`` gives each client's training loss on what it holds."""
 
@@ -126,14 +133,12 @@ def serve_with_records(grid, spec: Mapping[str, Any], *,
 
 
 def _serve(grid, spec: Mapping[str, Any], timeout: float):
-    from fedlora.llm.flower import FlowerExecutor
-
     run = build_spec_run(spec)  # the server's half of the method (aggregation, server_update, upload checks)
     cfg = _config(spec)
     fed, m = run.federation, run.method
     weighted = dataclasses.replace(fed, client_weights=fed.weights.tolist())  # as run_rounds
     server = Server(m, weighted, [m.initial_server_state(0)], cfg.rounds)
-    executor = FlowerExecutor(grid, spec, int(spec["clients"]), timeout=timeout, live=True)
+    executor = FlowerExecutor(grid, spec, int(spec["clients"]), node=TASK, timeout=timeout, live=True)
     history, t0 = [], time.perf_counter()
     everyone = list(range(fed.n_replicas))
     for rnd in range(cfg.rounds):
@@ -174,9 +179,7 @@ def serve_to_folder(grid, spec: Mapping[str, Any], out: str, *, overwrite: bool 
 
 def run_flower(spec: Mapping[str, Any], *, timeout: float = 600.0) -> list[dict[str, Any]]:
     """``spec``'s run on Flower's simulation engine (one SuperNode per client); its round records."""
-    from fedlora.llm.flower import simulate
-
-    return simulate(lambda grid: serve(grid, spec, timeout=timeout), int(spec["clients"]))
+    return flower.simulate(lambda grid: serve(grid, spec, timeout=timeout), int(spec["clients"]))
 
 
 def run_embedded(spec: Mapping[str, Any], *, records: bool = False):
@@ -190,3 +193,26 @@ def run_embedded(spec: Mapping[str, Any], *, records: bool = False):
     if res.error:
         raise RuntimeError(f"synthetic {name}: {res.error}")
     return (res.history, dict(enumerate(res.records))) if records else res.history
+
+
+flower.register_node(TASK, SyntheticNode, clients=lambda spec: int(spec["clients"]))
+
+
+def _deployment_main(grid, context) -> None:
+    """The testbed's ServerApp on a deployment: the spec comes with the run (``fedlora-config-json``, as
+    ``fedlora.flower_deploy.write_run_config`` writes it); ``serve_to_folder`` into ``out``."""
+    import json
+
+    rc = context.run_config
+    text = str(rc.get("fedlora-config-json", ""))
+    if not text:
+        raise ConfigError("synthetic on a Flower deployment: the run carries no spec (fedlora-config-json; "
+                          "fedlora synthetic flower --deployment writes it)")
+    serve_to_folder(grid, json.loads(text), str(rc.get("out", "")), overwrite=bool(rc.get("overwrite", False)))
+
+
+client_app = flower.client_app
+try:  # importing this module without flwr still works (its functions say what to install)
+    server_app = flower.make_server_app(_deployment_main)
+except (ImportError, ConfigError):  # pragma: no cover - exercised where flwr is absent
+    server_app = None

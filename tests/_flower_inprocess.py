@@ -1,6 +1,6 @@
 """A Flower deployment in one process, for tests: ``OneProcessGrid`` is a Flower ``Grid`` that hands each
-message at once to ``fedlora.llm.flower.client_app`` as a deployment's SuperNode does — every message as if
-in a fresh ``flwr-clientapp`` process: this process's run cache (``fedlora.llm.flower._RUNS``) emptied first,
+message at once to ``fedlora.flower.client_app`` as a deployment's SuperNode does — every message as if
+in a fresh ``flwr-clientapp`` process: this process's run cache (``fedlora.flower._RUNS``) emptied first,
 the message and the node's ``Context`` rebuilt from the bytes of Flower's own protobuf serialisation, the
 node's state kept only as those bytes between messages (a ClientApp that raises leaves it as it was, and its
 reply is the error a deployment's ``flwr-clientapp`` sends).
@@ -20,7 +20,7 @@ from flwr.proto.message_pb2 import Context as ProtoContext
 from flwr.proto.message_pb2 import Message as ProtoMessage
 from flwr.supercore.task_identity import TaskIdentity
 
-from fedlora.llm import flower
+from fedlora import flower
 
 #: Flower's error code for an exception a ClientApp raised (flwr.common.constant.ErrorCode)
 CLIENT_APP_RAISED_EXCEPTION = 0
@@ -78,7 +78,7 @@ class OneProcessGrid:
 
 
 def simulate_in_one_process(main, n_clients: int):
-    """``fedlora.llm.flower.simulate``'s signature: ``main(grid)`` over a ``OneProcessGrid`` of ``n_clients``."""
+    """``fedlora.flower.simulate``'s signature: ``main(grid)`` over a ``OneProcessGrid`` of ``n_clients``."""
     return run_as_serverapp(main, OneProcessGrid(n_clients))
 
 

@@ -26,7 +26,7 @@ from _run_compare import assert_close as _close  # noqa: E402
 from _run_compare import assert_same_adapters as _same_adapters  # noqa: E402
 from _run_compare import records as _records  # noqa: E402
 from fedlora.cli import main  # noqa: E402
-from fedlora.llm.flower import record_to_tensors, tensors_to_record  # noqa: E402
+from fedlora.flower import record_to_tensors, tensors_to_record  # noqa: E402
 
 
 def test_tensors_cross_flower_bit_for_bit():
@@ -62,7 +62,8 @@ def ray_runs(tmp_path_factory):
     the same nodes, each run as `fedlora run --runtime flower` builds it (its record in the node's state
     under its own config's key)."""
     from fedlora.llm.config import load_config
-    from fedlora.llm.flower import executor_over, simulate
+    from fedlora.flower import simulate
+    from fedlora.llm.flower import executor_over
     from fedlora.llm.runtime import FederatedRun
 
     os.environ["HF_HUB_OFFLINE"] = "1"
@@ -103,7 +104,7 @@ def test_a_deployment_in_one_process_gives_the_embedded_records(method, embedded
     """`fedlora run --runtime flower` over a grid that hands every message to a fresh ClientApp as a deployment
     does (tests/_flower_inprocess.py: the run rebuilt, the node's state only what Flower serialised): what a
     method kept outside ``context.state`` would be lost, as in a real deployment — Ray's actors would keep it."""
-    from fedlora.llm import flower
+    from fedlora import flower
 
     grids = []
 

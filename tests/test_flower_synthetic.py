@@ -18,9 +18,9 @@ pytest.importorskip("ray")
 
 from _flower_inprocess import OneProcessGrid, run_as_serverapp  # noqa: E402
 from fedlora.cli import main  # noqa: E402
-from fedlora.llm import flower_deploy as fd  # noqa: E402
-from fedlora.llm.flower import simulate  # noqa: E402
-from fedlora.synthetic.flower import flower_spec, run_embedded, serve, serve_with_records  # noqa: E402
+from fedlora import flower_deploy as fd  # noqa: E402
+from fedlora.flower import simulate  # noqa: E402
+from fedlora.synthetic.flower import APP, flower_spec, run_embedded, serve, serve_with_records  # noqa: E402
 
 METHODS = ["fedavg", "rolora", "lora-a2", "pf2lora", "h2tune"]
 
@@ -106,7 +106,7 @@ def test_a_deployment_in_one_process_gives_the_embedded_records_for_every_config
 def test_the_one_process_deployment_catches_a_client_state_kept_outside_the_nodes_state(monkeypatch):
     """A ClientApp that does not restore its record from ``context.state`` (it relies on the run its process
     cached) passes when the process persists — Ray's simulation — and fails as on a deployment."""
-    from fedlora.llm import flower
+    from fedlora import flower
 
     spec = {"fedavg": _spec("fedavg")}
     emb = run_embedded(spec["fedavg"], records=True)
@@ -126,7 +126,7 @@ def test_a_loopback_deployment_gives_the_embedded_records(tmp_path):
     test_a_deployment_in_one_process_gives_the_embedded_records_for_every_config."""
     work = tmp_path / "deployment"
     t0 = time.monotonic()
-    with fd.LocalDeployment(work, 3) as dep:
+    with fd.LocalDeployment(work, 3, app=APP) as dep:
         for m in ["lora-a2"]:
             spec = _spec(m, rounds=2)
             out = tmp_path / m

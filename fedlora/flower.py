@@ -1,0 +1,537 @@
+"""Flower as a transport of the server protocol (docs/design.md §9): the record codec, the nodes' message
+handlers, the server's ``FlowerExecutor``, the simulation engine — for any task kind that registers a node.
+
+The round loop stays ``fedlora.server.Server.run_round``; Flower is its transport. The server hands
+``Server.run_round`` a ``FlowerExecutor``: each client's round is one ``train`` message to the SuperNode
+that holds its partition, carrying its download (an ``ArrayRecord`` of the server entries it lacks) and the
+run's config; the reply carries its upload (``ArrayRecord`` + the payload's string metadata), its training
+loss, ranks and the bytes of the download it applied — or an error. Evaluations are ``evaluate`` messages
+(each client scores its own model on its own rows), downloads outside training are ``query`` messages, as are
+``hello`` (which partition a node holds) and ``get-record`` / ``put-record`` (a client's state record: a
+checkpoint, a resumed run).
+
+A **node** is a ``fedlora.server.ClientExecutor`` a SuperNode builds from the run's config in the message
+(cached per process) and drives through that protocol for its one client (its node config's
+``partition-id``), keeping the client's state record in the node's ``context.state`` between messages
+(``restore`` before, ``records`` after every message). The **node registry**: a task kind calls
+``register_node(kind, build, clients=…)`` when its Flower module is imported (``fedlora.llm.flower``:
+``llm``, ``fedlora.synthetic.flower``: ``synthetic``); every message names its node kind and the module
+that registered it, which a fresh process (a Ray actor, a deployment's ``flwr-clientapp``) imports to find
+it. flwr is optional and imported only when a function here is used; importing this module imports torch.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import json
+import logging
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from fedlora.errors import ConfigError
+from fedlora.payload import Payload
+from fedlora.server import ClientExecutor, ClientFailure, ClientUpdate, Download
+
+__all__ = ["FlowerExecutor", "client_app", "simulate", "register_node", "registered_nodes", "make_server_app",
+           "tensors_to_record", "record_to_tensors", "check_flower_method"]
+
+
+#: torch dtypes numpy lacks travel as raw bytes under this stype (flwr's own helpers go through numpy)
+_RAW_STYPE = "torch.raw"
+_RAW = {"bfloat16": (torch.bfloat16, torch.int16)}
+
+
+def _flwr():
+    try:
+        import flwr  # noqa: F401
+    except ImportError:
+        raise ConfigError("the Flower runtime needs flwr: pip install 'fedlora[flower]' (flwr 1.42)") from None
+    from flwr import app
+
+    return app
+
+
+# ------------------------------------------------------------------------------------------------------
+# tensors ↔ Flower arrays, bit for bit (float64, int64, uint8 generator states, bfloat16 …)
+def tensors_to_record(tensors: Mapping[str, torch.Tensor]):
+    app = _flwr()
+    rec = app.ArrayRecord()
+    for name, t in tensors.items():
+        t = t.detach().cpu().contiguous()
+        dtype = str(t.dtype).replace("torch.", "")
+        if dtype in _RAW:
+            rec[name] = app.Array(dtype=dtype, shape=tuple(t.shape), stype=_RAW_STYPE,
+                                  data=t.view(_RAW[dtype][1]).numpy().tobytes())
+        else:
+            rec[name] = app.Array.from_numpy_ndarray(t.numpy())
+    return rec
+
+
+def record_to_tensors(rec) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, a in rec.items():
+        if a.stype == _RAW_STYPE:
+            dtype, view = _RAW[a.dtype]
+            out[name] = torch.frombuffer(bytearray(a.data), dtype=view).view(dtype).reshape(tuple(a.shape)).clone()
+        else:
+            out[name] = torch.from_numpy(np.array(a.numpy(), copy=True))
+    return out
+
+
+def check_flower_method(method) -> None:
+    """Methods the Flower runtime runs: not those that merge into one shared base (FLoRA) or train one
+    model on pooled data (Centralized) — both assume the clients share a process."""
+    if method.incremental_download or method.pooled_data:
+        raise ConfigError(f"--runtime flower: {method.name} is not supported on Flower (it needs "
+                          f"{'one base model shared by every client' if method.incremental_download else 'the clients pooled in one process'}); "
+                          f"run it embedded")
+
+
+# ------------------------------------------------------------------------------------------------------
+# client side
+class _Node:
+    """This process's copy of a run's clients: its ``executor`` (a ``fedlora.server.ClientExecutor``), its
+    ``n_clients``, every client's initial record (a node's first message) and where the node keeps its
+    client's record in ``context.state`` (``state_key``)."""
+
+    def __init__(self, executor, n_clients: int, config_json: str) -> None:
+        self.executor, self.n_clients = executor, int(n_clients)
+        self.initial = executor.records()
+        self.state_key = _state_key(config_json)
+
+
+@dataclass(frozen=True)
+class NodeKind:
+    """A registered node: ``build(config)`` gives the node's ``ClientExecutor`` (one client per message; it
+    writes nothing), ``clients(config)`` the run's number of clients (read without building the node);
+    ``module``: the module that registered it (imported by a process that has not)."""
+
+    build: Callable[[Mapping[str, Any]], ClientExecutor]
+    clients: Callable[[Mapping[str, Any]], int]
+    module: str
+
+
+_NODES: dict[str, NodeKind] = {}
+
+
+def register_node(kind: str, build: Callable[[Mapping[str, Any]], ClientExecutor], *,
+                  clients: Callable[[Mapping[str, Any]], int]) -> None:
+    """Register the node of task kind ``kind``: ``build(config)`` → its ``fedlora.server.ClientExecutor``,
+    ``clients(config)`` → the run's clients, ``config`` being what the server's ``FlowerExecutor`` was given.
+    Call it when the kind's Flower module is imported (that module is what a fresh process imports)."""
+    _NODES[str(kind)] = NodeKind(build, clients, build.__module__)
+
+
+def registered_nodes() -> dict[str, NodeKind]:
+    """The node kinds registered in this process, by kind."""
+    return dict(_NODES)
+
+
+def _node_kind(kind: str, module: str = "") -> NodeKind:
+    """The node kind ``kind``; a process that has not imported the module that registers it (``module``,
+    named by the message) imports it first. ``ConfigError`` naming the registered kinds otherwise."""
+    if kind not in _NODES and module:
+        importlib.import_module(module)
+    if kind not in _NODES:
+        raise ConfigError(f"flower: no node of kind {kind!r} is registered (registered: "
+                          f"{', '.join(sorted(_NODES)) or 'none'}; a task kind registers its node with "
+                          f"fedlora.flower.register_node)")
+    return _NODES[kind]
+
+
+_RUNS: dict[str, _Node] = {}  # per process: the node kind and config's digest → its node
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _kind_of(conf) -> NodeKind:
+    """The node kind a message's config names."""
+    return _node_kind(str(conf["fedlora-node"]), str(conf.get("fedlora-node-module", "")))
+
+
+def _local_run(conf) -> _Node:
+    """This process's node of the run the message ``conf`` names (writes nothing), built once per config."""
+    config_json = str(conf["fedlora-config"])
+    kind = _kind_of(conf)
+    key = f"{conf['fedlora-node']}:{_digest(config_json)}"
+    if key not in _RUNS:
+        cfg = json.loads(config_json)
+        _RUNS.clear()  # one run per process at a time
+        _RUNS[key] = _Node(kind.build(cfg), kind.clients(cfg), config_json)
+    return _RUNS[key]
+
+
+def _partition(context, node: _Node | None = None, conf=None) -> int:
+    """The client this node holds (its node config's ``partition-id``), checked against the run's clients
+    (the node's, or those of the run the message ``conf`` names, read without building its node)."""
+    pid = context.node_config.get("partition-id")
+    if pid is None:
+        raise ConfigError("this SuperNode has no partition: start it with --node-config "
+                          "'partition-id=K num-partitions=N' (K = the client it holds, 0..N-1)")
+    try:
+        k = int(pid)
+    except (TypeError, ValueError):
+        raise ConfigError(f"node config partition-id: must be an integer, got {pid!r}") from None
+    K = node.n_clients if node is not None else _kind_of(conf).clients(json.loads(str(conf["fedlora-config"])))
+    if not 0 <= k < K:
+        raise ConfigError(f"node config partition-id: {k} is not a client of this run (0..{K - 1})")
+    return k
+
+
+def _state_key(config_json: str) -> str:
+    """Where a node keeps its client's record in ``context.state``: one entry per run config, so that runs
+    sharing nodes (one simulation running several configs) never read each other's records."""
+    return f"fedlora-record-{_digest(config_json)[:16]}"
+
+
+def _load_state(node: _Node, k: int, context) -> None:
+    """The client's record from the node's state (its initial record the first time), handed to the executor."""
+    if node.state_key in context.state:
+        node.executor.restore({k: record_to_tensors(context.state[node.state_key])})
+    else:
+        node.executor.restore({k: node.initial[k]})
+
+
+def _save_state(node: _Node, k: int, context) -> None:
+    context.state[node.state_key] = tensors_to_record(node.executor.records()[k])
+
+
+def _downloads(k: int, content) -> dict[int, Download]:
+    """Client ``k``'s download in the message, if it carries one (a live executor's clients are current)."""
+    return {k: _download(content)} if "download" in content.array_records else {}
+
+
+def _download(content) -> Download:
+    conf = content["config"]
+    nbytes = int(conf["download-nbytes"])
+    return Download(record_to_tensors(content["download"]), bool(conf["download-counted"]),
+                    None if nbytes < 0 else nbytes)
+
+
+def _reply(msg, **records):
+    app = _flwr()
+    return app.Message(app.RecordDict(records), reply_to=msg)
+
+
+def _client_train(msg, context):
+    app = _flwr()
+    conf = msg.content["config"]
+    node = _local_run(conf)
+    k = _partition(context, node)
+    if int(conf["client"]) != k:
+        raise ConfigError(f"misrouted: the message is for client {int(conf['client'])}, this node holds {k}")
+    rnd = int(conf["round"])
+    _load_state(node, k, context)
+    res = node.executor.train(rnd, [k], _downloads(k, msg.content))[k]
+    if isinstance(res, ClientFailure):  # its record was not stored: the node keeps the one before the round
+        return _reply(msg, result=app.ConfigRecord({"failure-kind": res.kind, "failure-why": res.why,
+                                                     "bytes-down": int(res.bytes_down)}))
+    _save_state(node, k, context)
+    return _reply(msg, upload=tensors_to_record(res.upload.tensors),
+                  meta=app.ConfigRecord(dict(res.upload.meta)),
+                  result=app.ConfigRecord({"bytes-down": int(res.bytes_down), "ranks": json.dumps(res.ranks),
+                                           **({} if res.train_loss is None else {"train-loss": float(res.train_loss)})}))
+
+
+def _client_query(msg, context):
+    """``hello``: which partition this node holds; ``get-record`` / ``put-record``: the client's state record
+    (a checkpoint; a resumed run); ``deliver``: apply a download outside training. The first three do not
+    build the run when the node's record is at hand: on a deployment every message is a new process, and
+    building means importing transformers and the model."""
+    app = _flwr()
+    conf = msg.content["config"]
+    config_json = str(conf["fedlora-config"])
+    op = str(conf["op"])
+    if op == "hello":
+        return _reply(msg, result=app.ConfigRecord({"partition-id": _partition(context, conf=conf)}))
+    if op == "put-record":  # a resumed run: the record of its checkpoint
+        _partition(context, conf=conf)
+        context.state[_state_key(config_json)] = msg.content["record"]
+        return _reply(msg, result=app.ConfigRecord({"ok": True}))
+    if op == "get-record" and _state_key(config_json) in context.state:  # a checkpoint: the record it keeps
+        _partition(context, conf=conf)
+        return _reply(msg, record=context.state[_state_key(config_json)])
+    node = _local_run(conf)
+    k = _partition(context, node)
+    _load_state(node, k, context)
+    if op == "get-record":  # a client that never trained here: its initial record
+        return _reply(msg, record=tensors_to_record(node.executor.records()[k]))
+    sent = node.executor.deliver(int(conf["round"]), {k: _download(msg.content)})
+    _save_state(node, k, context)
+    return _reply(msg, result=app.ConfigRecord({"bytes-down": int(sent[k])}))
+
+
+def _client_evaluate(msg, context):
+    app = _flwr()
+    conf = msg.content["config"]
+    node = _local_run(conf)
+    k = _partition(context, node)
+    _load_state(node, k, context)
+    scores = node.executor.evaluate(int(conf["round"]), [k], _downloads(k, msg.content))[k]
+    return _reply(msg, result=app.ConfigRecord({"scores": json.dumps(scores, allow_nan=True)}))
+
+
+# ------------------------------------------------------------------------------------------------------
+# server side
+class FlowerExecutor:
+    """``fedlora.server.ClientExecutor`` over a Flower ``Grid``: client k's round goes to the node of
+    partition k. ``timeout``: seconds a round waits for replies (a client that does not answer is a
+    ``timeout`` failure). ``poll``: seconds between pulls (flwr's own deployment grid sleeps 3 s)."""
+
+    shared_base = False  # every client has its own base model (FLoRA is refused: check_flower_method)
+
+    def __init__(self, grid, config: Mapping[str, Any], n_clients: int, *, node: str, timeout: float = 600.0,
+                 poll: float = 0.05, node_wait: float = 120.0, live: bool = False) -> None:
+        """``config``: what the nodes rebuild the run from (JSON-able; every message carries it);
+        ``n_clients``: the run's clients, one node each; ``node``: the registered node kind the nodes build
+        (``register_node``). ``live``: the server sends every client the round's changes at the end of each
+        round (``deliver``), as the testbed's executor does, instead of each client's download with its next
+        round's message (``fedlora run``)."""
+        self.grid, self.n_clients, self.timeout, self.poll = grid, int(n_clients), float(timeout), float(poll)
+        self.live = bool(live)
+        self.node = {"fedlora-node": str(node), "fedlora-node-module": _node_kind(str(node)).module}
+        self.config_json = json.dumps(dict(config), sort_keys=True)
+        self.node_of = self._map_partitions(node_wait)
+        #: what Flower carried for training and synchronisation: array bytes (the tensors) and config bytes
+        #: (the run's config travels in every message, so that a node needs nothing but its data)
+        self.wire_bytes = {"arrays_down": 0, "arrays_up": 0, "config_down": 0, "messages": 0}
+
+    # -- messages --------------------------------------------------------------------------------------
+    def _message(self, kind: str, client: int, rnd: int, download: Download | None = None, *,
+                 record: Mapping[str, torch.Tensor] | None = None, node: int | None = None, **conf):
+        """A message to client ``client``'s node (``node``: to a node whose partition is not known yet)."""
+        app = _flwr()
+        config = {"fedlora-config": self.config_json, **self.node, "client": int(client), "round": int(rnd),
+                  **conf}
+        records = {} if record is None else {"record": tensors_to_record(record)}
+        if download is not None:
+            config.update({"download-counted": bool(download.counted),
+                           "download-nbytes": -1 if download.nbytes is None else int(download.nbytes)})
+            records["download"] = tensors_to_record(download.state)
+        records["config"] = app.ConfigRecord(config)
+        mtype = {"train": app.MessageType.TRAIN, "evaluate": app.MessageType.EVALUATE,
+                 "query": app.MessageType.QUERY}[kind]
+        node = self.node_of[client] if node is None else node
+        return app.Message(app.RecordDict(records), dst_node_id=node, message_type=mtype, group_id=str(rnd))
+
+    def _exchange(self, msgs, timeout: float) -> dict[int, Any]:
+        """Send ``msgs``; the replies by source node (a node that does not answer in time is absent)."""
+        ids = {i for i in self.grid.push_messages(msgs) if i}
+        deadline = time.monotonic() + timeout
+        out = {}
+        while ids:
+            got = list(self.grid.pull_messages(ids))
+            for m in got:
+                out[m.metadata.src_node_id] = m
+            ids.difference_update(m.metadata.reply_to_message_id for m in got)
+            if not ids or time.monotonic() >= deadline:
+                break
+            time.sleep(self.poll)
+        return out
+
+    def _map_partitions(self, node_wait: float) -> dict[int, int]:
+        K = self.n_clients
+        deadline = time.monotonic() + node_wait
+        while True:
+            nodes = sorted(self.grid.get_node_ids())
+            if len(nodes) >= K:
+                break
+            if time.monotonic() > deadline:
+                raise ConfigError(f"flower: {len(nodes)} SuperNode(s) connected after {node_wait:.0f} s, the run "
+                                  f"has {K} clients (one SuperNode per client)")
+            time.sleep(0.2)
+        replies = self._exchange([self._message("query", -1, -1, op="hello", node=n) for n in nodes], node_wait)
+        node_of: dict[int, int] = {}
+        for n in nodes:
+            rep = replies.get(n)
+            if rep is None:
+                raise ConfigError(f"flower: SuperNode {n} did not answer within {node_wait:.0f} s")
+            if rep.has_error():
+                raise ConfigError(f"flower: SuperNode {n}: {_reason(rep)}")
+            k = int(rep.content["result"]["partition-id"])
+            if k in node_of:
+                raise ConfigError(f"flower: SuperNodes {node_of[k]} and {n} both hold partition {k}")
+            node_of[k] = n
+        missing = [k for k in range(K) if k not in node_of]
+        if missing:
+            raise ConfigError(f"flower: no SuperNode holds partition(s) {missing}")
+        return node_of
+
+    # -- the executor ----------------------------------------------------------------------------------
+    def train(self, rnd: int, clients: Sequence[int], downloads: Mapping[int, Download]):
+        msgs = [self._message("train", k, rnd, None if self.live else downloads.get(k, Download())) for k in clients]
+        self._count(msgs)
+        replies = self._exchange(msgs, self.timeout)
+        out: dict[int, ClientUpdate | ClientFailure] = {}
+        for k in clients:
+            rep = replies.get(self.node_of[k])
+            if rep is None:
+                out[k] = ClientFailure(f"no reply within {self.timeout:g} s", "timeout")
+                continue
+            if rep.has_error():
+                out[k] = ClientFailure(_reason(rep), "error")
+                continue
+            self.wire_bytes["arrays_up"] += _array_nbytes(rep)
+            res = rep.content["result"]
+            if "failure-kind" in res:
+                out[k] = ClientFailure(str(res["failure-why"]), str(res["failure-kind"]), int(res["bytes-down"]))
+                continue
+            upload = Payload(record_to_tensors(rep.content["upload"]), {a: str(b) for a, b in rep.content["meta"].items()})
+            loss = float(res["train-loss"]) if "train-loss" in res else None
+            out[k] = ClientUpdate(upload, loss, json.loads(str(res["ranks"])), int(res["bytes-down"]))
+        return out
+
+    def deliver(self, rnd: int, downloads: Mapping[int, Download]) -> dict[int, int]:
+        msgs = [self._message("query", k, rnd, d, op="deliver") for k, d in downloads.items()]
+        self._count(msgs)
+        replies = self._required(msgs, list(downloads), "did not take the final global state")
+        return {k: int(rep.content["result"]["bytes-down"]) for k, rep in replies.items()}
+
+    def _required(self, msgs, clients: Sequence[int], what: str) -> dict[int, Any]:
+        """Send ``msgs``; every one of ``clients`` must answer without error (else ``RuntimeError``
+        naming the client, ``what`` failed and why)."""
+        replies = self._exchange(msgs, self.timeout)
+        out = {}
+        for k in clients:
+            rep = replies.get(self.node_of[k])
+            if rep is None or rep.has_error():
+                why = _reason(rep) if rep is not None else f"no reply within {self.timeout:g} s"
+                raise RuntimeError(f"flower: client {k} {what}: {why}")
+            out[k] = rep
+        return out
+
+    def _ask_all(self, op: str, per_client: Mapping[int, Any] | None = None) -> dict[int, Any]:
+        msgs = [self._message("query", k, -1, op=op, record=None if per_client is None else per_client[k])
+                for k in sorted(self.node_of)]
+        return self._required(msgs, sorted(self.node_of), f"did not answer {op}")
+
+    def records(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Every client's state record, as its node keeps it (what a checkpoint holds)."""
+        return {k: record_to_tensors(rep.content["record"]) for k, rep in self._ask_all("get-record").items()}
+
+    def restore(self, records: Mapping[int, Mapping[str, torch.Tensor]]) -> None:
+        """Give every node the record of a checkpoint (a resumed run)."""
+        self._ask_all("put-record", records)
+
+    def _count(self, msgs) -> None:
+        self.wire_bytes["messages"] += len(msgs)
+        self.wire_bytes["arrays_down"] += sum(_array_nbytes(m) for m in msgs)
+        self.wire_bytes["config_down"] += sum(_config_nbytes(m) for m in msgs)
+
+    def merge_into_base(self, state) -> None:  # refused up front (check_flower_method)
+        raise NotImplementedError
+
+    def evaluate(self, rnd: int, clients: Sequence[int], downloads: Mapping[int, Download]) -> dict[int, dict]:
+        """Each client scores its own model on its own rows on its node, with what the server sent it."""
+        msgs = [self._message("evaluate", k, rnd, None if self.live else downloads.get(k)) for k in clients]
+        replies = self._required(msgs, list(clients), "could not be evaluated")
+        return {k: json.loads(str(rep.content["result"]["scores"])) for k, rep in replies.items()}
+
+
+def _reason(rep) -> str:
+    """A failed reply's reason, one line (simulation wraps it in a traceback: its last line)."""
+    text = str(getattr(rep.error, "reason", "") or "")
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else f"error code {getattr(rep.error, 'code', '?')}"
+
+
+def _array_nbytes(msg) -> int:
+    """Bytes of a message's arrays as Flower carries them (numpy's .npy serialisation of each tensor)."""
+    return sum(len(a.data) for rec in msg.content.array_records.values() for a in rec.values())
+
+
+def _config_nbytes(msg) -> int:
+    return sum(len(str(k)) + len(str(v)) for rec in msg.content.config_records.values() for k, v in rec.items())
+
+
+class _DropDeprecation(logging.Filter):
+    """Flower's "DEPRECATED FEATURE: `run_simulation` …" banner: addressed to Flower's API users, not to
+    someone running ``fedlora run --runtime flower`` (who can do nothing about it)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "DEPRECATED FEATURE" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_engine():
+    """While the simulation engine runs: without Flower's deprecation banner and Ray's FutureWarning about
+    a future default for accelerator variables (its behaviour now, which fedlora relies on, is unchanged) —
+    messages the user cannot act on. Every other warning and log line of both still shows."""
+    handlers = list(logging.getLogger("flwr").handlers)  # Flower's console handler (its child loggers' too)
+    drop = _DropDeprecation()
+    for h in handlers:
+        h.addFilter(drop)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*Ray will no longer override accelerator visible devices",
+                                    category=FutureWarning)
+            yield
+    finally:
+        for h in handlers:
+            h.removeFilter(drop)
+
+
+def simulate(main, n_clients: int):
+    """Run ``main(grid)`` as the ServerApp of Flower's simulation engine (Ray) with ``n_clients`` SuperNodes
+    running ``client_app``; ``main``'s return value (its exception is raised here: the engine swallows it)."""
+    _flwr()
+    from flwr.serverapp import ServerApp
+    from flwr.simulation import run_simulation as flwr_run_simulation
+
+    box: dict[str, Any] = {}
+    sapp = ServerApp()
+
+    @sapp.main()
+    def _main(grid, context) -> None:
+        try:
+            box["out"] = main(grid)
+        except BaseException as e:  # re-raised below
+            box["error"] = e
+
+    cpus = max(1, min(n_clients, os.cpu_count() or 1))
+    with _quiet_engine():
+        flwr_run_simulation(server_app=sapp, client_app=client_app, num_supernodes=n_clients, backend_name="ray",
+                            backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                                            "init_args": {"num_cpus": cpus, "include_dashboard": False,
+                                                          "logging_level": 40}})
+    if "error" in box:
+        raise box["error"]
+    if "out" not in box:
+        raise RuntimeError("flower: the simulation ended without running the ServerApp")
+    return box["out"]
+
+
+def make_client_app():
+    """A Flower ``ClientApp`` whose nodes are the registered node kinds (each message names its own)."""
+    from flwr.clientapp import ClientApp
+
+    capp = ClientApp()
+    capp.train()(_client_train)
+    capp.query()(_client_query)
+    capp.evaluate()(_client_evaluate)
+    return capp
+
+
+def make_server_app(main: Callable[[Any, Any], None]):
+    """A Flower ``ServerApp`` running ``main(grid, context)`` (a task kind's deployment entry point)."""
+    _flwr()
+    from flwr.serverapp import ServerApp
+
+    sapp = ServerApp()
+    sapp.main()(main)
+    return sapp
+
+
+try:  # importing this module without flwr still works (its functions say what to install)
+    client_app = make_client_app()
+except ImportError:  # pragma: no cover - exercised where flwr is absent
+    client_app = None
