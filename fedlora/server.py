@@ -16,7 +16,8 @@ for evaluation (``evaluation_downloads``) and hands over / takes back every clie
   base model, their state records in a store (``live = False``: a client receives what it lacks
   with its next round's instructions, as a real deployment sends it); heterogeneous client models
   compose one per model group (``fedlora.llm.hetero``);
-- the Flower executor (``fedlora.llm.flower``): each client's round is one message to its node.
+- the Flower executor (``fedlora.flower.FlowerExecutor``): each client's round is one message to its node, which runs
+  the executor its node kind registered (``fedlora.flower.register_node``: the slot executor, the testbed's node).
 
 Bytes are counted when a client receives them: ``bytes_down`` of round r holds what each client took
 in that round (its download for round r with the round's instructions; a live executor's clients at

@@ -23,7 +23,6 @@ from typing import Any, Mapping
 from fedlora import flower
 from fedlora.errors import ConfigError
 from fedlora.flower import FlowerExecutor, check_flower_method
-from fedlora.flower import _quiet_engine  # noqa: F401 (tests/test_cli_words.py imports it from here)
 from fedlora.flower_deploy import write_app_dir as _write_app_dir
 from fedlora.methods import get_method
 

@@ -281,7 +281,7 @@ def test_the_simulation_engine_drops_flowers_banner_and_rays_tip_only():
     import ray._private.worker
     from flwr.common.logger import warn_deprecated_feature
 
-    from fedlora.llm.flower import _quiet_engine
+    from fedlora.flower import _quiet_engine
 
     seen: list[str] = []
 
