@@ -322,10 +322,10 @@ def test_different_tasks_plot_together_with_a_metric_they_share(runs, tmp_path, 
 
 
 def test_a_failure_while_writing_leaves_nothing(runs, tmp_path, monkeypatch):
-    import fedlora.io
+    import fedlora.llm.plots
 
     calls = []
-    real = fedlora.io.write_bytes_atomic
+    real = fedlora.llm.plots.write_bytes_atomic  # fedlora.io's, as the figure writer imports it
 
     def fail_third(path, data):
         calls.append(path)
@@ -333,7 +333,7 @@ def test_a_failure_while_writing_leaves_nothing(runs, tmp_path, monkeypatch):
             raise OSError(28, "No space left on device")
         return real(path, data)
 
-    monkeypatch.setattr(fedlora.io, "write_bytes_atomic", fail_third)
+    monkeypatch.setattr(fedlora.llm.plots, "write_bytes_atomic", fail_third)
     with pytest.raises(OSError, match="No space"):
         main(["plot", str(runs["fedavg"]), str(runs["hetlora"]), "--out", str(tmp_path / "new" / "p")])
     assert len(calls) == 3 and not (tmp_path / "new").exists()  # the folders the command created are gone too
