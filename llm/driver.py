@@ -54,6 +54,13 @@ class Driver:
         #: wall seconds of the earlier parts of a resumed run (from the checkpoint; None: not recorded)
         self._wall_before: list[float | None] = []
         self._t0: float | None = None  # when this part's rounds started (time.perf_counter)
+
+    @classmethod
+    def of(cls, run, executor: ClientExecutor) -> "Driver":
+        """The driver of a prepared run (``FederatedRun``, ``HeteroRun``) over ``executor``, with the run's progress,
+        output folder, round log and checkpoint to continue from (``resume_from``)."""
+        return cls(run, executor, progress=run.progress, write=run.write, output=run.output, log=run.log,
+                   resume_from=run.resume_from)
         self._bar = None
 
     def run_round(self, rnd: int) -> dict[str, Any]:

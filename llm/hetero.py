@@ -200,8 +200,7 @@ class HeteroRun:
             self.tasks.setdefault(run.task.name, []).extend(ids)
         self.report = TasksReport(self)
         self.prepared = True
-        self.driver = Driver(self, self.local, progress=self.progress, write=self.write, output=self.output,
-                             log=self.log, resume_from=self.resume_from)
+        self.driver = Driver.of(self, self.local)
         return self
 
     def run(self, executor: ClientExecutor | None = None) -> dict[str, Any]:

@@ -198,8 +198,7 @@ class FederatedRun:
                              spec=UploadSpec.of(self.method))
         self.report = Report(self)
         self.prepared = True
-        self.driver = Driver(self, self.slots, progress=self.progress, write=self.write, output=self.output,
-                             log=self.log, resume_from=self.resume_from)
+        self.driver = Driver.of(self, self.slots)
         return self
 
     def run(self, executor: ClientExecutor | None = None) -> dict[str, Any]:
