@@ -88,7 +88,8 @@ def speed(args) -> dict:
 
     from fedlora.llm.config import RunConfig
     from fedlora.llm.model import load_classifier
-    from fedlora.llm.runtime import ClientSampler, FederatedRun, _RNG
+    from fedlora.llm.runtime import FederatedRun
+    from fedlora.llm.slots import _RNG, ClientSampler
 
     P = args.participants
     steps, batch = (2, 4) if args.smoke else (args.local_steps, args.batch_size)

@@ -18,21 +18,28 @@ import torch
 
 from fedlora.errors import ConfigError
 from fedlora.methods.base import Method, RuntimeFacts
+from fedlora.partition import validate_partition_spec
 from fedlora.io import OutputDir
 from fedlora.seeds import clients_drawn
 from fedlora.server import ClientExecutor, Federation, Server, UploadSpec
 from fedlora.state import ClientStore
 
-from .config import RunConfig
+from . import data as D
+from .classification import ClassificationTask
+from .config import RunConfig, build_method, effective_options
 from .driver import Driver, Report, claim_run_folder, run_to_end
-from .slots import _RNG, ClientSampler, RunData, SlotExecutor  # noqa: F401 (_RNG, ClientSampler: re-exported for tests and bench/llm_runtime.py)
+from .slots import RunData, SlotExecutor
 from .task_kinds import task_for
-from .model import check_max_length, load_base  # noqa: F401  (load_base: fedlora.llm.runtime's too)
+from .generation import GenerationTask, check_decoding
+from .model import ModelUnavailable, check_max_length, skeleton_models, torch_dtype
+from .qa import QATask
+from .runfolder import data_label
+from .tasks import get_task
 from .dropout import install_client_dropout
 from .manifest import data_files, environment, file_hashes, split_indices
 from .inject import head_linear_names, inject_adapters, make_head_trainable, match_targets
 
-__all__ = ["FederatedRun", "ClientSampler", "slot_executor"]
+__all__ = ["FederatedRun", "slot_executor"]
 
 RUNTIMES = ("embedded", "flower")  # fedlora run --runtime: this process, or Flower (fedlora.llm.flower)
 
@@ -92,8 +99,6 @@ class FederatedRun:
         model with the method's adapters injected and the head set up — nothing bound yet, so a caller
         may still set the method's options that depend on the model (heterogeneous client models:
         H²Tune's common ``global_layers``, ``fedlora.llm.hetero``)."""
-        from .model import torch_dtype
-
         cfg = self.cfg
         claim_run_folder(self)
         if cfg.train.threads is not None:
@@ -211,8 +216,6 @@ class FederatedRun:
         """The labelled text, the clients' split and its report (``train_data``, ``test_data``,
         ``task``, ``num_labels``, ``clients``, ``split_report``): every check of the data and the
         partition, with no model loaded (``check_data`` runs it for a dry run)."""
-        from . import data as D
-
         cfg, dc, fc = self.cfg, self.cfg.data, self.cfg.federation
         columns = data_columns(cfg)
         if cfg.tiny and dc.path is None and dc.hf_name is not None:
@@ -224,8 +227,6 @@ class FederatedRun:
                                  seed=cfg.seed, val_fraction=fc.val_fraction)
         self.clients = [dataclasses.replace(s, test=s.test[:cfg.eval.max_samples]) for s in splits]  # None: all
         self.split_report = D.describe_split(splits, self.train_data, self.test_data)
-        from .runfolder import data_label
-
         self.task_label = data_label(self.task.name, self.task.kind, dc.task, dc.path)
         self.clients_without_test = clients_without_test(cfg, self.clients, self.test_data)
 
@@ -244,8 +245,6 @@ class FederatedRun:
                 "client_test_sizes": [len(c.test) for c in self.clients]}
 
     def _build_method(self) -> Method:
-        from .config import build_method, effective_options
-
         self.method_options = effective_options(self.cfg)  # every option with its value (config.json)
         return build_method(self.cfg)
 
@@ -302,8 +301,6 @@ class FederatedRun:
 
     def manifest(self) -> dict[str, Any]:
         """Provenance (``fedlora.llm.manifest``): versions, git commit, command line, the data files' hashes."""
-        from .tasks import get_task
-
         dc = self.cfg.data
         local_dir = get_task(dc.task).local_dir if dc.task is not None and dc.path is None else None
         return {**environment(), "data_files": file_hashes(data_files(dc.path, local_dir))}
@@ -320,8 +317,6 @@ def dry_run(run: "FederatedRun") -> dict[str, Any]:
     A device this machine lacks (``model.device: cuda`` on a laptop) is said, not refused: the config may be
     for another machine. Returns ``{"data": …, "head": …, "model": …}``: what was checked and the facts
     resolved (the head policy, the targets)."""
-    from .model import ModelUnavailable, skeleton_models
-    from .qa import QATask
 
     run._settings(machine=False)
     data = run.check_data()
@@ -362,8 +357,6 @@ def _task_without_rows(cfg: RunConfig):
     """The task's setup where a dry run does not fetch the data (hub): a registered task's class names give
     the classifier's size (a Hub dataset without a task: 2, the head's size not checked); a generation task's
     decoding settings (``eval.decoding`` over the task's) bound its positions."""
-    from .classification import ClassificationTask
-    from .generation import GenerationTask, check_decoding
 
     dc = cfg.data
     task = task_for(dc.task, dc.target_column)
@@ -400,10 +393,6 @@ def clients_without_test(cfg: RunConfig, clients, test_data) -> list[int]:
 
 def data_columns(cfg: RunConfig) -> dict[str, str] | None:
     """The data section's columns (the task's, overridden field by field; ``by_key(column)``'s key column)."""
-    from fedlora.partition import validate_partition_spec
-
-    from . import data as D
-
     dc, fc = cfg.data, cfg.federation
     columns = {field: getattr(dc, key.split(".")[1]) for field, key in D.CONFIG_FIELD.items()
                if getattr(dc, key.split(".")[1]) is not None} or None  # the task's columns, overridden field by field
@@ -450,6 +439,4 @@ def auto_clients_per_pass(device: torch.device, participants: int, model=None, b
 
 def _is_bundled_task(name: str) -> bool:
     """A registered task whose data ships with fedlora (read offline by a dry run)."""
-    from .tasks import get_task
-
     return get_task(name).local_dir is not None

@@ -28,7 +28,8 @@ from safetensors.torch import save as safetensors_save
 from torch.func import functional_call
 
 from fedlora.llm.inject import set_slots
-from fedlora.llm.runtime import ClientSampler, FederatedRun
+from fedlora.llm.runtime import FederatedRun
+from fedlora.llm.slots import ClientSampler
 from test_llm_runtime import TINY_ROBERTA, tiny_config
 
 pytest.importorskip("transformers")

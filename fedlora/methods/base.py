@@ -411,8 +411,6 @@ class Method(abc.ABC):
                 out[f"{mod_name}.{b}" if mod_name else b] = getattr(mod, b)
         return out
 
-    _stacked_buffers = stacked_buffers  # the former private name, until no caller outside uses it
-
     def _optimizer_attrs(self) -> dict[str, torch.optim.Optimizer]:
         return {a: o for a, o in sorted(vars(self).items()) if isinstance(o, torch.optim.Optimizer)}
 
