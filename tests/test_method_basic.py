@@ -70,11 +70,11 @@ def _round(m, layer, batch, rnd, steps, weights):
 # ---------------------------------------------------------------------------------------------
 # the stacked local step equals every client's own step, computed one client at a time
 
-TRAINED = {"fedavg": "AB", "ffa": "B", "fedsa": "AB", "local": "AB", "flora": "AB"}
+TRAINED = {"fedavg": "AB", "ffa": "B", "fedsa": "AB", "local": "AB", "flora": "AB", "fedex": "AB"}
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-@pytest.mark.parametrize("name,round_idx", [("fedavg", 0), ("ffa", 0), ("fedsa", 0), ("local", 0), ("flora", 0),
+@pytest.mark.parametrize("name,round_idx", [("fedavg", 0), ("ffa", 0), ("fedsa", 0), ("local", 0), ("flora", 0), ("fedex", 0),
                                             ("rolora", 0), ("rolora", 1), ("rolora", 3)])
 def test_stacked_steps_equal_per_client_steps(name, round_idx, optimizer):
     G, lr, wd = 3, 0.05, 0.1

@@ -10,6 +10,8 @@ from . import exact, flexlora, flora, h2tune, lora_a2
 from .exact import aggregate_trained_factor, discordance, exact_delta, fedavg_delta, trained_factor
 from .flexlora import FlexLoRAResult, flexlora_aggregate, flexlora_svd
 from .flora import flora_merge, flora_stack
+from . import fedex
+from .fedex import FedExResult, fedex_aggregate, fedex_means, fedex_merge, fedex_residual, fedex_residual_factors
 from . import fedsb
 from .fedsb import fedsb_average, fedsb_delta, fedsb_fold, lorasb_init, weighted_gradient
 from .h2tune import (h2tune_aggregate, kl_softmax, server_mean, sparsify_support, to_client, to_global,
@@ -20,6 +22,7 @@ __all__ = [
     "exact_delta", "fedavg_delta", "discordance", "trained_factor", "aggregate_trained_factor",
     "FlexLoRAResult", "flexlora_aggregate", "flexlora_svd",
     "flora_stack", "flora_merge",
+    "fedex", "FedExResult", "fedex_aggregate", "fedex_means", "fedex_merge", "fedex_residual", "fedex_residual_factors",
     "fedsb", "lorasb_init", "fedsb_average", "fedsb_fold", "fedsb_delta", "weighted_gradient",
     "trilora_middle", "trilora_fold", "trilora_delta", "sparsify_support", "to_global", "to_client",
     "server_mean", "h2tune_aggregate", "kl_softmax",
