@@ -27,7 +27,34 @@ from fedlora.kernels import fold_adapters  # noqa: F401  (the layers fold adapte
 
 from .errors import ConfigError
 
-__all__ = ["LoRALinear"]
+__all__ = ["LoRALinear", "lora_scale", "unit_alpha", "refuse_rslora"]
+
+
+def lora_scale(alpha: float | None, rank: int, rslora: bool = False) -> float:
+    """The scale s of a LoRA of rank r: α/r (Hu et al., "LoRA", ICLR 2022, §4.1), or with ``rslora``
+    α/√r — rsLoRA (Kalajdzievski, "A Rank Stabilization Scaling Factor for Fine-Tuning with LoRA",
+    arXiv 2312.03732, 2023; Definition 3.1 and Theorem 3.2: the adapters are rank-stabilised — their
+    outputs and gradients stay Θ(1) as r grows — iff γ_r ∈ Θ(1/√r); PEFT's ``use_rslora``).
+    ``alpha`` ``None`` means α = r (s = 1, or √r with rsLoRA).
+
+    The one owner of "the scale of rank r under these options": the adapter layer, hence every
+    method's ``layer.scale`` and the run's recorded scales the export folds in, come from here."""
+    a = rank if alpha is None else alpha
+    return a / math.sqrt(rank) if rslora else a / rank
+
+
+def unit_alpha(rank: int, rslora: bool = False) -> float:
+    """The α whose scale at rank r is exactly 1 (PEFT computes α/r, or α/math.sqrt(r) with
+    ``use_rslora``): r, or √r. The PEFT export folds every scale into B and writes this α."""
+    return math.sqrt(rank) if rslora else rank
+
+
+def refuse_rslora(method: str, reason: str | None, where: str = "rslora") -> None:
+    """``ConfigError`` (one line, naming the method and why) when rsLoRA is asked of a method whose paper
+    fixes the LoRA scale (``Method.fixed_lora_scale`` = ``reason``); nothing when ``reason`` is None."""
+    if reason is not None:
+        raise ConfigError(f"{where}: rsLoRA (s = α/√r) cannot be used with method {method!r}: its paper fixes the "
+                          f"LoRA scale ({reason}); leave rsLoRA off for it")
 
 
 class LoRALinear(nn.Module):
@@ -40,6 +67,7 @@ class LoRALinear(nn.Module):
         client_rank: r̃ of the client adapter (0 = plain LoRA).
         alpha: LoRA scaling numerator of the common adapter, s₁ = alpha / r; ``None`` means alpha = r (s₁ = 1).
         client_alpha: the client adapter's, s₂ = client_alpha / r̃; ``None`` means client_alpha = r̃ (s₂ = 1).
+        rslora: rank-stabilised scales s₁ = alpha / √r, s₂ = client_alpha / √r̃ (``lora_scale``).
         base_weight: frozen W0 (d_out, d_in); ``None`` means W0 = 0 (no base GEMM at all).
         base_bias: frozen bias (d_out,) or ``None``.
         stack: number of independent replicas G (``None`` = an ordinary layer).
@@ -61,6 +89,7 @@ class LoRALinear(nn.Module):
         base_bias: torch.Tensor | None = None,
         stack: int | None = None,
         middle: bool = False,
+        rslora: bool = False,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> None:
@@ -82,9 +111,11 @@ class LoRALinear(nn.Module):
             )
         self.in_features, self.out_features = in_features, out_features
         self.rank, self.client_rank, self.stack = rank, client_rank, stack
-        self.scale = (rank if alpha is None else alpha) / rank
-        self.client_scale = ((client_rank if client_alpha is None else client_alpha) / client_rank
-                             if client_rank else 0.0)
+        if not isinstance(rslora, bool):
+            raise ConfigError(f"rslora must be true or false, got {rslora!r}")
+        self.rslora = rslora
+        self.scale = lora_scale(alpha, rank, rslora)
+        self.client_scale = lora_scale(client_alpha, client_rank, rslora) if client_rank else 0.0
         kw = {"dtype": dtype, "device": device}
         lead = () if stack is None else (stack,)
         # Frozen base: buffers, so no optimizer can ever see them.

@@ -42,6 +42,10 @@ class ModelConfig:
     target_modules: PEFT-style names, a regex, or ``all-linear``; default: PEFT's for the architecture.
     layers: adapt only these transformer blocks (indices).
     lora_alpha: LoRA α (s = α/r); default: the method's (LoRA-A²: 16), else α = r (s = 1).
+    use_rslora: rank-stabilised LoRA (rsLoRA, Kalajdzievski 2023): s = α/√r instead of α/r, in every
+        adapter of the run (the client adapter's too) and in the PEFT export (``use_rslora``); refused for a
+        method whose paper fixes the scale (``Method.fixed_lora_scale``). Each method's rank r is on its page;
+        ``lora_alpha`` left out is still α = r, so s = √r.
     head: what happens to the classifier head — ``auto`` (the method's paper: frozen for FFA-LoRA,
         RoLoRA, LoRA-A²; personal for FedSA, H²Tune, Local; shared otherwise), ``frozen``,
         ``shared`` (trained, uploaded and averaged like the common adapter) or ``personal``.
@@ -58,6 +62,7 @@ class ModelConfig:
     target_modules: Any = None
     layers: list | None = None
     lora_alpha: float | None = None
+    use_rslora: bool = False
     head: str = "auto"
     max_length: int = 128
     dtype: str = "float32"
@@ -301,12 +306,16 @@ class RunConfig:
         _bool(d.allow_unseen_test_labels, "data.allow_unseen_test_labels")
         me = self.method
         _str(me.name, "method.name")
+        from fedlora.adapter import refuse_rslora  # with the methods: both import torch, which a config error needs not
         from fedlora.methods import get_method
 
         try:  # a registered name, a plugin's (one that failed to load says why) or "package.module:Class"
-            get_method(me.name)
+            method_cls = get_method(me.name)
         except ConfigError as e:
             raise ConfigError(f"method.name: {e}") from None
+        _bool(m.use_rslora, "model.use_rslora")
+        if m.use_rslora:
+            refuse_rslora(me.name, method_cls.fixed_lora_scale, "model.use_rslora")
         if me.rank is not None:
             _int(me.rank, "method.rank", 1)
         if isinstance(me.lr, dict):

@@ -3,8 +3,9 @@
 A client's adapter in any method is one LoRA per layer (docs/design.md §8): the two-level adapter of PF2LoRA is
 one LoRA of rank r + r̃ by concatenation, A_cat = [A; C], B_cat = [s₁B, s₂D]; H²Tune's TriLoRA folds its
 middle I + (Φ⊙Ω)⊙R into B (or A); the scales are folded into B, so the PEFT config's lora_alpha equals
-its rank (PEFT scaling 1). The classifier head — trained, or the run's frozen random head, which no hub
-checkpoint holds — travels as PEFT ``modules_to_save``.
+its rank (PEFT scaling 1) — or, for a run with ``model.use_rslora``, ``use_rslora: true`` and lora_alpha =
+√R (PEFT's α/√R is then exactly 1; ``fedlora.adapter.unit_alpha``). The classifier head — trained, or the
+run's frozen random head, which no hub checkpoint holds — travels as PEFT ``modules_to_save``.
 
 The run folder holds what this needs (``fedlora run`` writes it): ``config.json`` ("resolved": the
 adapted layers with their scales and orientation, the head's modules) and
@@ -34,7 +35,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from fedlora.adapter import fold_adapters
+from fedlora.adapter import fold_adapters, unit_alpha
 from fedlora.errors import ConfigError
 
 from .inject import SlotLoRALinear, _conv1d_type
@@ -222,8 +223,9 @@ def export_peft(run_dir: str | Path, client: int, out: str | Path, dtype: torch.
         if len(conv) != 1:
             raise ConfigError("export: a mix of Conv1D and Linear layers cannot share one PEFT fan_in_fan_out setting")
         mc = info["config"]["model"]
-        cfg = peft.LoraConfig(r=R, lora_alpha=R, target_modules=sorted(layers), lora_dropout=0.0,
-                              fan_in_fan_out=conv.pop(), modules_to_save=head_top or None,
+        rslora = bool(mc.get("use_rslora", False))  # the run's α/√r is folded into B: PEFT's scale must be 1
+        cfg = peft.LoraConfig(r=R, lora_alpha=unit_alpha(R, rslora), use_rslora=rslora, target_modules=sorted(layers),
+                              lora_dropout=0.0, fan_in_fan_out=conv.pop(), modules_to_save=head_top or None,
                               task_type=task_from_resolved(res).peft_task_type,
                               base_model_name_or_path=resolve_model_path(mc["name"]))
         tok = load_tokenizer(mc.get("tokenizer") or mc["name"], "model.tokenizer" if mc.get("tokenizer") else "model.name")

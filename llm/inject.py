@@ -153,7 +153,8 @@ class SlotLoRALinear(LoRALinear):
     """
 
     def __init__(self, base: nn.Module, rank: int, *, slots: int | None, client_rank: int = 0,
-                 alpha: float | None = None, client_alpha: float | None = None, middle: bool = False) -> None:
+                 alpha: float | None = None, client_alpha: float | None = None, middle: bool = False,
+                 rslora: bool = False) -> None:
         conv = _conv1d_type()
         self.conv1d = conv is not None and isinstance(base, conv)
         if not (self.conv1d or isinstance(base, nn.Linear)):
@@ -168,7 +169,7 @@ class SlotLoRALinear(LoRALinear):
             raise ConfigError(f"rank {rank} + client_rank {client_rank} exceeds the layer's min(d_in, d_out) = "
                               f"{min(d_in, d_out)}")
         super().__init__(d_in, d_out, rank, client_rank=client_rank, alpha=alpha, client_alpha=client_alpha,
-                         base_weight=weight, base_bias=None if base.bias is None else base.bias.detach(),
+                         rslora=rslora, base_weight=weight, base_bias=None if base.bias is None else base.bias.detach(),
                          stack=slots, middle=middle, dtype=weight.dtype, device=weight.device)
 
     def resize_slots(self, slots: int) -> None:
@@ -251,7 +252,7 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
 
 def inject_adapters(model: nn.Module, targets: Sequence[str], *, rank: int, slots: int | None,
                     client_rank: int = 0, alpha: float | None = None, client_alpha: float | None = None,
-                    middle: bool = False) -> list[str]:
+                    middle: bool = False, rslora: bool = False) -> list[str]:
     """Replace each module named in ``targets`` by a ``SlotLoRALinear`` (``fedlora.adapter.LoRALinear``
     keyword arguments as ``Method.adapter_kwargs()`` gives them). Freezes every parameter of the
     model first; only the adapters are trainable afterwards. Returns the adapted names."""
@@ -261,7 +262,7 @@ def inject_adapters(model: nn.Module, targets: Sequence[str], *, rank: int, slot
     for name in targets:
         try:
             new = SlotLoRALinear(modules[name], rank, slots=slots, client_rank=client_rank, alpha=alpha,
-                                 client_alpha=client_alpha, middle=middle)
+                                 client_alpha=client_alpha, middle=middle, rslora=rslora)
         except ConfigError as e:
             raise ConfigError(f"{name}: {e}") from None
         _replace(model, name, new)

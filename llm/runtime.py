@@ -160,6 +160,8 @@ class FederatedRun:
             kwargs["alpha"] = float(mc.lora_alpha)
             if kwargs.get("client_rank"):
                 kwargs["client_alpha"] = float(mc.lora_alpha)
+        if mc.use_rslora:  # s = α/√r in every adapter (fedlora.adapter.lora_scale); off: the kwargs as before
+            kwargs["rslora"] = True
         self.targets = match_targets(self.model, mc.target_modules, mc.layers)
         inject_adapters(self.model, self.targets, slots=slots, **kwargs)
         self.head_mode = self._head_mode()

@@ -100,7 +100,13 @@ _CMP_FLAGS: dict[str, tuple[Any, str]] = {
     "noise-std": (float, "regression noise standard deviation (default 0.5)"),
     "sample-fraction": (float, "share of clients drawn each round, in (0, 1] (default 1: all)"),
     "rank-tol": (float, "numerical rank: count σ_i > tol·σ_1 (default 0.02)"),
+    "rslora": (bool, "rsLoRA: every method's adapter scaled by α/√r instead of α/r (docs/methods/index.md)"),
 }
+
+
+def _flag_kind(typ) -> dict[str, Any]:
+    """argparse's way to read a flag of this type: ``bool`` is a switch (given = true), others take a value."""
+    return {"action": "store_true"} if typ is bool else {"type": typ}
 
 
 # `synthetic bilevel-convergence`: flag → (BilevelConfig field, type, help); every field has a flag, so an
@@ -220,7 +226,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cm.add_argument("--out", default="runs/compare", help="output folder (default runs/compare)")
     cm.add_argument("--no-plot", action="store_true", help="skip the PNG figure")
     for flag, (typ, help_) in _CMP_FLAGS.items():
-        cm.add_argument(f"--{flag}", type=typ, default=None, help=help_)
+        cm.add_argument(f"--{flag}", default=None, help=help_, **_flag_kind(typ))
 
     fl = ssub.add_parser("flower", help="one method on one federation of compare's testbed, on Flower (simulation "
                          "or a loopback deployment), checked against the embedded run",
@@ -238,7 +244,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     fl.add_argument("--out", default="runs/synthetic-flower", help="output folder (default runs/synthetic-flower)")
     for flag, (typ, help_) in _CMP_FLAGS.items():
         if flag not in _NOT_FLOWER:
-            fl.add_argument(f"--{flag}", type=typ, default=None, help=help_.replace("(default", "(default as compare:"))
+            fl.add_argument(f"--{flag}", default=None, help=help_.replace("(default", "(default as compare:"),
+                            **_flag_kind(typ))
 
     for parser, cmd in ((rr, _cmd_rank_recovery), (bc, _cmd_bilevel), (tu, _cmd_tune), (cm, _cmd_compare),
                         (fl, _cmd_flower)):

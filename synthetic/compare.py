@@ -27,6 +27,7 @@ from typing import Any, Mapping
 
 import torch
 
+from fedlora.adapter import refuse_rslora
 from fedlora.errors import ConfigError, did_you_mean, plural
 from fedlora.methods import available_methods, get_method, method_parameters
 
@@ -71,9 +72,18 @@ class MethodSpec:
     lr_arg: str = "lr"
 
 
-def method_spec(name: str, rank: int, n_clients: int, overrides: Mapping[str, Any] | None = None) -> MethodSpec:
+def method_spec(name: str, rank: int, n_clients: int, overrides: Mapping[str, Any] | None = None,
+                rslora: bool = False) -> MethodSpec:
     """The config-table entry of ``name`` at common rank ``rank`` for ``n_clients`` clients;
-    ``overrides`` (constructor options) win. ``ConfigError`` on bad input."""
+    ``overrides`` (constructor options) win; ``rslora``: the adapter with rsLoRA's s = α/√r
+    (``fedlora.adapter.lora_scale``; refused for a method whose paper fixes the scale). ``ConfigError`` on bad input."""
+    if rslora:
+        refuse_rslora(name, get_method(name).fixed_lora_scale, "--rslora")
+        spec = method_spec(name, rank, n_clients, overrides)
+        # the adapter structure does not depend on the step size: any lr builds the method to ask it
+        adapter = spec.adapter if spec.adapter is not None else \
+            build_method(name, 1e-3, spec.options, spec.lr_arg).adapter_kwargs()
+        return dataclasses.replace(spec, adapter={**adapter, "rslora": True})
     accepted = set(method_parameters(name))
     overrides = dict(overrides or {})
     options: dict[str, Any] = {"rank": rank} if "rank" in accepted else {}
@@ -136,6 +146,7 @@ class CompareConfig:
     lr_grid: tuple[float, ...] = DEFAULT_LR_GRID
     rank_tol: float = 0.02
     sample_fraction: float = 1.0  # clients drawn per round and federation (McMahan's C)
+    rslora: bool = False  # every method's adapter with rsLoRA's s = α/√r (left out of the record when off)
     method_options: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def validate(self) -> "CompareConfig":
@@ -182,6 +193,7 @@ class CompareConfig:
                                              for v in self.lr_grid), "lr-grid",
              "a comma-separated list of finite numbers > 0", self.lr_grid)
         need(0 < self.rank_tol < 1, "rank-tol", "in (0, 1)", self.rank_tol)
+        need(isinstance(self.rslora, bool), "rslora", "true or false", self.rslora)
         need(isinstance(self.sample_fraction, (int, float)) and 0 < self.sample_fraction <= 1, "sample-fraction",
              "in (0, 1]", self.sample_fraction)
         need(self.sample_fraction == 1 or "centralized" not in self.methods, "sample-fraction",
@@ -195,7 +207,7 @@ class CompareConfig:
         bad = sorted(k for k, v in self.method_options.items() if not isinstance(v, dict))
         need(not bad, "config", "method_options = {method: {option: value}} (a table per method)", bad)
         for name in self.methods:  # every constructor validates its options: fail before running anything
-            spec = method_spec(name, self.rank, self.clients, self.method_options.get(name))
+            spec = method_spec(name, self.rank, self.clients, self.method_options.get(name), self.rslora)
             for lr in self.lr_grid:
                 m = build_method(name, float(lr), spec.options, spec.lr_arg)
             if spec.adapter is None:
@@ -286,7 +298,7 @@ def run_compare(cfg: CompareConfig, *, log=print) -> dict[str, Any]:
                               "weighted": _mean_std((per_seed @ weights).tolist())}
             references.append(entry)
         for name in cfg.methods:
-            spec = method_spec(name, cfg.rank, cfg.clients, cfg.method_options.get(name))
+            spec = method_spec(name, cfg.rank, cfg.clients, cfg.method_options.get(name), cfg.rslora)
             by_lr = {}
             for lr in cfg.lr_grid:
                 res = run_method(name, data, lr=float(lr), rounds=cfg.rounds, local_steps=cfg.local_steps,
@@ -305,7 +317,8 @@ def run_compare(cfg: CompareConfig, *, log=print) -> dict[str, Any]:
                 entry["wall_s_grid"] = grid_s  # every step size of the grid, all h and seeds at once
                 results.append(entry)
     return {"experiment": "compare", "schema_version": 1,
-            "config": {**dataclasses.asdict(cfg), "methods": list(cfg.methods)},
+            "config": {**{k: v for k, v in dataclasses.asdict(cfg).items() if k != "rslora" or v},
+                       "methods": list(cfg.methods)},
             "selection": ("per (task, heterogeneity, method): the lr of lr_grid with the lowest validation "
                           "loss (unweighted mean over seeds and clients; split carved from training data); "
                           "ties → smaller lr; diverged runs = +inf"),

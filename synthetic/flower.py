@@ -65,7 +65,7 @@ def _parts(spec: Mapping[str, Any]):
         raise ConfigError(f"not a synthetic Flower spec (fedlora-task {spec.get('fedlora-task')!r})")
     cfg = _config(spec)
     name = str(spec["method"])
-    return cfg, name, method_spec(name, cfg.rank, cfg.clients, cfg.method_options.get(name)), \
+    return cfg, name, method_spec(name, cfg.rank, cfg.clients, cfg.method_options.get(name), cfg.rslora), \
         _make_data(cfg, str(spec["task"]))
 
 

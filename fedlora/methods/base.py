@@ -206,6 +206,9 @@ class Method(abc.ABC):
     #: the download is an increment every client must apply (not the full state): the simulator
     #: then counts its bytes for every client each round, sampled or not
     incremental_download: ClassVar[bool] = False
+    #: the reason this method's paper fixes the LoRA scale (e.g. Fed-SB's s = 1 of its LoRA-SB init), which
+    #: refuses rsLoRA's α/√r for it (``fedlora.adapter.refuse_rslora``); None = rsLoRA allowed
+    fixed_lora_scale: ClassVar[str | None] = None
 
     def adapter_kwargs(self) -> dict[str, Any]:
         """The adapter structure this method needs, as ``LoRALinear`` keyword arguments

@@ -26,6 +26,8 @@ s = α/rank, so **every client trains with s_k = s** (equivalently, client k's l
 α·r_k/r_max). Aggregation and redistribution stay exact for any scales: each upload carries its layer
 scale in the payload metadata and the server forms Σ_k w_k s_k B_k A_k with it; ``download`` divides by
 the receiving layer's scale. Only the local training dynamics differ from per-client α/r_k scaling.
+With rsLoRA (``model.use_rslora``) the rule is the same with s = α/√rank for every client
+(``fedlora.adapter.lora_scale``; client k's lora_alpha is then α·√(r_k/r_max)), and the server stays exact.
 
 Stacked replicas: each replica keeps ``rank`` slots; client k's unused slots r_k..rank−1 are held at
 exactly zero (as HetLoRA's zero-padding), so their gradients vanish and the batched step equals

@@ -11,7 +11,9 @@ to every client, which merges W0 ← W0 + B_stack A_stack (``flora_merge``) and 
 Heterogeneous ranks: the stacked model has one rank r; ``ranks`` (one per client, 1 ≤ r_k ≤ r)
 keeps client k's slots r_k..r−1 at exactly zero (as HetLoRA does), and a client uploads only its
 first r_k rows of A / columns of B. The scale s is the layer's α/r for every client (the paper uses
-α/r_k; with r_k < r this only rescales client k's effective step size) — a decision, stated here.
+α/r_k; with r_k < r this only rescales client k's effective step size) — a decision, stated here. With
+rsLoRA it is α/√r for every client (``fedlora.adapter.lora_scale``); each upload carries its s, so the stack
+B_stack A_stack = Σ_k p_k s_k B_k A_k stays exact whatever the scales.
 
 Fresh adapters after a merge are drawn from a generator seeded by (seed, round, federation, layer),
 so all clients of a federation restart from the same numbers and the same seed gives the same run.

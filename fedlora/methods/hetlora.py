@@ -14,6 +14,12 @@ Several adapted layers (an LLM): r_k is the client's rank in every layer; the pe
 norm of the pruning rule are summed over layers; the server aggregates each layer with its own
 sparsity weights ‖B_kA_k‖_F (of that layer). A trained classifier head is averaged with the data
 weights (it has no rank to weight by).
+
+Scale (a decision, as FlexLoRA's and FLoRA's): one s per layer for every client, the layer's s = α/r_max
+(``fedlora.adapter.lora_scale``; with rsLoRA, α/√r_max) — the stacked layer has r_max slots, so a client of
+rank r_k trains as if its α were α·r_k/r_max (rsLoRA: α·√(r_k/r_max)), not with its own α/r_k (α/√r_k). The
+sparsity weights ‖B_kA_k‖_F / Σ_j ‖B_jA_j‖_F do not depend on s (a common s cancels), so the server is the
+same with or without rsLoRA.
 """
 from __future__ import annotations
 

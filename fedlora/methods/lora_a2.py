@@ -9,7 +9,10 @@ train A** (docs/design.md §4.5: we follow the algorithm, not the paper's §4.1 
 ∂L/∂A = s·Bᵀ(…) = 0 and an A-round first would not move anything. η_A = ``lr`` (App. B: AdamW,
 η = 5e-4), η_B = ``lr_ratio``·η_A with ``lr_ratio`` = 5 (App. B, after LoRA+). Merge scale 16/r_G
 (App. B "W_ft = W0 + 16/r ΔW"): :meth:`LoRAA2.adapter_kwargs` builds the layers with alpha = 16, and
-``LoRALinear`` uses s = alpha / rank.
+``LoRALinear`` uses s = alpha / rank. The paper sets that α for every method it runs (a hyperparameter of its
+experiments, not of the algorithm: eq. 4–6 and the aggregation never use s), so rsLoRA is allowed: s = 16/√r_G.
+A client's budget r_k selects ranks of its rank-r_G adapter; its scale is the module's s = α/r_G (rsLoRA: α/√r_G)
+whatever r_k, so budgets never change s.
 
 One round of one client (Algorithm 2, eq. 4–6), the trained factor being B (A-rounds mirror it):
 1. probe: ``probe_steps`` unmasked local steps from the round's start B⁰ give ΔB = B − B⁰;
