@@ -8,6 +8,7 @@
     fedlora export RUN_DIR --client K --out DIR [--format peft|merged]
     fedlora plot RUN_DIR [RUN_DIR …] [--out DIR] [--labels A,B] [--metric M]
     fedlora compare CONFIG --methods a,b --lr-grid 1e-3,5e-3 [--seeds N] [--set key=value …] [--out DIR]
+    fedlora aggregate --method M CLIENT_DIR… (--weights W1,W2 | --weights-from FILE) --out DIR
     fedlora --version         the installed version and, in a git checkout, the commit
 
 ``fedlora`` (or ``fedlora synthetic``, ``fedlora flower``) without a command prints its usage and exits 2.
@@ -63,6 +64,7 @@ BUILTIN_COMMANDS: dict[str, str] = {
     "plot": "fedlora.llm.cli:register_plot",
     "compare": "fedlora.llm.cli:register_compare",
     "flower": "fedlora.llm.cli:register_flower",
+    "aggregate": "fedlora.aggregate_cli:register",
 }
 
 #: the exit status of bad input (``ConfigError``) and of an unavailable command

@@ -37,6 +37,7 @@ from safetensors.torch import save_file
 
 from fedlora.adapter import fold_adapters, unit_alpha
 from fedlora.errors import ConfigError
+from fedlora.peft_adapters import peft_key
 
 from .inject import SlotLoRALinear, _conv1d_type
 from .model import load_tokenizer, resolve_model_path
@@ -208,17 +209,17 @@ def export_peft(run_dir: str | Path, client: int, out: str | Path, dtype: torch.
         dt = dtype or tensors[next(iter(tensors))].dtype
         state = {}
         for name, (a, b) in factors.items():
-            state[f"base_model.model.{name}.lora_A.weight"] = a.to(dt).contiguous()
-            state[f"base_model.model.{name}.lora_B.weight"] = b.to(dt).contiguous()
+            state[peft_key(name, "lora_A")] = a.to(dt).contiguous()
+            state[peft_key(name, "lora_B")] = b.to(dt).contiguous()
         head_top = sorted({h.split(".")[0] for h in res["head_linear"]})
         for h in res["head_linear"]:
             w, bias = tensors.get(f"{h}.head_weight", tensors.get(f"{h}.weight")), tensors.get(f"{h}.head_bias",
                                                                                               tensors.get(f"{h}.bias"))
             if w is None:
                 raise ConfigError(f"export: the adapter has no weights for the head layer {h!r}")
-            state[f"base_model.model.{h}.weight"] = w.to(dt).contiguous()
+            state[peft_key(h, "weight")] = w.to(dt).contiguous()
             if bias is not None:
-                state[f"base_model.model.{h}.bias"] = bias.to(dt).contiguous()
+                state[peft_key(h, "bias")] = bias.to(dt).contiguous()
         conv = {bool(v.get("conv1d")) for v in layers.values()}
         if len(conv) != 1:
             raise ConfigError("export: a mix of Conv1D and Linear layers cannot share one PEFT fan_in_fan_out setting")

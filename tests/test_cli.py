@@ -20,7 +20,8 @@ from fedlora.errors import ConfigError
 REQUIRED_ARGS: dict[tuple[str, ...], list[str]] = {("run",): ["tiny-smoke"], ("export",): ["runs/none"],
                                                   ("plot",): ["runs/none"], ("flower", "local"): ["tiny-smoke"],
                                                   ("synthetic", "flower"): ["--method", "fedavg", "--lr", "0.1"],
-                                                  ("compare",): ["tiny-smoke", "--methods", "fedavg", "--lr-grid", "1e-3"]}
+                                                  ("compare",): ["tiny-smoke", "--methods", "fedavg", "--lr-grid", "1e-3"],
+                                                  ("aggregate",): ["--method", "fedavg", "no-adapter", "--weights", "1"]}
 #: commands that start a long-running server process and write no results (they take no --out)
 LAUNCHERS = {("flower", "superlink"), ("flower", "supernode")}
 

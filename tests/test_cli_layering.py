@@ -378,7 +378,7 @@ def _assert_resolves_and_adds(name: str, value: str) -> None:
 
 def test_the_builtin_fallback_is_pyprojects_table():
     assert _pyproject_commands() == BUILTIN_COMMANDS
-    assert list(BUILTIN_COMMANDS) == ["synthetic", "run", "export", "plot", "compare", "flower"]  # the help order
+    assert list(BUILTIN_COMMANDS) == ["synthetic", "run", "export", "plot", "compare", "flower", "aggregate"]  # the help order
 
 
 @pytest.mark.parametrize("name", list(BUILTIN_COMMANDS))
@@ -406,7 +406,8 @@ def test_without_metadata_the_builtins_still_come(monkeypatch):
     """A clone that was never installed: no entry points at all, the same commands in the same order."""
     monkeypatch.setattr(metadata, "entry_points", lambda **kw: metadata.EntryPoints(()))
     assert [(ep.name, ep.value) for ep in command_entry_points()] == list(BUILTIN_COMMANDS.items())
-    assert cli._build_parser().format_usage() == "usage: fedlora [-h] [--version] {synthetic,run,export,plot,compare,flower} ...\n"
+    assert " ".join(cli._build_parser().format_usage().split()) == \
+        "usage: fedlora [-h] [--version] {synthetic,run,export,plot,compare,flower,aggregate} ..."
 
 
 def _launchers():
@@ -422,7 +423,8 @@ def test_the_command_as_users_start_it(launcher, tmp_path):
     env.pop("PYTHONPATH", None)  # as installed: the repo root is never on sys.path
     r = subprocess.run([*launcher, "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0 and r.stderr == "", r.stderr
-    assert r.stdout.startswith("usage: fedlora [-h] [--version] {synthetic,run,export,plot,compare,flower} ...")
+    assert " ".join(r.stdout.split()).startswith(
+        "usage: fedlora [-h] [--version] {synthetic,run,export,plot,compare,flower,aggregate} ...")
     r = subprocess.run([*launcher, "synthetic", "tune", "--seeds", "0", "--out", str(tmp_path / "o")],
                        cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
     assert (r.returncode, r.stderr) == (2, "fedlora: error: --seeds: must be an integer ≥ 1, got 0\n")
@@ -502,7 +504,7 @@ def test_another_package_adds_a_command(plugins, capsys):
         main(["--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out  # built-ins first, in their order; then the others by name; 'run' stays ours
-    assert " ".join(out.split()).startswith("usage: fedlora [-h] [--version] {synthetic,run,export,plot,compare,flower,broken,crashing,hello,nameless} ...")
+    assert " ".join(out.split()).startswith("usage: fedlora [-h] [--version] {synthetic,run,export,plot,compare,flower,aggregate,broken,crashing,hello,nameless} ...")
     assert "broken unavailable: its plugin failed to load (`fedlora broken` says why)" in " ".join(out.split())
     assert main(["hello", "--name", "plugin"]) == 0 and capsys.readouterr().out == "hello plugin\n"
 

@@ -32,7 +32,7 @@ def _commands(parser, path=()):
 
 
 # --- a bare command prints its usage ----------------------------------------------------------------
-@pytest.mark.parametrize("argv, commands", [([], ["synthetic", "run", "export", "plot", "compare", "flower"]),
+@pytest.mark.parametrize("argv, commands", [([], ["synthetic", "run", "export", "plot", "compare", "flower", "aggregate"]),
                                             (["synthetic"], ["rank-recovery", "tune", "compare"]),
                                             (["flower"], ["local", "certs", "app"])])
 def test_a_bare_command_prints_its_usage_not_argparse_dest_names(argv, commands, capsys):
@@ -385,7 +385,7 @@ def test_a_reader_that_leaves_early_gets_no_traceback(monkeypatch):
 
 
 @pytest.mark.parametrize("argv,prog,names", [
-    (["bogus"], "fedlora", "synthetic, run, export, plot, compare, flower"),
+    (["bogus"], "fedlora", "synthetic, run, export, plot, compare, flower, aggregate"),
     (["synthetic", "bogus"], "fedlora synthetic", "rank-recovery, bilevel-convergence, tune, compare, flower"),
     (["flower", "bogus"], "fedlora flower", "local, certs, app, superlink, supernode"),
 ])

@@ -72,6 +72,15 @@ def _stop_work(monkeypatch) -> None:
         monkeypatch.setattr(mod, fn, started)
 
 
+def _peft_export(runs: dict[str, Path]) -> str:
+    """The finished run's client 0 as a PEFT adapter folder (once): what `fedlora aggregate` reads."""
+    if "peft" not in runs:
+        from fedlora.llm.export import export_peft
+
+        runs["peft"] = export_peft(runs["done"], 0, runs["done"].parent / "peft-client0")
+    return str(runs["peft"])
+
+
 def _table(runs: dict[str, Path]) -> dict[tuple[str, ...], tuple]:
     done = str(runs["done"])
     return {
@@ -91,12 +100,14 @@ def _table(runs: dict[str, Path]) -> dict[tuple[str, ...], tuple]:
         ("synthetic", "compare"): (lambda o: ["synthetic", "compare", "--out", o], "compare.json", False),
         ("synthetic", "flower"): (lambda o: ["synthetic", "flower", "--method", "fedavg", "--lr", "0.1", "--out", o],
                                   "history.json", False),
+        ("aggregate",): (lambda o: ["aggregate", "--method", "fedavg", _peft_export(runs), _peft_export(runs),
+                                    "--weights", "1,1", "--out", o], "aggregate.json", True),
     }
 
 
 CASES = [("run",), ("export",), ("export", "merged"), ("plot",), ("compare",), ("flower", "local"),
          ("flower", "certs"), ("flower", "app"), ("synthetic", "rank-recovery"), ("synthetic", "bilevel-convergence"),
-         ("synthetic", "tune"), ("synthetic", "compare"), ("synthetic", "flower")]
+         ("synthetic", "tune"), ("synthetic", "compare"), ("synthetic", "flower"), ("aggregate",)]
 
 
 def test_the_table_covers_every_command_that_writes():

@@ -387,6 +387,75 @@ class Method(abc.ABC):
         ``state`` into the shared base model once, on the server side (LLM runtime)."""
         raise NotImplementedError(f"{self.name} does not merge into the base model")
 
+    # PEFT adapters trained anywhere, aggregated with this method's server (fedlora.peft_adapters) --------
+    #: the factors (``lora_A``, ``lora_B``) a client uploads when this method's server is a function of the
+    #: clients' LoRA factors alone, so that adapters trained elsewhere (PEFT's own loop, a Flower app) can be
+    #: aggregated with it (``fedlora.peft_adapters.aggregate_adapters``, ``fedlora aggregate``). The factors
+    #: not listed stay the client's: private (a personalised method: FedSA's B_k) or frozen and shared by every
+    #: client (FFA's A). Empty (the default): the server needs more than plain LoRA factors (PF2LoRA's
+    #: hypergradient steps, H²Tune's middle matrices, LoRA-A²'s masked deltas with their indices): refused.
+    lora_upload: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def check_lora_clients(cls, clients: Sequence[Mapping[str, tuple[torch.Tensor, torch.Tensor, float]]], *,
+                           one_rank: bool = True, one_scale: bool = True) -> None:
+        """What ``uploads_from_lora`` needs of the clients' factors, each a one-line ``ConfigError``: a method
+        whose server uses them (``lora_upload`` not empty); ``one_rank``: one rank per module for every client;
+        ``one_scale``: one scale per module for every client; and, for a method with a global model, the
+        factors it does not upload identical on every client (frozen and shared)."""
+        if not cls.lora_upload:
+            able = sorted(n for n, c in _REGISTRY.items() if c.lora_upload)
+            raise ConfigError(f"{cls.name}: its server needs more than the clients' LoRA factors, so adapters "
+                              f"trained elsewhere cannot be aggregated with it; methods that can: {', '.join(able)}")
+        het = sorted(n for n, c in _REGISTRY.items() if any(o in method_parameters(c) for o in _RANK_BUDGET_OPTIONS)
+                     and c.lora_upload)
+        for m, (a, b, s) in clients[0].items():
+            for k, client in enumerate(clients[1:], 1):
+                a_k, b_k, s_k = client[m]
+                if one_rank and (a_k.shape != a.shape or b_k.shape != b.shape):
+                    raise ConfigError(f"{cls.name}: module {m!r} has rank {a.shape[0]} in client 0 and {a_k.shape[0]} "
+                                      f"in client {k}; {cls.name} needs one rank for every client (methods that take "
+                                      f"different ranks: {', '.join(het)})")
+                if one_scale and s_k != s:
+                    raise ConfigError(f"{cls.name}: module {m!r} has LoRA scale {s:g} in client 0 and {s_k:g} in "
+                                      f"client {k}; {cls.name} averages factors, which needs one scale (lora_alpha/r, "
+                                      f"or lora_alpha/√r with use_rslora) for every client")
+                frozen = [(leaf, x, x_k) for leaf, x, x_k in (("lora_A", a, a_k), ("lora_B", b, b_k))
+                          if leaf not in cls.lora_upload and not cls.personalised]
+                for leaf, x, x_k in frozen:
+                    if not torch.equal(x, x_k):
+                        raise ConfigError(f"{cls.name}: client {k}'s {leaf} of module {m!r} differs from client 0's; "
+                                          f"{cls.name} trains only {', '.join(cls.lora_upload)} over a {leaf} that is "
+                                          f"frozen and the same on every client")
+
+    @classmethod
+    def uploads_from_lora(cls, clients: Sequence[Mapping[str, tuple[torch.Tensor, torch.Tensor, float]]]
+                          ) -> list[Payload]:
+        """Each client's upload built from its LoRA factors alone: per client, module name → (A (r, d_in),
+        B (d_out, r), scale s) with ΔW = s·B A, the same modules for every client. The default suits a server
+        that averages factors: one rank and one scale per module for every client, the ``lora_upload`` factors
+        as ``<module>.lora_A`` / ``<module>.lora_B``, and (a method with a global model) the factors not
+        uploaded identical on every client. A method whose uploads carry more (ranks, scales) overrides it.
+        What does not fit is a one-line ``ConfigError``."""
+        cls.check_lora_clients(clients)
+        return [Payload({f"{m}.{leaf}": (a if leaf == "lora_A" else b) for leaf in cls.lora_upload
+                         for m, (a, b, _) in client.items()}) for client in clients]
+
+    @classmethod
+    def lora_download(cls, state: Mapping[str, torch.Tensor],
+                      client: Mapping[str, tuple[torch.Tensor, torch.Tensor, float]]
+                      ) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
+        """A client's LoRA factors after it took the server's ``state`` (what ``download`` writes into its
+        replica), from its own ``client`` (module → (A, B, s)). Default: the state's ``<module>.lora_A`` /
+        ``<module>.lora_B`` replace the client's; the rest stays, and so does the scale."""
+        return {m: (state.get(f"{m}.lora_A", a), state.get(f"{m}.lora_B", b), s) for m, (a, b, s) in client.items()}
+
+    @classmethod
+    def lora_base_delta(cls, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What the server's ``state`` adds to each module's frozen base weight: module name → (d_out, d_in)
+        (FLoRA's merged stack, FedEx-LoRA's residual). Default: nothing (the base stays)."""
+        return {}
+
     def upload_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Every tensor a client of this method may upload: name → (full shape, dtype), what the server
         checks uploads against (``fedlora.server.UploadSpec``). Default: the trainable parameters

@@ -106,6 +106,7 @@ class FedAvgLoRA(FactorLoRA):
     """
 
     name = "fedavg"
+    lora_upload = ("lora_A", "lora_B")  # its server averages the uploads: PEFT adapters aggregate with it
 
     def local_step(self, objective: Objective, sample: Sampler) -> None:
         self.train_step(objective, sample, self.a_names + self.b_names + self.heads)

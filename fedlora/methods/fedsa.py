@@ -25,6 +25,7 @@ class FedSALoRA(FactorLoRA):
     """FedSA-LoRA. Args: rank r, lr, optimizer ("adamw" | "sgd"), weight_decay."""
 
     name = "fedsa"
+    lora_upload = ("lora_A",)  # A averaged, B_k stays: PEFT adapters aggregate with it
     personalised = True  # B_k stays on the client
     global_factors = ("lora_A",)  # B_k is each client's own from the start
     default_head = "personal"  # client-specific knowledge, like B_k

@@ -43,6 +43,7 @@ class FFALoRA(FactorLoRA):
     """FFA-LoRA. Args: rank r, lr, optimizer ("adamw" | "sgd"), weight_decay."""
 
     name = "ffa"
+    lora_upload = ("lora_B",)  # B averaged over the one frozen A: PEFT adapters aggregate with it
     #: B alone over a frozen random A (and, in its paper's setup, a frozen random head) learns slowly at
     #: FedAvg's step; Sun et al. train FFA-LoRA with a larger one. MiniLM run: 2e-3 ends at 0.534 after
     #: 10 rounds (loss 1.38 → 1.30); 2-round probes 1e-2 / 3e-2 → 0.457 / 0.533 (docs/results/minilm-every-method.md).

@@ -158,6 +158,33 @@ class FLoRA(FactorLoRA):
         out.update(Method.aggregate_head(payloads, weights))  # a trained classifier head: the data-weighted mean
         return out
 
+    # PEFT adapters trained elsewhere (fedlora.peft_adapters): ranks and scales may differ between clients
+    lora_upload = ("lora_A", "lora_B")
+
+    @classmethod
+    def uploads_from_lora(cls, clients) -> list[Payload]:
+        """Each client's r_k rows of A and columns of B as they are; meta: each module's scale s_k."""
+        cls.check_lora_clients(clients, one_rank=False, one_scale=False)
+        return [Payload({**{f"{m}.lora_A": a for m, (a, _, _) in client.items()},
+                         **{f"{m}.lora_B": b for m, (_, b, _) in client.items()}},
+                        {_SCALE + f"{m}.lora_A": repr(float(s)) for m, (_, _, s) in client.items()})
+                for client in clients]
+
+    @classmethod
+    def lora_download(cls, state, client) -> dict:
+        """The stack every client receives, as one LoRA of rank Σ r_k and scale 1 (B_stack carries p_k s_k):
+        on the old base it is the merged model; merged in (``lora_base_delta``), the client restarts fresh."""
+        return {m: (state[f"{m}.lora_A"], state[f"{m}.lora_B"], 1.0) for m in client}
+
+    @classmethod
+    def lora_base_delta(cls, state) -> dict[str, torch.Tensor]:
+        """B_stack A_stack per module (``flora_merge`` of a zero base: the float64 product)."""
+        out = {}
+        for a in [n for n in state if n.endswith(".lora_A")]:
+            A, B = state[a], state[a[: -len("lora_A")] + "lora_B"]
+            out[a[: -len(".lora_A")]] = flora_merge(B.new_zeros(B.shape[0], A.shape[1]), B, A)
+        return out
+
     def server_update(self, state: Mapping[str, torch.Tensor], aggregated: Mapping[str, torch.Tensor]
                       ) -> dict[str, torch.Tensor]:
         """The round's stack (and head); with a shared base also the number of merges so far, which

@@ -1,0 +1,313 @@
+"""PEFT adapters trained anywhere, aggregated with a method's server (``fedlora aggregate``, ``fedlora.peft_adapters``).
+
+The adapters are saved by PEFT itself (``get_peft_model`` on a tiny BERT built from a config, random
+factors — ``init_lora_weights=False`` — and different ranks and seeds). Each method that declares its server
+runs on uploads alone (``Method.lora_upload``; new methods join by that attribute) is checked against the
+same method in a run: its clients' own ``upload`` of the same factors in a stacked model, its ``aggregate``
+and ``server_update``, and its ``download`` into each client's replica — the code a ``fedlora run`` runs.
+Independent numbers pin what the results mean (FedAvg's weighted mean, FLoRA's Σ p_k s_k B_k A_k, FlexLoRA's
+truncated SVD, HetLoRA's norm-weighted zero-padded mean).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from fedlora.adapter import LoRALinear
+from fedlora.aggregation import normalise_weights
+from fedlora.cli import main
+from fedlora.methods import RankSlots, build, get_method, method_parameters
+from fedlora.peft_adapters import PeftAdapter, aggregate_adapters, lora_methods, peft_key
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(vocab_size=100, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+            num_labels=3)
+TARGETS = ["query", "value"]
+WEIGHTS = [1.0, 2.0, 3.0]
+HET_RANKS = [2, 4, 3]
+
+
+def base_model():
+    torch.manual_seed(0)  # every client shares the base model
+    return transformers.BertForSequenceClassification(transformers.BertConfig(**TINY)).eval()
+
+
+def save_adapters(folder: Path, ranks, *, alpha=None, share_a=False, head=False, targets=TARGETS,
+                  rslora=False) -> list[str]:
+    """One PEFT adapter per rank, saved by PEFT (``save_pretrained``): random A and B (seed k + 1), lora_alpha
+    ``alpha`` (default 2r: scale 2 at every rank); with ``share_a`` every client's A is client 0's (a frozen A
+    shared by all, as FFA-LoRA's)."""
+    dirs, first_a = [], {}
+    for k, r in enumerate(ranks):
+        model = base_model()
+        torch.manual_seed(k + 1)
+        cfg = peft.LoraConfig(r=r, lora_alpha=2 * r if alpha is None else alpha, target_modules=targets, init_lora_weights=False,
+                              modules_to_save=["classifier"] if head else None, use_rslora=rslora)
+        pm = peft.get_peft_model(model, cfg)
+        with torch.no_grad():
+            for n, p in pm.named_parameters():
+                if "classifier" in n and "modules_to_save" in n:
+                    p.normal_()  # a trained head differs per client
+                if share_a and "lora_A" in n:
+                    first_a.setdefault(n, p.detach().clone())
+                    p.copy_(first_a[n])
+        d = folder / f"client{k}"
+        pm.save_pretrained(str(d))
+        dirs.append(str(d))
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    root = tmp_path_factory.mktemp("peft-adapters")
+    return {"het": save_adapters(root / "het", HET_RANKS),
+            "same": save_adapters(root / "same", [4, 4, 4]),
+            "shared_a": save_adapters(root / "shared_a", [4, 4, 4], share_a=True),
+            "head": save_adapters(root / "head", [4, 4, 4], head=True),
+            "het_scales": save_adapters(root / "het_scales", HET_RANKS, alpha=8, rslora=True),
+            "query_only": save_adapters(root / "query_only", [4], targets=["query"])}
+
+
+def takes_client_ranks(name: str) -> bool:
+    return any(o in method_parameters(name) for o in ("client_ranks", "ranks", "initial_ranks"))
+
+
+def input_set(name: str) -> str:
+    """The adapters a method takes: different ranks where it takes them; else one rank, with the factor it
+    does not upload shared by every client where that factor is frozen (a method with a global model)."""
+    cls = get_method(name)
+    if takes_client_ranks(name):
+        return "het"
+    if not cls.personalised and len(cls.lora_upload) < 2:
+        return "shared_a" if "lora_A" not in cls.lora_upload else "same"
+    return "same"
+
+
+def factors_of(sd) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """module → (A, B) of a PEFT state dict (saved keys, or a loaded PeftModel's with ``.default``)."""
+    out: dict[str, list] = {}
+    for k, v in sd.items():
+        for i, leaf in enumerate(("lora_A", "lora_B")):
+            for tail in (f".{leaf}.weight", f".{leaf}.default.weight"):
+                if k.endswith(tail):
+                    out.setdefault(k[len("base_model.model."): -len(tail)], [None, None])[i] = v
+    return {m: tuple(ab) for m, ab in out.items()}
+
+
+# -- the same method in a run: its clients' upload, its server, its download --------------------------------------
+def run_options(name: str, ranks) -> dict:
+    """The method's options in a run whose clients have these ranks (the server's rank = the largest)."""
+    params, cls = method_parameters(name), get_method(name)
+    opts = {}
+    if "r_max" in params:  # HetLoRA: ranks in [r_min, r_max]
+        opts.update(r_min=min(ranks), r_max=max(ranks))
+    elif cls.rank_option and cls.rank_option in params:
+        opts[cls.rank_option] = max(ranks)
+    for o in ("client_ranks", "ranks", "initial_ranks"):
+        if o in params:
+            opts[o] = list(ranks)
+    return opts
+
+
+def stacked_model(shapes, K: int, rank: int, scale: float) -> nn.Module:
+    """The adapted modules, named as in the HF model, as stacked LoRALinear layers of K replicas (W0 = 0)."""
+    root = nn.Module()
+    for name, (d_out, d_in) in shapes.items():
+        parent = root
+        *path, leaf = name.split(".")
+        for p in path:
+            if p not in parent._modules:
+                parent.add_module(p, nn.Module())
+            parent = parent._modules[p]
+        parent.add_module(leaf, LoRALinear(d_in, d_out, rank, alpha=scale * rank, stack=K))
+    return root
+
+
+def server_in_a_run(name: str, clients, weights):
+    """(server state, each client's factors after its download, each replica's W0 after it) of ``name`` run on
+    ``clients`` (module → (A, B)) with the run's own upload / aggregate / server_update / download."""
+    ranks = [next(iter(c.values()))[0].shape[0] for c in clients]
+    method = build(name, run_options(name, ranks))
+    shapes = {m: (b.shape[0], a.shape[1]) for m, (a, b) in clients[0].items()}
+    model = stacked_model(shapes, len(clients), method.adapter_kwargs()["rank"], 2.0)
+    method.setup(model, list(range(len(clients))))
+    with torch.no_grad():
+        for k, c in enumerate(clients):
+            for m, (a, b) in c.items():
+                layer = model.get_submodule(m)
+                RankSlots.pad_into(layer.lora_A, layer.lora_B, k, a, b)
+    uploads = [method.upload(k) for k in range(len(clients))]
+    state = method.server_update({}, method.aggregate(uploads, normalise_weights(weights)))
+    got, bases = [], []
+    for k, r in enumerate(ranks):
+        method.download(k, state)
+        got.append({m: (model.get_submodule(m).lora_A[k, :r].detach().clone(),
+                        model.get_submodule(m).lora_B[k, :, :r].detach().clone()) for m in shapes})
+        bases.append({m: model.get_submodule(m).weight for m in shapes})
+    return state, got, bases
+
+
+@pytest.mark.parametrize("name", lora_methods())
+def test_each_method_equals_its_server_in_a_run(name, adapters, tmp_path):
+    """fedlora aggregate on PEFT's own adapters (random init; different ranks where the method takes them)
+    gives each client what the same method's server and download give it in a run, bit for bit."""
+    dirs = adapters[input_set(name)]
+    out = tmp_path / "agg"
+    assert main(["aggregate", "--method", name, *dirs, "--weights", ",".join(map(str, WEIGHTS)), "--out", str(out)]) == 0
+    clients = [{m: (a, b) for m, (a, b, _) in PeftAdapter.load(d).lora()[0].items()} for d in dirs]
+    state, got, bases = server_in_a_run(name, clients, WEIGHTS)
+
+    res = aggregate_adapters(name, dirs, WEIGHTS)
+    assert set(res.state) == set(state)
+    for key, v in state.items():
+        assert torch.equal(res.state[key], v), key
+    summary = json.loads((out / "aggregate.json").read_text())
+    assert summary["method"] == name and summary["weights"] == pytest.approx([w / 6 for w in WEIGHTS], abs=0)
+    delta = res.base_delta
+    for k in range(len(dirs)):
+        written = PeftAdapter.load(out / f"client_{k}")
+        mine = factors_of(written.state_dict)
+        if delta:  # the base changed (FLoRA): the run's replica W0 holds it; the adapter written is what was merged
+            for m, (a, b) in mine.items():
+                assert torch.equal(bases[k][m][k], delta[f"{m}.weight"]), m
+                assert torch.equal(a, state[f"{m}.lora_A"]) and torch.equal(b, state[f"{m}.lora_B"])
+            continue
+        assert set(mine) == set(got[k])
+        own = PeftAdapter.load(dirs[k]).lora()[0]
+        for m, (a, b) in got[k].items():
+            assert torch.equal(mine[m][0], a) and torch.equal(mine[m][1], b), (k, m)
+            assert written.lora()[0][m][2] == own[m][2]  # the client's own scale, as its config gives it
+
+
+def test_fedavg_loaded_back_into_peft_gives_the_weighted_means_exactly(adapters, tmp_path):
+    """FedAvg's adapter, loaded by PEFT on the base model, holds Σ p_k A_k and Σ p_k B_k (and the head's mean)."""
+    dirs = adapters["head"]
+    out = tmp_path / "agg"
+    assert main(["aggregate", "--method", "fedavg", *dirs, "--weights", "1,2,3", "--out", str(out)]) == 0
+    p = np.array(WEIGHTS) / sum(WEIGHTS)
+    inputs = [PeftAdapter.load(d).state_dict for d in dirs]
+    loaded = peft.PeftModel.from_pretrained(base_model(), str(out / "client_1"))
+    params = dict(loaded.named_parameters())
+    saved = PeftAdapter.load(out / "client_1").state_dict
+    for key in inputs[0]:
+        mean = sum(pk * sd[key].double().numpy() for pk, sd in zip(p, inputs))
+        np.testing.assert_allclose(saved[key].double().numpy(), mean, rtol=1e-6, atol=1e-7)
+        assert not np.allclose(inputs[0][key].numpy(), mean)  # a real average, not client 0's
+        if ".lora_" in key:
+            live = params[key.replace(".weight", ".default.weight")]
+        else:  # the head: PEFT's modules_to_save copy
+            live = params[key.replace("classifier.", "classifier.modules_to_save.default.")]
+        assert torch.equal(live.detach(), saved[key]), key  # loaded back exactly as written
+    x = torch.randint(0, TINY["vocab_size"], (2, 5))
+    assert not torch.allclose(loaded(input_ids=x).logits, base_model()(input_ids=x).logits)
+
+
+def test_flora_base_delta_is_the_exact_weighted_sum_with_each_clients_own_scale(adapters):
+    """FLoRA with different ranks AND scales (rsLoRA, α = 8: s_k = 8/√r_k): base delta = Σ p_k s_k B_k A_k, and
+    the stack as one LoRA of rank Σ r_k and scale 1."""
+    dirs = adapters["het_scales"]
+    res = aggregate_adapters("flora", dirs, WEIGHTS)
+    p = np.array(WEIGHTS) / sum(WEIGHTS)
+    loaded = [PeftAdapter.load(d).lora()[0] for d in dirs]
+    for m in loaded[0]:
+        want = sum(pk * s * (b.double() @ a.double()).numpy() for pk, c in zip(p, loaded) for a, b, s in [c[m]])
+        np.testing.assert_allclose(res.base_delta[f"{m}.weight"].double().numpy(), want, rtol=1e-5, atol=1e-6)
+    stack = factors_of(res.adapters[0].state_dict)
+    assert {a.shape[0] for a, _ in stack.values()} == {sum(HET_RANKS)}
+    assert res.adapters[0].config["r"] == res.adapters[0].config["lora_alpha"] == sum(HET_RANKS)
+
+
+def test_flexlora_gives_each_client_its_best_rank_rk_approximation(adapters):
+    """FlexLoRA: s_k B'_k A'_k is the rank-r_k truncated SVD of Σ p_k s_k B_k A_k (numpy, float64)."""
+    dirs = adapters["het"]
+    res = aggregate_adapters("flexlora", dirs, WEIGHTS)
+    p = np.array(WEIGHTS) / sum(WEIGHTS)
+    loaded = [PeftAdapter.load(d).lora()[0] for d in dirs]
+    for m in loaded[0]:
+        dw = sum(pk * s * (b.double() @ a.double()).numpy() for pk, c in zip(p, loaded) for a, b, s in [c[m]])
+        U, S, Vt = np.linalg.svd(dw)
+        for k, r in enumerate(HET_RANKS):
+            a, b = factors_of(res.adapters[k].state_dict)[m]
+            s = loaded[k][m][2]
+            np.testing.assert_allclose(s * (b.double() @ a.double()).numpy(), (U[:, :r] * S[:r]) @ Vt[:r],
+                                       rtol=1e-4, atol=1e-5)
+
+
+def test_hetlora_is_the_norm_weighted_zero_padded_mean(adapters):
+    """HetLoRA: A, B zero-padded to r_max and averaged with ‖B_k A_k‖_F / Σ_j ‖B_j A_j‖_F (not the data weights);
+    client k receives the first r_k rows / columns."""
+    dirs = adapters["het"]
+    res = aggregate_adapters("hetlora", dirs, WEIGHTS)
+    loaded = [PeftAdapter.load(d).lora()[0] for d in dirs]
+    r_max = max(HET_RANKS)
+    for m in loaded[0]:
+        norms = np.array([np.linalg.norm((c[m][1].double() @ c[m][0].double()).numpy()) for c in loaded])
+        q = norms / norms.sum()
+        A = sum(qk * np.pad(c[m][0].double().numpy(), ((0, r_max - c[m][0].shape[0]), (0, 0))) for qk, c in zip(q, loaded))
+        B = sum(qk * np.pad(c[m][1].double().numpy(), ((0, 0), (0, r_max - c[m][1].shape[1]))) for qk, c in zip(q, loaded))
+        for k, r in enumerate(HET_RANKS):
+            a, b = factors_of(res.adapters[k].state_dict)[m]
+            np.testing.assert_allclose(a.double().numpy(), A[:r], rtol=1e-6, atol=1e-7)
+            np.testing.assert_allclose(b.double().numpy(), B[:, :r], rtol=1e-6, atol=1e-7)
+
+
+# -- one-line refusals -------------------------------------------------------------------------------------------
+def _refused(capsys, argv) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fedlora: error:") and "\n" not in err and "Traceback" not in err
+    return err
+
+
+def test_bad_input_is_refused_in_one_line(adapters, tmp_path, capsys):
+    het, same, q = adapters["het"], adapters["same"], adapters["query_only"]
+    out = str(tmp_path / "o")
+    err = _refused(capsys, ["aggregate", "--method", "fedavg", *het, "--weights", "1,1,1", "--out", out])
+    assert "fedavg" in err and "rank 2 in client 0 and 4 in client 1" in err and "flexlora" in err
+    err = _refused(capsys, ["aggregate", "--method", "fedavg", *same[:2], "--out", out])
+    assert "--weights: missing" in err
+    err = _refused(capsys, ["aggregate", "--method", "fedavg", *same[:2], "--weights", "1,2,3", "--out", out])
+    assert "3 weights for 2 CLIENT_DIRs" in err
+    err = _refused(capsys, ["aggregate", "--method", "fedavg", same[0], q[0], "--weights", "1,1", "--out", out])
+    assert "lacks" in err and "value" in err and "same modules" in err
+    for name in ("pf2lora", "h2tune", "lora-a2"):
+        err = _refused(capsys, ["aggregate", "--method", name, *same, "--weights", "uniform", "--out", out])
+        assert "needs more than the clients' LoRA factors" in err and "fedavg" in err
+    err = _refused(capsys, ["aggregate", "--method", "ffa", *same, "--weights", "uniform", "--out", out])
+    assert "lora_A" in err and "frozen and the same on every client" in err
+    err = _refused(capsys, ["aggregate", "--method", "hetlora", *adapters["het_scales"], "--weights", "uniform",
+                            "--out", out])
+    assert "scale" in err
+    err = _refused(capsys, ["aggregate", "--method", "fedavg", str(tmp_path), "--weights", "1", "--out", out])
+    assert "not a PEFT adapter folder" in err
+    (tmp_path / "w.json").write_text(json.dumps({"client0": 3}))
+    err = _refused(capsys, ["aggregate", "--method", "fedavg", *same[:2], "--weights-from", str(tmp_path / "w.json"),
+                            "--out", out])
+    assert "no weight for CLIENT_DIR" in err and "client1" in err
+    assert not Path(out).exists() or not any(Path(out).iterdir())  # nothing half-written
+    with pytest.raises(Exception, match="weights are missing"):
+        aggregate_adapters("fedavg", same, None)
+
+
+def test_weights_from_a_file_equal_the_same_weights_given_inline(adapters, tmp_path):
+    dirs = adapters["same"]
+    (tmp_path / "n.json").write_text(json.dumps({Path(d).name: w for d, w in zip(dirs, WEIGHTS)}))
+    assert main(["aggregate", "--method", "fedavg", *dirs, "--weights-from", str(tmp_path / "n.json"),
+                 "--out", str(tmp_path / "a")]) == 0
+    assert main(["aggregate", "--method", "fedavg", *dirs, "--weights", "1,2,3", "--out", str(tmp_path / "b")]) == 0
+    a = PeftAdapter.load(tmp_path / "a" / "client_0").state_dict
+    b = PeftAdapter.load(tmp_path / "b" / "client_0").state_dict
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((tmp_path / "a" / "aggregate.json").read_text())["weights"] == pytest.approx([1 / 6, 2 / 6, 3 / 6])
+
+
+def test_peft_key_is_what_peft_saves(adapters):
+    sd = PeftAdapter.load(adapters["same"][0]).state_dict
+    assert peft_key("bert.encoder.layer.0.attention.self.query", "lora_A") in sd
