@@ -14,6 +14,8 @@ from . import fedex
 from .fedex import FedExResult, fedex_aggregate, fedex_means, fedex_merge, fedex_residual, fedex_residual_factors
 from . import fedsb
 from .fedsb import fedsb_average, fedsb_delta, fedsb_fold, lorasb_init, weighted_gradient
+from . import fedsvd
+from .fedsvd import FedSVDResult, fedsvd_aggregate, fedsvd_refactor
 from .h2tune import (h2tune_aggregate, kl_softmax, server_mean, sparsify_support, to_client, to_global,
                      trilora_delta, trilora_fold, trilora_middle)
 
@@ -24,6 +26,7 @@ __all__ = [
     "flora_stack", "flora_merge",
     "fedex", "FedExResult", "fedex_aggregate", "fedex_means", "fedex_merge", "fedex_residual", "fedex_residual_factors",
     "fedsb", "lorasb_init", "fedsb_average", "fedsb_fold", "fedsb_delta", "weighted_gradient",
+    "fedsvd", "FedSVDResult", "fedsvd_aggregate", "fedsvd_refactor",
     "trilora_middle", "trilora_fold", "trilora_delta", "sparsify_support", "to_global", "to_client",
     "server_mean", "h2tune_aggregate", "kl_softmax",
 ]
