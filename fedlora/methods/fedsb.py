@@ -40,7 +40,8 @@ Other differences from the authors' code (all listed on docs/methods/fedsb.md):
   (docs/design.md §3), which is the same for equal shares;
 * η: their η = lr / (warmup_ratio·total_steps), the first step size of their linear warm-up; without
   a warm-up the first AdamW step of full fine-tuning at ``lr`` moves each weight by ≈ lr·sign(g), so the
-  option ``init_lr`` defaults to the method's ``lr``;
+  option ``init_lr`` defaults to the method's ``lr`` (times a run's schedule factor at the round's first
+  step, as every step size of a method);
 * they rebuild every client model and a fresh AdamW each round; here each client keeps its optimizer
   moments over R across rounds like every other method of this package (the server's R overwrites the
   parameter, not the moments);
@@ -122,7 +123,7 @@ class FedSB(FactorLoRA):
         self.frozen_B = {b: torch.zeros_like(self.params[b].detach()) for b in self.b_names}
         self.opt = self._make_optimizer([self.R] + [self.params[n] for n in self.heads])
         self._grads: dict[str, torch.Tensor] = {}
-        self._grad_steps = 0
+        self._grad_steps, self._init_eta = 0, self.init_lr
 
     def describe_replica(self, replica: int) -> dict:
         return {"rank": self.rank}
@@ -151,7 +152,7 @@ class FedSB(FactorLoRA):
     def begin_round(self, round_idx: int) -> None:
         """Round index 0 is the initialisation round (module docstring)."""
         self._init_round = round_idx == 0
-        self._grads, self._grad_steps = {}, 0
+        self._grads, self._grad_steps, self._init_eta = {}, 0, self.init_lr
 
     def full_weight_gradients(self, objective: Objective, batch: Any) -> dict[str, torch.Tensor]:
         """∂L/∂W (G, d_out, d_in) of every adapted module at the current model, per replica on its own
@@ -177,6 +178,8 @@ class FedSB(FactorLoRA):
 
     def local_step(self, objective: Objective, sample: Sampler) -> None:
         if self._init_round:  # accumulate G_k; nothing is trained
+            if not self._grad_steps:  # η of the approximated first step, under the run's schedule (f at that step)
+                self._init_eta = self.init_lr * self.lr_factor
             for b, g in self.full_weight_gradients(objective, sample()).items():
                 self._grads[b] = g if b not in self._grads else self._grads[b] + g
             self._grad_steps += 1
@@ -215,7 +218,7 @@ class FedSB(FactorLoRA):
                 raise ConfigError("fedsb: the initialisation round took no local step (no gradient to upload)")
             tensors = {self._prefix(a) + GRAD: (self._grads[b][replica] / self._grad_steps).detach().clone()
                        for a, b in self.pairs}
-            return Payload(tensors, {_META_RANK: str(self.rank), _META_LR: repr(self.init_lr)})
+            return Payload(tensors, {_META_RANK: str(self.rank), _META_LR: repr(self._init_eta)})
         tensors = {self._prefix(a) + R_NAME: self.R[replica, j].detach().clone() for j, a in enumerate(self.a_names)}
         return Payload({**tensors, **self.upload_head(replica)})
 
