@@ -119,7 +119,7 @@ def test_a_deployment_in_one_process_gives_the_embedded_records(method, embedded
     _assert_flower_run_is_the_embedded_one(embedded_runs / method, tmp_path / "flower")
 
 
-@pytest.mark.parametrize("method", ["flora", "centralized"])
+@pytest.mark.parametrize("method", ["flora", "frlora", "centralized"])
 def test_methods_that_need_one_process_are_refused_in_one_line(method, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = tmp_path / "run"

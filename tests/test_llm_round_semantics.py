@@ -193,7 +193,7 @@ def test_every_client_is_scored_on_the_current_global_state(tmp_path):
 #:     rounds; FlexLoRA: a rank-r_k SVD truncation), so its size is the method's business, not the
 #:     runtime's; their uploads go through the same runtime line as every method's here.
 BYTES_METHODS = ["fedavg", "ffa", "rolora", "fedsa", "perfedavg", "pf2lora", "flora", "lora-a2", "h2tune",
-                 "local", "centralized", "fedex", "fedsb", "fedsvd"]
+                 "local", "centralized", "fedex", "fedsb", "fedsvd", "frlora"]
 #: 4 clients instead of test_llm_runtime's 3: options that have one entry per client
 FOUR_CLIENTS = {"lora-a2": {"rank": 4, "client_ranks": [2, 2, 3, 4]}}
 
@@ -225,7 +225,7 @@ def test_round_records_count_exactly_the_bytes_that_crossed_the_network(tmp_path
     rows = [json.loads(line) for line in (tmp_path / "run" / "rounds.jsonl").read_text().splitlines()][1:]
     R, K = 4, run.K_train
     assert len(rows) == R
-    incremental = method in ("flora", "fedex")  # an increment of the base every client must apply
+    incremental = method in ("flora", "fedex", "frlora")  # an increment of the base every client must apply
     versions = {-1: {n: -1 for n in servers[-1]}}  # round → the version (round last replaced) of each entry
     for rnd in range(R):
         versions[rnd] = {n: (rnd if n in replaced[rnd] else versions[rnd - 1][n]) for n in servers[rnd]}

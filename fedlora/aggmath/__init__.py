@@ -10,6 +10,9 @@ from . import exact, flexlora, flora, h2tune, lora_a2
 from .exact import aggregate_trained_factor, discordance, exact_delta, fedavg_delta, trained_factor
 from .flexlora import FlexLoRAResult, flexlora_aggregate, flexlora_svd
 from .flora import flora_merge, flora_stack
+from . import frlora
+from .frlora import (frlora_average, frlora_compensate, frlora_merge, frlora_merged_lora, frlora_principal,
+                     frlora_update)
 from . import fedex
 from .fedex import FedExResult, fedex_aggregate, fedex_means, fedex_merge, fedex_residual, fedex_residual_factors
 from . import fedsb
@@ -24,6 +27,8 @@ __all__ = [
     "exact_delta", "fedavg_delta", "discordance", "trained_factor", "aggregate_trained_factor",
     "FlexLoRAResult", "flexlora_aggregate", "flexlora_svd",
     "flora_stack", "flora_merge",
+    "frlora", "frlora_principal", "frlora_compensate", "frlora_average", "frlora_update", "frlora_merge",
+    "frlora_merged_lora",
     "fedex", "FedExResult", "fedex_aggregate", "fedex_means", "fedex_merge", "fedex_residual", "fedex_residual_factors",
     "fedsb", "lorasb_init", "fedsb_average", "fedsb_fold", "fedsb_delta", "weighted_gradient",
     "fedsvd", "FedSVDResult", "fedsvd_aggregate", "fedsvd_refactor",
