@@ -2,7 +2,7 @@
 Flower 1.42's simulation engine — one SuperNode (a Ray actor process) per client, every round a train
 message per participant carrying its download, its upload coming back as an array record — and gives
 the embedded runtime's records: participants, per-client losses, bytes up and down, ranks and every
-evaluation, for FedAvg-LoRA, RoLoRA, LoRA-A², PF2LoRA and H²Tune with client sampling on."""
+evaluation, for FedAvg-LoRA, RoLoRA, LoRA-A², PF2LoRA, H²Tune and FedSVD with client sampling on."""
 import json
 import os
 import re
@@ -43,7 +43,7 @@ def test_tensors_cross_flower_bit_for_bit():
         assert torch.equal(back[k].view(torch.uint8) if v.numel() else back[k], v.view(torch.uint8) if v.numel() else v), k
 
 
-METHODS = ["fedavg", "rolora", "lora-a2", "pf2lora", "h2tune"]
+METHODS = ["fedavg", "rolora", "lora-a2", "pf2lora", "h2tune", "fedsvd"]
 
 
 @pytest.fixture(scope="module")
@@ -90,14 +90,14 @@ def _assert_flower_run_is_the_embedded_one(emb_dir, flw_dir):
     assert summary["bytes_up_total"] == json.loads((emb_dir / "summary.json").read_text())["bytes_up_total"]
 
 
-@pytest.mark.long  # the group shares one Ray simulation and five embedded runs (≈ 30 s to set up)
+@pytest.mark.long  # the group shares one Ray simulation and one embedded run per method (≈ 6 s each)
 @pytest.mark.xdist_group("flower")
 @pytest.mark.parametrize("method", METHODS)
 def test_flower_simulation_gives_the_embedded_records(method, embedded_runs, ray_runs):
     _assert_flower_run_is_the_embedded_one(embedded_runs / method, ray_runs / method)
 
 
-@pytest.mark.long  # the group shares one Ray simulation and five embedded runs (≈ 30 s to set up)
+@pytest.mark.long  # the group shares one Ray simulation and one embedded run per method (≈ 6 s each)
 @pytest.mark.xdist_group("flower")
 @pytest.mark.parametrize("method", METHODS)
 def test_a_deployment_in_one_process_gives_the_embedded_records(method, embedded_runs, tmp_path, monkeypatch, capsys):
