@@ -334,3 +334,23 @@ def test_tiny_smoke_downloads_count_the_dense_residual(smoke):
                 want[str(k)] = want.get(str(k), 0) + down(k, rnd)
         assert row["bytes_down"] == want
         assert row["bytes_up"] == {str(k): p.nbytes for k, p in zip(row["participants"], calls[rnd][0])}
+
+
+# ---------------------------------------------------------------------- PEFT adapters: `fedlora aggregate`
+@pytest.mark.parametrize("fifo", [False, True])
+def test_aggregated_peft_adapters_plus_the_base_delta_are_the_exact_weighted_mean(fifo):
+    """``aggregate_adapters("fedex", …)`` on PEFT state dicts (float64, non-square module, lora_alpha 6 at r 2):
+    the base delta, in the layer's own layout (transposed for GPT-2's Conv1D, ``fan_in_fan_out``), plus s·B̄Ā of
+    the adapter each client gets back equals s·Σ p_k B_k A_k (numpy)."""
+    from fedlora.peft_adapters import aggregate_adapters, peft_key
+
+    d_out, d_in, r, w = 5, 3, 2, [1.0, 2.0, 5.0]
+    Bs, As = _clients(11, 3, r, d_out, d_in)
+    cfg = {"peft_type": "LORA", "r": r, "lora_alpha": 6, "target_modules": ["q"], "fan_in_fan_out": fifo}
+    ads = [({peft_key("enc.q", "lora_A"): A, peft_key("enc.q", "lora_B"): B}, cfg) for A, B in zip(As, Bs)]
+    res = aggregate_adapters("fedex", ads, w)
+    delta = res.base_delta["enc.q.weight"].numpy()
+    assert delta.shape == ((d_in, d_out) if fifo else (d_out, d_in))
+    sd = res.adapters[0].state_dict
+    model = (delta.T if fifo else delta) + 3.0 * sd[peft_key("enc.q", "lora_B")].numpy() @ sd[peft_key("enc.q", "lora_A")].numpy()
+    np.testing.assert_allclose(model, _np_exact(Bs, As, w, 3.0), rtol=1e-12, atol=1e-12)

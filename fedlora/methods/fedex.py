@@ -137,6 +137,24 @@ class FedExLoRA(FactorLoRA):
         out.update(Method.aggregate_head(payloads, weights))  # a trained classifier head: the data-weighted mean
         return out
 
+    # PEFT adapters trained elsewhere (fedlora.peft_adapters, `fedlora aggregate`): one rank and one scale
+    lora_upload = ("lora_A", "lora_B")
+
+    @classmethod
+    def uploads_from_lora(cls, clients) -> list[Payload]:
+        """Each client's A and B as they are; meta: each module's scale s (the server's residual needs it)."""
+        cls.check_lora_clients(clients)
+        return [Payload({**{f"{m}.lora_A": a for m, (a, _, _) in client.items()},
+                         **{f"{m}.lora_B": b for m, (_, b, _) in client.items()}},
+                        {_SCALE + f"{m}.lora_A": repr(float(s)) for m, (_, _, s) in client.items()})
+                for client in clients]
+
+    @classmethod
+    def lora_base_delta(cls, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The residual ΔW_res (d_out, d_in) of every module: what the clients add to their frozen base."""
+        tail = "." + RESIDUAL
+        return {n[: -len(tail)]: v for n, v in state.items() if n.endswith(tail)}
+
     @torch.no_grad()
     def apply_to_base(self, state: Mapping[str, torch.Tensor]) -> None:
         """W0 ← W0 + ΔW_res in every adapted layer of the shared base (float64 sum), once per round on
