@@ -71,7 +71,7 @@ def test_every_method_writes_the_documented_keys(tiny_run):
 
 #: methods whose clients all hold one global model after the download, and those whose clients keep
 #: a model of their own (personalised, or HetLoRA's per-client truncation) — every method is one of them
-GLOBAL_MODEL = ("centralized", "fedavg", "ffa", "flexlora", "flora", "lora-a2", "rolora", "fedsb", "fedex", "fedsvd", "frlora")
+GLOBAL_MODEL = ("centralized", "fedavg", "ffa", "flexlora", "flora", "lora-a2", "rolora", "fedsvd", "fedsb", "fedex", "frlora", "lora-fair")
 OWN_MODEL = ("fedsa", "h2tune", "hetlora", "local", "perfedavg", "pf2lora")
 
 

@@ -13,10 +13,12 @@ from .flora import flora_merge, flora_stack
 from . import frlora
 from .frlora import (frlora_average, frlora_compensate, frlora_merge, frlora_merged_lora, frlora_principal,
                      frlora_update)
-from . import fedex
-from .fedex import FedExResult, fedex_aggregate, fedex_means, fedex_merge, fedex_residual, fedex_residual_factors
+from . import lora_fair
+from .lora_fair import LoRAFAIRResult, lora_fair_correction, lora_fair_objective, lora_fair_similarity
 from . import fedsb
 from .fedsb import fedsb_average, fedsb_delta, fedsb_fold, lorasb_init, weighted_gradient
+from . import fedex
+from .fedex import FedExResult, fedex_aggregate, fedex_means, fedex_merge, fedex_residual, fedex_residual_factors
 from . import fedsvd
 from .fedsvd import FedSVDResult, fedsvd_aggregate, fedsvd_refactor
 from .h2tune import (h2tune_aggregate, kl_softmax, server_mean, sparsify_support, to_client, to_global,
@@ -29,8 +31,9 @@ __all__ = [
     "flora_stack", "flora_merge",
     "frlora", "frlora_principal", "frlora_compensate", "frlora_average", "frlora_update", "frlora_merge",
     "frlora_merged_lora",
-    "fedex", "FedExResult", "fedex_aggregate", "fedex_means", "fedex_merge", "fedex_residual", "fedex_residual_factors",
+    "lora_fair", "LoRAFAIRResult", "lora_fair_correction", "lora_fair_objective", "lora_fair_similarity",
     "fedsb", "lorasb_init", "fedsb_average", "fedsb_fold", "fedsb_delta", "weighted_gradient",
+    "fedex", "FedExResult", "fedex_aggregate", "fedex_means", "fedex_merge", "fedex_residual", "fedex_residual_factors",
     "fedsvd", "FedSVDResult", "fedsvd_aggregate", "fedsvd_refactor",
     "trilora_middle", "trilora_fold", "trilora_delta", "sparsify_support", "to_global", "to_client",
     "server_mean", "h2tune_aggregate", "kl_softmax",
