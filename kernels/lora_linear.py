@@ -112,6 +112,9 @@ def _auto_ok(x: torch.Tensor, tensors) -> bool:
         return False
     if tensors and tensors[0] is not None and tensors[0].dim() == 3:  # per-replica W0: reference only
         return False
+    a, c = (tensors[i] if len(tensors) > i else None for i in (2, 4))  # (W0, bias, A, B, C, D, …)
+    if a is not None and a.shape[-2] + (0 if c is None else c.shape[-2]) > MAX_RANK:
+        return False  # wider than the kernels' rank tile (Fed-SB's rank-d_in gradient probe): the reference runs it
     return all(t is None or (t.device == x.device and t.dtype == x.dtype) for t in tensors)
 
 

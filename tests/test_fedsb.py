@@ -141,6 +141,53 @@ def test_a_training_step_moves_r_only_and_leaves_the_fold_in_the_layer():
     assert torch.allclose(layer.lora_B.detach(), B0 @ m.R.detach()[:, 0], rtol=1e-14, atol=0)
 
 
+def test_stacked_replicas_train_as_clients_alone():
+    """One stacked step of two clients equals each client's step alone (the replicas' R, optimizer moments and
+    batches never mix)."""
+    g = torch.Generator().manual_seed(4)
+    d, r = 5, 2
+    state = [{"lora_A": _randn(g, r, d), "lora_B": _randn(g, d, r), "lora_R": _randn(g, r, r)} for _ in range(2)]
+    X, Y = _randn(g, 2, 8, d), _randn(g, 2, 8, d)
+
+    def trained(replicas):
+        layer = LoRALinear(d, d, r, stack=len(replicas), dtype=torch.float64)
+        m = build("fedsb", {"rank": r, "lr": 0.05})
+        m.setup(layer, list(range(len(replicas))))
+        m.begin_round(1)
+        for slot, i in enumerate(replicas):
+            m.download(slot, state[i])
+        for _ in range(3):
+            m.local_step(lambda p, b: ((layer.forward_with(p, b[0]) - b[1]) ** 2).mean((-2, -1)),
+                         lambda: (X[replicas], Y[replicas]))
+        return m.R.detach()
+
+    both = trained([0, 1])
+    assert torch.allclose(both[0], trained([0])[0], rtol=1e-12, atol=1e-14)
+    assert torch.allclose(both[1], trained([1])[0], rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the auto backend picks the Triton kernels on CUDA only")
+def test_on_cuda_the_rank_d_in_gradient_probe_runs_on_the_reference_op():
+    """The probe's A := I has rank d_in, beyond the Triton kernels' MAX_RANK: auto dispatch must give it to the
+    reference op (else the initialisation round of a real model fails on a GPU)."""
+    from fedlora.kernels import MAX_RANK, backend_for
+
+    G, d_in, d_out, r = 2, MAX_RANK + 64, 32, 4
+    dev = torch.device("cuda")
+    x = torch.randn(G, 8, d_in, device=dev)
+    eye = torch.eye(d_in, device=dev).expand(G, d_in, d_in)
+    assert backend_for(x, None, None, eye, torch.zeros(G, d_out, d_in, device=dev)) == "reference"
+    assert backend_for(x, None, None, torch.zeros(G, r, d_in, device=dev), torch.zeros(G, d_out, r, device=dev)) == "triton"
+    layer = LoRALinear(d_in, d_out, r, base_weight=torch.randn(d_out, d_in), stack=G, device=dev)
+    m = build("fedsb", {"rank": r})
+    m.setup(layer, [0, 1])
+    Y = torch.randn(G, 8, d_out, device=dev)
+    got = m.full_weight_gradients(lambda p, b: ((layer.forward_with(p, b[0]) - b[1]) ** 2).mean((-2, -1)), (x, Y))
+    W = layer.weight.detach().clone().requires_grad_()
+    want, = torch.autograd.grad(sum(((x[i] @ W.T - Y[i]) ** 2).mean() for i in range(G)), W)
+    torch.testing.assert_close(got["lora_B"].sum(0), want, rtol=1e-4, atol=1e-5)
+
+
 # -- the testbed: the protocol round by round -------------------------------------------------------
 K, D_IN, D_OUT, RANK, ROUNDS, LR = 4, 6, 5, 2, 5, 0.05
 
