@@ -2,9 +2,11 @@
 
 A method whose server half is a function of the clients' uploads alone declares it on its class:
 ``Method.lora_upload`` names the factors its clients upload, ``Method.uploads_from_lora`` builds each
-client's upload from its LoRA factors (with the ranks and scales the method's payloads carry),
-``Method.lora_download`` says what a client's factors become once it took the server's state, and
-``Method.lora_base_delta`` what the state adds to the frozen base weights (FLoRA's merged stack). This
+client's upload from its LoRA factors (with the ranks, scales and options the method's payloads carry),
+``Method.lora_server_state`` what the server holds before the round (FedSVD's shared A),
+``Method.lora_download`` what a client's factors become once it took the server's state, and
+``Method.lora_base_delta`` what the state adds to the frozen base weights (FLoRA's merged stack, FedEx-LoRA's
+residual); they are called on the method built with the user's options, never bound to a model. This
 module does what a ``fedlora run``'s server does with those uploads — the method's pure ``aggregate``, then
 ``server_update`` — on adapters saved by PEFT (``save_pretrained``: ``adapter_config.json`` +
 ``adapter_model.safetensors``) or on PEFT state dicts, and gives the result back as PEFT adapters.
@@ -26,6 +28,7 @@ that is not plain LoRA (DoRA, LoRA on embeddings, LoRA biases).
 """
 from __future__ import annotations
 
+import enum
 import json
 import math
 import re
@@ -69,11 +72,13 @@ def lora_methods() -> list[str]:
 
 
 def _plain(config: Any) -> dict[str, Any]:
-    """A LoRA config as a JSON-ready dict: a ``peft.LoraConfig`` (its ``to_dict``) or a mapping; sets as lists."""
+    """A LoRA config as a JSON-ready dict: a ``peft.LoraConfig`` (its ``to_dict``) or a mapping; sets as lists,
+    enumerations (``PeftType.LORA``) as their values — as ``save_pretrained`` writes them."""
     cfg = config.to_dict() if hasattr(config, "to_dict") else config
     if not isinstance(cfg, Mapping):
         raise ConfigError(f"a PEFT adapter's config must be a mapping or a peft.LoraConfig, got {type(config).__name__}")
-    return {k: (sorted(v) if isinstance(v, (set, frozenset)) else v) for k, v in cfg.items()}
+    return {k: (sorted(v) if isinstance(v, (set, frozenset)) else v.value if isinstance(v, enum.Enum) else v)
+            for k, v in cfg.items()}
 
 
 @dataclass
@@ -261,8 +266,9 @@ def aggregate_adapters(method: str, adapters: Sequence[Any], weights: Sequence[f
     ``PeftAdapter``s, one per client; ``weights``: the clients' weights p_k (e.g. their numbers of
     examples; normalised here as a run normalises them); ``options``: the method's constructor options
     (``fedlora.methods.build``). The uploads are what the method's clients would send
-    (``Method.uploads_from_lora``), aggregated by its pure ``aggregate`` and ``server_update`` — what its
-    server does in a ``fedlora run``. Returns an ``AggregateResult``."""
+    (``Method.uploads_from_lora``), aggregated by its pure ``aggregate`` and ``server_update`` (from the state
+    ``Method.lora_server_state`` reads off the clients) — what its server does in a ``fedlora run``. Returns an
+    ``AggregateResult``."""
     cls = get_method(method)
     if not adapters:
         raise ConfigError("aggregate: no adapters given; one per client is needed")
@@ -272,18 +278,19 @@ def aggregate_adapters(method: str, adapters: Sequence[Any], weights: Sequence[f
     w = normalise_weights(weights, len(adapters))
     if not cls.lora_upload:  # refused before any adapter is read
         cls.check_lora_clients([])
+    server = build(cls.name, options)  # the user's options (a server's solver settings); never bound to a model
     peft = [_as_adapter(x, k) for k, x in enumerate(adapters)]
     read = [p.lora() for p in peft]
     clients, heads = [f for f, _ in read], [h for _, h in read]
     _check_same_modules(peft, clients, heads)
-    payloads = cls.uploads_from_lora(clients)
+    payloads = server.uploads_from_lora(clients)
     if cls.default_head == "shared" and heads[0]:
         payloads = [type(p)({**p.tensors, **h}, dict(p.meta)) for p, h in zip(payloads, heads)]
-    aggregated = cls.aggregate(payloads, w)
-    state = build(cls.name, options).server_update({}, aggregated)
+    aggregated = server.aggregate(payloads, w)
+    state = server.server_update(server.lora_server_state(clients), aggregated)
     out = []
     for adapter, client, head in zip(peft, clients, heads):
-        got = cls.lora_download(state, client)
+        got = server.lora_download(state, client)
         sd = {}
         for m, (a, b, _) in got.items():
             a0, b0, _ = client[m]
@@ -296,5 +303,5 @@ def aggregate_adapters(method: str, adapters: Sequence[Any], weights: Sequence[f
     fifo = bool(peft[0].config.get("fan_in_fan_out"))
     dtype = next(iter(clients[0].values()))[0].dtype
     base_delta = {f"{m}.weight": (d.t() if fifo else d).to(dtype).contiguous()
-                  for m, d in cls.lora_base_delta(state).items()}
+                  for m, d in server.lora_base_delta(state).items()}
     return AggregateResult(cls.name, w.tolist(), dict(state), out, base_delta)

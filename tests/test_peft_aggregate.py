@@ -144,7 +144,8 @@ def server_in_a_run(name: str, clients, weights):
                 layer = model.get_submodule(m)
                 RankSlots.pad_into(layer.lora_A, layer.lora_B, k, a, b)
     uploads = [method.upload(k) for k in range(len(clients))]
-    state = method.server_update({}, method.aggregate(uploads, normalise_weights(weights)))
+    before = method.initial_server_state(0)  # what the server holds before the round (FedSVD: the frozen A)
+    state = method.server_update(before, method.aggregate(uploads, normalise_weights(weights)))
     got, bases = [], []
     for k, r in enumerate(ranks):
         method.download(k, state)
@@ -311,3 +312,73 @@ def test_weights_from_a_file_equal_the_same_weights_given_inline(adapters, tmp_p
 def test_peft_key_is_what_peft_saves(adapters):
     sd = PeftAdapter.load(adapters["same"][0]).state_dict
     assert peft_key("bert.encoder.layer.0.attention.self.query", "lora_A") in sd
+
+
+def test_a_base_delta_adds_to_a_conv1d_weight_as_it_is_and_equals_peft_merging_the_stack(tmp_path):
+    """GPT-2's Conv1D (fan_in_fan_out, weight (d_in, d_out), c_attn not square): FLoRA's base delta is in the
+    layer's own layout, and equals what PEFT's merge_and_unload of the written stack adds to the weight."""
+    cfg = transformers.GPT2Config(vocab_size=100, n_embd=16, n_layer=1, n_head=2, n_positions=32)
+
+    def gpt2():
+        torch.manual_seed(0)
+        return transformers.GPT2LMHeadModel(cfg).eval()
+
+    dirs = []
+    for k, r in enumerate([2, 3]):
+        torch.manual_seed(k + 1)
+        lora = peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=["c_attn"], fan_in_fan_out=True,
+                               init_lora_weights=False)
+        peft.get_peft_model(gpt2(), lora).save_pretrained(str(tmp_path / f"c{k}"))
+        dirs.append(str(tmp_path / f"c{k}"))
+    out = tmp_path / "agg"
+    assert main(["aggregate", "--method", "flora", *dirs, "--weights", "1,3", "--out", str(out)]) == 0
+    from safetensors.torch import load_file
+
+    delta = load_file(str(out / "base_delta.safetensors"))
+    key = "transformer.h.0.attn.c_attn.weight"
+    base = gpt2().state_dict()[key]
+    assert set(delta) == {key} and delta[key].shape == base.shape == (16, 48)
+    merged = peft.PeftModel.from_pretrained(gpt2(), str(out / "client_0")).merge_and_unload().state_dict()[key]
+    torch.testing.assert_close(base + delta[key], merged, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(merged, base, atol=1e-3)
+
+
+def test_fedex_global_model_is_exactly_the_weighted_sum_of_the_clients(adapters):
+    """FedEx-LoRA on PEFT adapters: W0 + Δ_res + s·B̄Ā = W0 + s·Σ p_k B_k A_k (numpy, float64)."""
+    if "fedex" not in lora_methods():
+        pytest.skip("FedEx-LoRA does not declare Method.lora_upload")
+    dirs = adapters["same"]
+    res = aggregate_adapters("fedex", dirs, WEIGHTS)
+    p = np.array(WEIGHTS) / sum(WEIGHTS)
+    loaded = [PeftAdapter.load(d).lora()[0] for d in dirs]
+    for m, (a, b) in factors_of(res.adapters[0].state_dict).items():
+        s = loaded[0][m][2]
+        want = sum(pk * s * (c[m][1].double() @ c[m][0].double()).numpy() for pk, c in zip(p, loaded))
+        got = res.base_delta[f"{m}.weight"].double().numpy() + s * (b.double() @ a.double()).numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        assert not np.allclose(s * (b.double() @ a.double()).numpy(), want, atol=1e-4)  # B̄Ā alone is not it
+
+
+def test_state_dicts_with_their_configs_give_what_the_folders_give(adapters, tmp_path):
+    """(state_dict, LoraConfig) pairs — what a Flower strategy holds — are aggregated as the saved folders are."""
+    dirs = adapters["het"]
+    pairs = []
+    for d in dirs:
+        a = PeftAdapter.load(d)
+        pairs.append((a.state_dict, peft.LoraConfig(r=a.config["r"], lora_alpha=a.config["lora_alpha"],
+                                                    target_modules=a.config["target_modules"])))
+    x, y = aggregate_adapters("flexlora", dirs, WEIGHTS), aggregate_adapters("flexlora", pairs, WEIGHTS)
+    for ax, ay in zip(x.adapters, y.adapters):
+        assert ax.state_dict.keys() == ay.state_dict.keys()
+        assert all(torch.equal(ax.state_dict[k], ay.state_dict[k]) for k in ax.state_dict)
+    again = PeftAdapter.load(y.adapters[1].save(tmp_path / "from-pairs"))  # a LoraConfig's enums saved as PEFT does
+    assert again.config["peft_type"] == "LORA" and again.lora()[0].keys() == x.adapters[1].lora()[0].keys()
+    with pytest.raises(Exception, match="no LoRA config"):
+        aggregate_adapters("flexlora", [pairs[0][0], pairs[1][0]], [1, 1])
+
+
+def test_the_docs_table_names_every_method_that_aggregates_peft_adapters():
+    page = (Path(__file__).resolve().parents[1] / "docs" / "how-to" / "aggregate-peft.md").read_text()
+    table = page.split("<!-- aggregate-methods -->\n", 1)[1].split("\n\n", 1)[0]
+    listed = {line.split("|")[1].strip().strip("`") for line in table.splitlines()[2:]}
+    assert listed == set(lora_methods())

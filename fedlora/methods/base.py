@@ -428,21 +428,26 @@ class Method(abc.ABC):
                                           f"{cls.name} trains only {', '.join(cls.lora_upload)} over a {leaf} that is "
                                           f"frozen and the same on every client")
 
-    @classmethod
-    def uploads_from_lora(cls, clients: Sequence[Mapping[str, tuple[torch.Tensor, torch.Tensor, float]]]
+    def uploads_from_lora(self, clients: Sequence[Mapping[str, tuple[torch.Tensor, torch.Tensor, float]]]
                           ) -> list[Payload]:
         """Each client's upload built from its LoRA factors alone: per client, module name → (A (r, d_in),
         B (d_out, r), scale s) with ΔW = s·B A, the same modules for every client. The default suits a server
         that averages factors: one rank and one scale per module for every client, the ``lora_upload`` factors
         as ``<module>.lora_A`` / ``<module>.lora_B``, and (a method with a global model) the factors not
         uploaded identical on every client. A method whose uploads carry more (ranks, scales) overrides it.
-        What does not fit is a one-line ``ConfigError``."""
-        cls.check_lora_clients(clients)
-        return [Payload({f"{m}.{leaf}": (a if leaf == "lora_A" else b) for leaf in cls.lora_upload
+        What does not fit is a one-line ``ConfigError``. Called on the method built with the user's options
+        (without ``bind``: no model)."""
+        self.check_lora_clients(clients)
+        return [Payload({f"{m}.{leaf}": (a if leaf == "lora_A" else b) for leaf in self.lora_upload
                          for m, (a, b, _) in client.items()}) for client in clients]
 
-    @classmethod
-    def lora_download(cls, state: Mapping[str, torch.Tensor],
+    def lora_server_state(self, clients: Sequence[Mapping[str, tuple[torch.Tensor, torch.Tensor, float]]]
+                          ) -> dict[str, torch.Tensor]:
+        """The server's state before this round as far as the clients' factors tell it (``server_update``'s
+        ``state``): FedSVD's A, frozen and the same on every client. Default: none (``initial_server_state``'s)."""
+        return {}
+
+    def lora_download(self, state: Mapping[str, torch.Tensor],
                       client: Mapping[str, tuple[torch.Tensor, torch.Tensor, float]]
                       ) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
         """A client's LoRA factors after it took the server's ``state`` (what ``download`` writes into its
@@ -450,8 +455,7 @@ class Method(abc.ABC):
         ``<module>.lora_B`` replace the client's; the rest stays, and so does the scale."""
         return {m: (state.get(f"{m}.lora_A", a), state.get(f"{m}.lora_B", b), s) for m, (a, b, s) in client.items()}
 
-    @classmethod
-    def lora_base_delta(cls, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def lora_base_delta(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """What the server's ``state`` adds to each module's frozen base weight: module name → (d_out, d_in)
         (FLoRA's merged stack, FedEx-LoRA's residual). Default: nothing (the base stays)."""
         return {}

@@ -182,19 +182,17 @@ class FlexLoRA(Method):
     # PEFT adapters trained elsewhere (fedlora.peft_adapters): ranks and scales may differ between clients
     lora_upload = ("lora_A", "lora_B")
 
-    @classmethod
-    def uploads_from_lora(cls, clients) -> list[Payload]:
+    def uploads_from_lora(self, clients) -> list[Payload]:
         """Each client's r_k rows of A and columns of B as they are; meta: each module's scale s_k and
         ``max_rank`` = the largest client rank (the run's ``rank``, the server's)."""
-        cls.check_lora_clients(clients, one_rank=False, one_scale=False)
+        self.check_lora_clients(clients, one_rank=False, one_scale=False)
         max_rank = max(a.shape[0] for client in clients for a, _, _ in client.values())
         return [Payload({**{f"{m}.lora_A": a for m, (a, _, _) in client.items()},
                          **{f"{m}.lora_B": b for m, (_, b, _) in client.items()}},
                         {"max_rank": str(max_rank), **{f"{m}.scale": repr(float(s)) for m, (_, _, s) in client.items()}})
                 for client in clients]
 
-    @classmethod
-    def lora_download(cls, state, client) -> dict:
+    def lora_download(self, state, client) -> dict:
         """As ``download``: the best rank-r_k approximation B = U_q Σ_q / s_k, A = V_qᵀ (q = min(r_k, r_cap)),
         zero-padded to the client's rank r_k, its scale kept."""
         out = {}

@@ -161,23 +161,20 @@ class FLoRA(FactorLoRA):
     # PEFT adapters trained elsewhere (fedlora.peft_adapters): ranks and scales may differ between clients
     lora_upload = ("lora_A", "lora_B")
 
-    @classmethod
-    def uploads_from_lora(cls, clients) -> list[Payload]:
+    def uploads_from_lora(self, clients) -> list[Payload]:
         """Each client's r_k rows of A and columns of B as they are; meta: each module's scale s_k."""
-        cls.check_lora_clients(clients, one_rank=False, one_scale=False)
+        self.check_lora_clients(clients, one_rank=False, one_scale=False)
         return [Payload({**{f"{m}.lora_A": a for m, (a, _, _) in client.items()},
                          **{f"{m}.lora_B": b for m, (_, b, _) in client.items()}},
                         {_SCALE + f"{m}.lora_A": repr(float(s)) for m, (_, _, s) in client.items()})
                 for client in clients]
 
-    @classmethod
-    def lora_download(cls, state, client) -> dict:
+    def lora_download(self, state, client) -> dict:
         """The stack every client receives, as one LoRA of rank Σ r_k and scale 1 (B_stack carries p_k s_k):
         on the old base it is the merged model; merged in (``lora_base_delta``), the client restarts fresh."""
         return {m: (state[f"{m}.lora_A"], state[f"{m}.lora_B"], 1.0) for m in client}
 
-    @classmethod
-    def lora_base_delta(cls, state) -> dict[str, torch.Tensor]:
+    def lora_base_delta(self, state) -> dict[str, torch.Tensor]:
         """B_stack A_stack per module (``flora_merge`` of a zero base: the float64 product)."""
         out = {}
         for a in [n for n in state if n.endswith(".lora_A")]:

@@ -209,18 +209,16 @@ class HetLoRA(Method):
     # PEFT adapters trained elsewhere (fedlora.peft_adapters): ranks may differ, the scale may not
     lora_upload = ("lora_A", "lora_B")
 
-    @classmethod
-    def uploads_from_lora(cls, clients) -> list[Payload]:
+    def uploads_from_lora(self, clients) -> list[Payload]:
         """Each client's r_k rows of A and columns of B as they are; meta ``r_max`` = the largest client rank
         (the server's). One scale per module for every client: the factors are averaged as they are."""
-        cls.check_lora_clients(clients, one_rank=False)
+        self.check_lora_clients(clients, one_rank=False)
         r_max = max(a.shape[0] for client in clients for a, _, _ in client.values())
         return [Payload({**{f"{m}.lora_A": a for m, (a, _, _) in client.items()},
                          **{f"{m}.lora_B": b for m, (_, b, _) in client.items()}}, {"r_max": str(r_max)})
                 for client in clients]
 
-    @classmethod
-    def lora_download(cls, state, client) -> dict:
+    def lora_download(self, state, client) -> dict:
         """Distribution by truncation, as ``download``: the first r_k rows of A and columns of B."""
         return {m: (state[f"{m}.lora_A"][: a.shape[0]], state[f"{m}.lora_B"][:, : a.shape[0]], s)
                 for m, (a, b, s) in client.items()}
