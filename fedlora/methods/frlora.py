@@ -41,6 +41,7 @@ from typing import Mapping
 import torch
 
 from ..adapter import LoRALinear
+from ..aggregation import weighted_average
 from ..aggmath import frlora_average, frlora_compensate, frlora_merge, frlora_merged_lora, frlora_principal
 from ..errors import ConfigError
 from ..payload import Payload
@@ -55,7 +56,9 @@ INITS = ("principal", "peft")
 @register
 class FRLoRA(FactorLoRA):
     """FRLoRA. Args: rank r, lr, optimizer ("adamw" | "sgd"), weight_decay, init ("principal": (B0, A0)
-    from W0's top-r singular triplets, the paper's; "peft": A Kaiming-uniform, B = 0)."""
+    from W0's top-r singular triplets, the paper's; "peft": A Kaiming-uniform, B = 0), train_a (False: A
+    stays A0 and only B is trained and uploaded, as the authors' code runs it; the averaging is then exact,
+    B̄A0 = Σ p_k B_k A0)."""
 
     name = "frlora"
     incremental_download = True  # every client merges every round's update
@@ -64,11 +67,13 @@ class FRLoRA(FactorLoRA):
     shared_base: bool = False
 
     def __init__(self, rank: int = 8, lr: float = 5e-4, optimizer: str = "adamw", weight_decay: float = 0.0,
-                 init: str = "principal") -> None:
+                 init: str = "principal", train_a: bool = True) -> None:
         super().__init__(rank, lr, optimizer, weight_decay)
         if init not in INITS:
             raise ConfigError(f"frlora: init must be one of {', '.join(INITS)}, got {init!r}")
-        self.init = init
+        if not isinstance(train_a, bool):
+            raise ConfigError(f"frlora: train_a must be true or false, got {train_a!r}")
+        self.init, self.train_a = init, train_a
         #: per adapted layer (B0, A0): (d_out, r), (r, d_in) with a shared base, else with the replica dim first
         self.principal: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         #: shared base: every merged round's (B̄, Ā) per layer (CPU), in order; emptied for good once a
@@ -139,21 +144,29 @@ class FRLoRA(FactorLoRA):
         B0, A0 = self.principal[j]
         return (B0, A0) if self.shared_base else (B0[replica], A0[replica])
 
+    def _trained(self) -> list[str]:
+        return (self.a_names if self.train_a else []) + self.b_names
+
     def local_step(self, objective: Objective, sample: Sampler) -> None:
-        self.train_step(objective, sample, self.a_names + self.b_names + self.heads)
+        self.train_step(objective, sample, self._trained() + self.heads)
 
     def upload(self, replica: int) -> Payload:
-        return self.upload_params(replica, self.a_names + self.b_names + self.shared_head_names())
+        return self.upload_params(replica, self._trained() + self.shared_head_names())
 
     @staticmethod
     def aggregate(payloads, weights: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Per layer (B̄, Ā) = ``frlora_average`` (each factor's weighted mean); a shared head's mean too."""
+        """Per layer (B̄, Ā) = ``frlora_average`` (each factor's weighted mean; B̄ alone where A is not
+        trained, ``train_a=False``); a shared head's mean too."""
         if not payloads:
             raise ConfigError("frlora.aggregate: no client payloads")
         out = {}
-        for a in [n for n in payloads[0].tensors if n.endswith("lora_A")]:
-            b = a[: -len("lora_A")] + "lora_B"
-            out[b], out[a] = frlora_average([p.tensors[b] for p in payloads], [p.tensors[a] for p in payloads], weights)
+        for b in [n for n in payloads[0].tensors if n.endswith("lora_B")]:
+            a = b[: -len("lora_B")] + "lora_A"
+            if a in payloads[0].tensors:
+                out[b], out[a] = frlora_average([p.tensors[b] for p in payloads], [p.tensors[a] for p in payloads],
+                                                weights)
+            else:
+                out[b] = weighted_average([p.tensors[b] for p in payloads], weights)
         out.update(Method.aggregate_head(payloads, weights))
         return out
 
@@ -165,20 +178,20 @@ class FRLoRA(FactorLoRA):
         for j, ((a, b), layer) in enumerate(zip(self.pairs, self.layers)):
             B0, A0 = self.principal[j]
             dev = layer.weight.device
-            layer.weight.copy_(frlora_merge(layer.weight, state[b].to(dev), state[a].to(dev), B0.to(dev), A0.to(dev),
-                                            layer.scale))
+            layer.weight.copy_(frlora_merge(layer.weight, state[b].to(dev), state.get(a, A0).to(dev), B0.to(dev),
+                                            A0.to(dev), layer.scale))
         self.merged_exact = self.merged_exact and all(layer.weight.dtype in (torch.float32, torch.float64)
                                                       for layer in self.layers)
         if self.merged_exact:
-            self.merged_averages.append([(state[b].detach().cpu().clone(), state[a].detach().cpu().clone())
-                                         for a, b in self.pairs])
+            self.merged_averages.append([(state[b].detach().cpu().clone(), state.get(a, A0).detach().cpu().clone())
+                                         for (a, b), (_, A0) in zip(self.pairs, self.principal)])
         else:
             self.merged_averages.clear()
 
     def download(self, replica: int, state: Mapping[str, torch.Tensor]) -> Payload:
         """Merge the round's update into the replica's base (with a shared base: merged already by
         ``apply_to_base``), restart from (B0, A0), take the averaged head if one is trained."""
-        if not any(a in state for a, _ in self.pairs):
+        if not any(b in state for _, b in self.pairs):
             self.download_head(replica, state)
             return Payload(dict(state))  # nothing averaged yet: the initial adapters stand
         with torch.no_grad():
@@ -186,7 +199,7 @@ class FRLoRA(FactorLoRA):
                 B0, A0 = self._principal_of(j, replica)
                 if not self.shared_base:
                     W = layer.weight[replica]
-                    layer.weight[replica] = frlora_merge(W, state[b].to(W.device), state[a].to(W.device),
+                    layer.weight[replica] = frlora_merge(W, state[b].to(W.device), state.get(a, A0).to(W.device),
                                                          B0, A0, layer.scale)
                 self.params[a][replica] = A0.to(self.params[a].dtype)
                 self.params[b][replica] = B0.to(self.params[b].dtype)
