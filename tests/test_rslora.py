@@ -268,3 +268,14 @@ def test_the_peft_export_says_use_rslora_and_scores_the_runs_exact_accuracy(rs_r
         torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5, msg=f"client {k}")
         reported = summary["final_clients"][str(k)]["test"]
         assert _scores(theirs, labels, run.task.num_labels)["accuracy"] == reported["accuracy"]
+
+
+def test_a_synthetic_flower_spec_carries_rslora_to_the_nodes():
+    """``synthetic flower --rslora``: the spec every message carries says it, and a node's run built from the
+    spec (through JSON, as a message) has α/√r layers: 4/√4 = 2 (α = r left out)."""
+    from fedlora.synthetic.flower import build_spec_run, flower_spec
+
+    for rslora, want in ((True, 2.0), (False, 1.0)):
+        spec = json.loads(json.dumps(flower_spec("flexlora", 0.01, clients=2, rounds=1, rslora=rslora)))
+        assert spec["compare"]["rslora"] is rslora
+        assert build_spec_run(spec).layer.scale == want
