@@ -359,6 +359,46 @@ def test_fedex_global_model_is_exactly_the_weighted_sum_of_the_clients(adapters)
         assert not np.allclose(s * (b.double() @ a.double()).numpy(), want, atol=1e-4)  # B̄Ā alone is not it
 
 
+def test_fedsvd_refactorises_the_mean_b_over_the_shared_a(adapters):
+    """FedSVD: B'A' = (Σ p_k B_k) A exactly (numpy) and A' has orthonormal rows."""
+    if "fedsvd" not in lora_methods():
+        pytest.skip("FedSVD does not declare Method.lora_upload")
+    dirs = adapters["shared_a"]
+    res = aggregate_adapters("fedsvd", dirs, WEIGHTS)
+    p = np.array(WEIGHTS) / sum(WEIGHTS)
+    loaded = [PeftAdapter.load(d).lora()[0] for d in dirs]
+    for m, (a, b) in factors_of(res.adapters[2].state_dict).items():
+        mean_b = sum(pk * c[m][1].double().numpy() for pk, c in zip(p, loaded))
+        np.testing.assert_allclose((b.double() @ a.double()).numpy(), mean_b @ loaded[0][m][0].double().numpy(),
+                                   rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose((a.double() @ a.double().T).numpy(), np.eye(a.shape[0]), atol=1e-6)
+        assert not torch.equal(a, loaded[0][m][0])  # A was re-factorised, not kept
+
+
+def test_lora_fair_corrects_b_towards_the_exact_update_with_the_given_options(adapters):
+    """LoRA-FAIR: Ā is the mean; (B̄+ΔB)Ā is at least as close in cosine to ΔW = Σ p_k B_k A_k as B̄Ā; the
+    server's options reach its solver (no steps: no correction)."""
+    if "lora-fair" not in lora_methods():
+        pytest.skip("LoRA-FAIR does not declare Method.lora_upload")
+    dirs = adapters["same"]
+    p = np.array(WEIGHTS) / sum(WEIGHTS)
+    loaded = [PeftAdapter.load(d).lora()[0] for d in dirs]
+    res = aggregate_adapters("lora-fair", dirs, WEIGHTS, {"server_steps": 20})
+    none = aggregate_adapters("lora-fair", dirs, WEIGHTS, {"server_steps": 0})
+
+    def cos(x, y):
+        return float((x * y).sum() / np.linalg.norm(x) / np.linalg.norm(y))
+
+    for m, (a, b) in factors_of(res.adapters[0].state_dict).items():
+        mean_a = sum(pk * c[m][0].double().numpy() for pk, c in zip(p, loaded))
+        mean_b = sum(pk * c[m][1].double().numpy() for pk, c in zip(p, loaded))
+        dw = sum(pk * (c[m][1].double() @ c[m][0].double()).numpy() for pk, c in zip(p, loaded))
+        np.testing.assert_allclose(a.double().numpy(), mean_a, rtol=1e-6, atol=1e-7)
+        a0, b0 = factors_of(none.adapters[0].state_dict)[m]
+        np.testing.assert_allclose(b0.double().numpy(), mean_b, rtol=1e-6, atol=1e-7)
+        assert cos(dw, (b.double() @ a.double()).numpy()) > cos(dw, mean_b @ mean_a)
+
+
 def test_state_dicts_with_their_configs_give_what_the_folders_give(adapters, tmp_path):
     """(state_dict, LoraConfig) pairs — what a Flower strategy holds — are aggregated as the saved folders are."""
     dirs = adapters["het"]

@@ -95,12 +95,23 @@ class LoRAFAIR(FactorLoRA):
     def local_step(self, objective: Objective, sample: Sampler) -> None:
         self.train_step(objective, sample, self.a_names + self.b_names + self.heads)
 
+    def server_meta(self) -> dict[str, str]:
+        """The server solver's options as every upload carries them (``server_options`` reads them back)."""
+        return {_META: f"lam={self.lam!r};steps={self.server_steps};lr={self.server_lr!r};solver={self.solver};"
+                       f"backtrack={int(self.backtrack)}"}
+
     def upload(self, replica: int) -> Payload:
         """A_k and B_k of every layer (and a shared head); meta: the server solver's options."""
-        meta = {_META: f"lam={self.lam!r};steps={self.server_steps};lr={self.server_lr!r};solver={self.solver};"
-                       f"backtrack={int(self.backtrack)}"}
+        meta = self.server_meta()
         return Payload(self.upload_params(replica, self.a_names + self.b_names + self.shared_head_names()).tensors,
                        meta)
+
+    # PEFT adapters trained elsewhere (fedlora.peft_adapters): one rank and one scale for every client
+    lora_upload = ("lora_A", "lora_B")
+
+    def uploads_from_lora(self, clients) -> list[Payload]:
+        """A_k, B_k as they are; meta: this method's server options (``server_meta``), as ``upload``'s."""
+        return [Payload(p.tensors, self.server_meta()) for p in super().uploads_from_lora(clients)]
 
     @staticmethod
     def server_options(payloads: Sequence[Payload]) -> dict:
