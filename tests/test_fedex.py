@@ -391,3 +391,21 @@ def test_gpt2_conv1d_weights_get_the_residual_in_their_own_layout(tmp_path, monk
         assert tuple(got.shape) == want.shape
         np.testing.assert_allclose(got.detach().double().numpy(), want, rtol=0, atol=1e-7)  # float32 rounding
     assert tuple(run.model.get_submodule(run.targets[0]).weight.T.shape) == (32, 96)
+
+
+def test_tiny_smoke_saves_the_base_delta_once_and_the_peft_export_carries_it(smoke, tmp_path):
+    """The residuals of every round, D = W0_now − W0, are saved once as a LoRA of rank min(d_out, d_in) = 32
+    (identity and D, scale 1), which the PEFT export appends to the client's rank-4 LoRA: r = 4 + 32."""
+    from safetensors import safe_open
+
+    from fedlora.llm.export import export_peft
+
+    out, _ = smoke
+    with safe_open(str(out / "adapters" / "merged_update.safetensors"), "pt") as f:
+        meta = f.metadata()
+        assert meta["form"] == "lora" and meta["merges"] == "2"
+        for name in json.loads((out / "config.json").read_text())["resolved"]["layers"]:
+            a, b = f.get_tensor(f"{name}.lora_A"), f.get_tensor(f"{name}.lora_B")
+            assert a.shape == b.shape == (32, 32) and torch.equal(a, torch.eye(32, dtype=a.dtype))
+    peft_dir = export_peft(out, 0, tmp_path / "peft")
+    assert json.loads((peft_dir / "adapter_config.json").read_text())["r"] == 4 + 32
