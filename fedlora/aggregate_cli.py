@@ -20,7 +20,7 @@ from .io import claim_output_dir, write_json_atomic
 
 __all__ = ["register", "BASE_DELTA", "SUMMARY"]
 
-#: the base-weight increments of a method that changes the base (FLoRA), ``<module>.weight`` → tensor
+#: the base-weight increments of a method that changes the base (FLoRA, FedEx-LoRA), ``<module>.weight`` → tensor
 BASE_DELTA = "base_delta.safetensors"
 #: what was aggregated: method, inputs, normalised weights, what each output folder holds
 SUMMARY = "aggregate.json"
@@ -37,7 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog="writes into --out:\n"
                "  client_<k>/             what the method gives client k (the k-th CLIENT_DIR), a PEFT adapter folder\n"
                "                          (adapter_config.json + adapter_model.safetensors)\n"
-               f"  {BASE_DELTA}  only for a method that changes the base (FLoRA): <module>.weight → the\n"
+               f"  {BASE_DELTA}  only for a method that changes the base (FLoRA, FedEx-LoRA): <module>.weight → the\n"
                "                          increment of the frozen base weight, in the layer's own layout\n"
                f"  {SUMMARY}          the method, inputs, normalised weights and outputs\n"
                "methods: those whose server needs nothing but the clients' LoRA factors (`Method.lora_upload`);\n"

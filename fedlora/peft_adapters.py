@@ -179,7 +179,8 @@ class AggregateResult:
     ``fedlora run``'s server holds; ``adapters``: what the method gives each client, as PEFT adapters, in the
     order of the inputs; ``base_delta``: ``<module>.weight`` → the increment of the frozen base weight, in the
     layer's own layout (transposed for ``fan_in_fan_out``, GPT-2's Conv1D) so that it adds to the base model's
-    state dict as it is — empty unless the method changes the base (FLoRA); ``weights``: the normalised p_k."""
+    state dict as it is — empty unless the method changes the base (FLoRA, FedEx-LoRA); ``weights``: the
+    normalised p_k."""
 
     method: str
     weights: list[float]

@@ -309,6 +309,21 @@ def test_weights_from_a_file_equal_the_same_weights_given_inline(adapters, tmp_p
     assert json.loads((tmp_path / "a" / "aggregate.json").read_text())["weights"] == pytest.approx([1 / 6, 2 / 6, 3 / 6])
 
 
+def test_set_passes_the_methods_options_to_its_server(adapters, tmp_path, capsys):
+    """--set reaches the server (LoRA-FAIR without solver steps keeps B̄); a bad option is one line."""
+    dirs = adapters["same"]
+    out = tmp_path / "fair"
+    assert main(["aggregate", "--method", "lora-fair", *dirs, "--weights", "1,2,3", "--set", "server_steps=0",
+                 "--out", str(out)]) == 0
+    want = aggregate_adapters("fedavg", dirs, WEIGHTS).adapters[0].state_dict
+    got = PeftAdapter.load(out / "client_0").state_dict
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert json.loads((out / "aggregate.json").read_text())["options"] == {"server_steps": 0}
+    err = _refused(capsys, ["aggregate", "--method", "lora-fair", *dirs, "--weights", "1,2,3", "--set", "nosuch=1",
+                            "--out", str(tmp_path / "bad")])
+    assert "nosuch" in err and "server_steps" in err
+
+
 def test_peft_key_is_what_peft_saves(adapters):
     sd = PeftAdapter.load(adapters["same"][0]).state_dict
     assert peft_key("bert.encoder.layer.0.attention.self.query", "lora_A") in sd
