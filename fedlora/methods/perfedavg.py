@@ -60,6 +60,7 @@ class PerFedAvgLoRA(AveragedFactors):
     """
 
     name = "perfedavg"
+    lora_upload = ("lora_A", "lora_B")  # its server averages the uploads: PEFT adapters aggregate with it
     personalised = True  # one SGD step on the client's own data (personalised_params)
     head_modes = ("frozen", "shared")  # a trained head is part of the meta-learned x
 
