@@ -201,8 +201,8 @@ class FRLoRA(FactorLoRA):
                     W = layer.weight[replica]
                     layer.weight[replica] = frlora_merge(W, state[b].to(W.device), state.get(a, A0).to(W.device),
                                                          B0, A0, layer.scale)
-                self.params[a][replica] = A0.to(self.params[a].dtype)
-                self.params[b][replica] = B0.to(self.params[b].dtype)
+                self.params[a][replica] = A0.to(self.params[a])  # its dtype and device
+                self.params[b][replica] = B0.to(self.params[b])
             self.download_head(replica, state)
         return Payload(dict(state))
 
