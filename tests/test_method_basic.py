@@ -474,7 +474,7 @@ def test_create_method_names_bad_options_and_rank_budget_support():
         create_method("ffa", rank=4, client_ranks=[1, 2])
     with pytest.raises(ConfigError, match=r"fedavg: unknown option\(s\) 'lr_b'; allowed: rank, lr"):
         create_method("fedavg", lr_b=0.1)
-    with pytest.raises(ConfigError, match="unknown method 'fedprox'; available: .*rolora"):
+    with pytest.raises(ConfigError, match=r"unknown method 'fedprox' \(did you mean 'fedex'\?\); available: .*rolora"):
         create_method("fedprox")
 
 
