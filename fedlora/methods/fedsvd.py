@@ -62,6 +62,9 @@ class FedSVD(FactorLoRA):
     default_head = "frozen"
     #: B trained over a fixed-norm frozen A, as FFA-LoRA: its measured LLM step (not tuned for FedSVD apart)
     llm_lr = FFALoRA.llm_lr
+    #: its server runs on the clients' B over their one shared A: PEFT adapters trained elsewhere aggregate with it
+    #: (``fedlora.peft_adapters``; the A every client holds is the server's state, ``lora_server_state``)
+    lora_upload = ("lora_B",)
 
     def __init__(self, rank: int = 8, lr: float = 5e-4, optimizer: str = "adamw", weight_decay: float = 0.0,
                  reset_optimizer: bool = True) -> None:
@@ -136,9 +139,14 @@ class FedSVD(FactorLoRA):
                 raise ConfigError(f"fedsvd server: this round's aggregate lacks {b}")
             res = fedsvd_refactor(aggregated[b], state[a])
             new[a] = res.A.to(state[a].dtype)
-            new[b] = res.B.to(state[b].dtype)
+            new[b] = res.B.to(state[b].dtype if b in state else state[a].dtype)
         new.update({n: v for n, v in aggregated.items() if not n.endswith("lora_B")})
         return new
+
+    def lora_server_state(self, clients) -> dict[str, torch.Tensor]:
+        """PEFT adapters trained elsewhere: the server's state before the round is the A every client trained
+        against — frozen and the same on every client (``uploads_from_lora`` checks it); B̄ replaces B."""
+        return {f"{m}.lora_A": a for m, (a, _, _) in clients[0].items()}
 
     def download(self, replica: int, state: Mapping[str, torch.Tensor]) -> Payload:
         """Write the server's A, B (and a shared head) into the replica; what is sent is exactly ``state``."""
