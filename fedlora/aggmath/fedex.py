@@ -1,9 +1,10 @@
 """FedEx-LoRA exact aggregation: weighted means of the factors plus a residual in the frozen weight.
 
 Singhal, Ponkshe, Vepakomma, "FedEx-LoRA: Exact Aggregation for Federated and Efficient Fine-Tuning of
-Foundation Models", ACL 2025 (arXiv 2410.09432), §3 (the server's update of A, B and of the frozen W0 by
-the residual ΔW_res). In PEFT orientation (A_k (r, d_in), B_k (d_out, r), ΔW = s·B A) and with the
-client weights p_k (Σ p_k = 1; the paper writes the uniform 1/k):
+Foundation Models", ACL 2025 (arXiv 2410.09432): the server's update of A, B and of the frozen W0 by the
+residual ΔW_res (the paper's update rule; equation numbers were not available to us). In PEFT orientation
+(A_k (r, d_in), B_k (d_out, r), ΔW = s·B A) and with the client weights p_k (Σ p_k = 1; the paper writes the
+uniform 1/k):
 
     Ā = Σ_k p_k A_k,   B̄ = Σ_k p_k B_k,
     ΔW_res = s·(Σ_k p_k B_k A_k − B̄ Ā),

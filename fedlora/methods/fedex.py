@@ -1,8 +1,9 @@
 """FedEx-LoRA: average A and B, and put the averaging's error into the frozen base, so the global model is exact.
 
 Singhal, Ponkshe, Vepakomma, "FedEx-LoRA: Exact Aggregation for Federated and Efficient Fine-Tuning of
-Foundation Models", ACL 2025 (arXiv 2410.09432), §3. Clients train A and B (all clients rank r, as
-FedAvg-LoRA) and upload both; the server sets (``fedlora.aggmath.fedex_aggregate``)
+Foundation Models", ACL 2025 (arXiv 2410.09432), its method: the residual ΔW_res added to the frozen
+weight (the paper's figure 1 and update rule; equation numbers were not available to us). Clients train
+A and B (all clients rank r, as FedAvg-LoRA) and upload both; the server sets (``fedlora.aggmath.fedex_aggregate``)
 
     Ā = Σ_k p_k A_k,   B̄ = Σ_k p_k B_k,   ΔW_res = s·(Σ_k p_k B_k A_k − B̄ Ā)
 
@@ -26,7 +27,8 @@ to hold the global model —
 
 Since the base changes, a client's adapter alone is not its model: the runtime saves what was added to
 the base beside the adapters (``merged_update``: the sum of the residuals D = W0_now − W0, a full-rank
-update written exactly as a LoRA of rank min(d_out, d_in) — an identity factor and D), and both exports
+update written exactly as a LoRA of rank min(d_out, d_in) — an identity factor and D, zero-padded to the
+largest such rank over the layers; a half-precision base saves the merged weights instead), and both exports
 add it: ``--format merged`` to the base weights, the PEFT export as a LoRA of rank r + min(d_out, d_in),
 as large as a dense weight per layer (no PEFT adapter of rank r can carry the residuals).
 
