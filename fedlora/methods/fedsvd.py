@@ -30,10 +30,12 @@ Decisions, each stated on the docs page:
 - The re-factorisation runs after every round; the authors' code can skip rounds
   (``--recalculate-svd-period``, ``--svd-warmup-steps``, both default to every round), which is not offered.
 
-Where the authors' code (seanie12/fed-svd) differs from the paper, the paper is followed: their SVD runs
-on the dense d_out × d_in product in the model's float32 and takes LAPACK's arbitrary basis when the
-product is rank-deficient (a zero product replaces A by whatever basis LAPACK returns); here QR + a small
-core SVD in float64, a fixed sign rule, and a zero product keeps A (``fedlora.aggmath.fedsvd``).
+Where the authors' code (seanie12/fed-svd) differs, the paper's rule is kept and every difference is listed
+on the docs page: their SVD runs on the dense d_out × d_in product in the model's float32 and takes LAPACK's
+arbitrary basis when the product is rank-deficient (a zero product replaces A by whatever basis LAPACK
+returns); here QR + a small core SVD in float64, a fixed sign rule, and a zero product keeps A
+(``fedlora.aggmath.fedsvd``). The paper's private setting (DP-SGD in the clients) is not available: fedlora
+has no differential privacy yet.
 """
 from __future__ import annotations
 
