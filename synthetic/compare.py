@@ -401,7 +401,8 @@ def to_markdown(result: dict[str, Any]) -> str:
     cfg = result["config"]
     hs = cfg["heterogeneity"]
     lines = [f"# synthetic compare — {cfg['clients']} clients, {cfg['seeds']} seed(s), {cfg['rounds']} rounds × "
-             f"{cfg['local_steps']} local steps, rank r = {cfg['rank']}", "",
+             f"{cfg['local_steps']} local steps, rank r = {cfg['rank']}"
+             + (", rsLoRA (every adapter scaled by α/√r)" if cfg.get("rslora") else ""), "",
              f"Step size per (task, h, method) from {list(cfg['lr_grid'])} by validation loss. "
              "Test metrics: unweighted mean over clients, mean ± std over seeds.", ""]
     for task in cfg["tasks"]:

@@ -175,6 +175,8 @@ def test_synthetic_compare_takes_rslora_and_records_it_only_when_on(tmp_path, ca
     assert [r["adapter"] for r in on["results"]] == [{"rank": 4, "rslora": True}, {"rank": 8, "rslora": True}]
     assert [r["adapter"] for r in off["results"]] == [{"rank": 4}, {"rank": 8}]
     assert on["results"][0]["summary"] != off["results"][0]["summary"]  # s = 4/√4 = 2, not 1: another run
+    heads = [(tmp_path / d / "compare.md").read_text().splitlines()[0] for d in ("on", "off")]
+    assert heads[0] == heads[1] + ", rsLoRA (every adapter scaled by α/√r)"
 
 
 # the refusal: a method whose paper fixes the scale --------------------------------------------------------
