@@ -3,8 +3,9 @@
 The adapters are saved by PEFT itself (``get_peft_model`` on a tiny BERT built from a config, random
 factors — ``init_lora_weights=False`` — and different ranks and seeds). Each method that declares its server
 runs on uploads alone (``Method.lora_upload``; new methods join by that attribute) is checked against the
-same method in a run: its clients' own ``upload`` of the same factors in a stacked model, its ``aggregate``
-and ``server_update``, and its ``download`` into each client's replica — the code a ``fedlora run`` runs.
+same method in a run: one round of the round protocol every run uses (``Server.run_round``, here over the
+testbed's ``StackedExecutor``) whose clients hold the same factors and take no local step — their own
+``upload``, the server's ``aggregate`` and ``server_update``, the final broadcast through ``download``.
 Independent numbers pin what the results mean (FedAvg's weighted mean, FLoRA's Σ p_k s_k B_k A_k, FlexLoRA's
 truncated SVD, HetLoRA's norm-weighted zero-padded mean).
 """
@@ -19,7 +20,8 @@ import torch
 from torch import nn
 
 from fedlora.adapter import LoRALinear
-from fedlora.aggregation import normalise_weights
+from fedlora.server import Federation, Server
+from fedlora.simulator import StackedExecutor
 from fedlora.cli import main
 from fedlora.methods import RankSlots, build, get_method, method_parameters
 from fedlora.peft_adapters import PeftAdapter, aggregate_adapters, lora_methods, peft_key
@@ -131,8 +133,10 @@ def stacked_model(shapes, K: int, rank: int, scale: float) -> nn.Module:
 
 
 def server_in_a_run(name: str, clients, weights):
-    """(server state, each client's factors after its download, each replica's W0 after it) of ``name`` run on
-    ``clients`` (module → (A, B)) with the run's own upload / aggregate / server_update / download."""
+    """(server state, each client's factors after the round, each replica's W0 after it) of one round of
+    ``name`` run by the testbed's round protocol — ``Server.run_round`` over the ``StackedExecutor`` — on
+    clients that hold ``clients`` (module → (A, B)) and take no local step: their uploads (``Method.upload``),
+    the server's aggregate and ``server_update``, and the final broadcast through ``Method.download``."""
     ranks = [next(iter(c.values()))[0].shape[0] for c in clients]
     method = build(name, run_options(name, ranks))
     shapes = {m: (b.shape[0], a.shape[1]) for m, (a, b) in clients[0].items()}
@@ -143,12 +147,16 @@ def server_in_a_run(name: str, clients, weights):
             for m, (a, b) in c.items():
                 layer = model.get_submodule(m)
                 RankSlots.pad_into(layer.lora_A, layer.lora_B, k, a, b)
-    uploads = [method.upload(k) for k in range(len(clients))]
-    before = method.initial_server_state(0)  # what the server holds before the round (FedSVD: the frozen A)
-    state = method.server_update(before, method.aggregate(uploads, normalise_weights(weights)))
+    federation = Federation(n_groups=1, n_clients=len(clients), client_weights=list(weights))
+    server = Server(method, federation, [method.initial_server_state(0)], rounds=1)  # FedSVD's: the frozen A
+
+    def no_step(*_):
+        raise AssertionError("no local step: the clients upload the adapters as PEFT saved them")
+
+    server.run_round(StackedExecutor(method, federation, no_step, no_step, local_steps=0))
+    state = server.states[0]
     got, bases = [], []
     for k, r in enumerate(ranks):
-        method.download(k, state)
         got.append({m: (model.get_submodule(m).lora_A[k, :r].detach().clone(),
                         model.get_submodule(m).lora_B[k, :, :r].detach().clone()) for m in shapes})
         bases.append({m: model.get_submodule(m).weight for m in shapes})
