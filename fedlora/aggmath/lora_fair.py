@@ -53,6 +53,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from ..aggregation import weighted_average
 from ..errors import ConfigError
 from ._checks import check_factor_pairs, check_weights, is_int
 
@@ -95,8 +96,9 @@ class _Problem:
         B64 = [b.detach().to(torch.float64) for b in Bs]
         A64 = [a.detach().to(torch.float64) for a in As]
         K = len(B64)
-        self.A_bar = sum(w[k] * A64[k] for k in range(K))
-        self.B_bar = sum(w[k] * B64[k] for k in range(K))
+        # the house's weighted mean (FedAvg-LoRA's, bit for bit: with no correction B̄' is FedAvg's B̄)
+        self.A_bar = weighted_average(A64, weights)
+        self.B_bar = weighted_average(B64, weights)
         self.Q, self.R = torch.linalg.qr(self.A_bar.T)  # (d_in, m), (m, r)
         self.H = sum(w[k] * (B64[k] @ (A64[k] @ self.Q)) for k in range(K))  # ΔW Q, from the factors
         n_cat = sum(ranks)
