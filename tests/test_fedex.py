@@ -442,3 +442,10 @@ def test_a_half_precision_base_saves_its_merged_weights_which_the_merged_export_
         assert torch.equal(mu[f"{name}.weight"], base) and not torch.equal(pristine.get_submodule(name).weight, base)
         want = (base.double() + float(spec["scale"]) * ad[f"{name}.lora_B"].double() @ ad[f"{name}.lora_A"].double())
         assert torch.equal(merged.get_submodule(name).weight, want.to(torch.bfloat16)), name
+
+
+def test_per_client_ranks_are_refused_in_one_line():
+    """The mean of the factors needs one rank on every client: rank budgets are refused when the method is built."""
+    with pytest.raises(ConfigError, match="fedex: per-client rank budgets \\(client_ranks\\) are not supported") as e:
+        build("fedex", {"rank": 4, "client_ranks": [2, 4]})
+    assert "\n" not in str(e.value)
