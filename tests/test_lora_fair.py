@@ -242,12 +242,18 @@ def test_the_server_keeps_the_mean_of_A_and_corrects_B_with_the_options_it_was_b
         assert set(sent.tensors) == {"lora_A", "lora_B"}
         assert torch.equal(layer.lora_A[i], state["lora_A"]) and torch.equal(layer.lora_B[i], state["lora_B"])
     assert torch.equal(layer.weight, w0)
-    # λ large: the server's B is the plain mean (FedAvg-LoRA's)
-    big = build("lora-fair", {"rank": 3, "lam": 1e6})
-    big.bind(_stacked(), [0, 1, 2])
-    st_big = type(big).aggregate([big.upload(i) for i in range(3)], w)
-    plain = torch.einsum("k,kij->ij", w, big.params["lora_B"].detach())
-    torch.testing.assert_close(st_big["lora_B"], plain, rtol=1e-14, atol=1e-15)
+    # λ large, or no solver steps: the server's state is FedAvg-LoRA's, bit for bit (float32 uploads too)
+    plain_layer = _stacked()
+    plain_layer.lora_A.data, plain_layer.lora_B.data = plain_layer.lora_A.data.float(), plain_layer.lora_B.data.float()
+    fedavg = build("fedavg", {"rank": 3})
+    fedavg.bind(plain_layer, [0, 1, 2])
+    want_plain = type(fedavg).aggregate([fedavg.upload(i) for i in range(3)], w)
+    for opts in ({"lam": 1e6}, {"server_steps": 0}):
+        other = build("lora-fair", {"rank": 3, **opts})
+        other.bind(plain_layer, [0, 1, 2])
+        got = type(other).aggregate([other.upload(i) for i in range(3)], w)
+        assert got.keys() == want_plain.keys() and all(torch.equal(got[k], want_plain[k]) for k in got), opts
+        assert got["lora_B"].dtype == torch.float32
 
 
 def test_uploads_carry_the_server_options_and_disagreeing_ones_are_refused():
