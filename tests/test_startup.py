@@ -40,7 +40,8 @@ PROBE = textwrap.dedent("""
     out = {"light": {}, "synthetic": {}}
     for argv in (["--help"], ["run", "--help"], ["synthetic", "rank-recovery", "--help"], ["run", "--list-configs"],
                  ["run", "no-such-config"], ["export", "no-such-run", "--client", "0", "--out", "exp"],
-                 ["plot", "no-such-run", "--out", "plt"]):
+                 ["plot", "no-such-run", "--out", "plt"], ["aggregate", "--help"],
+                 ["aggregate", "no-such-adapter", "--method", "fedavg", "--out", "agg"]):
         out["light"][" ".join(argv)] = [quiet(argv), "torch" in sys.modules]
     out["left_behind"] = sorted(os.listdir("."))
     for argv in (["synthetic", "rank-recovery", "--preset", "paper", "--seeds", "1", "--steps", "20", "--jobs", "2",
@@ -71,7 +72,8 @@ def test_commands_import_only_what_they_use(tmp_path):
     assert out["light"] == {"--help": [0, False], "run --help": [0, False], "synthetic rank-recovery --help": [0, False],
                             "run --list-configs": [0, False], "run no-such-config": [2, False],
                             "export no-such-run --client 0 --out exp": [2, False],
-                            "plot no-such-run --out plt": [2, False]}
+                            "plot no-such-run --out plt": [2, False], "aggregate --help": [0, False],
+                            "aggregate no-such-adapter --method fedavg --out agg": [2, False]}
     assert out["left_behind"] == []  # the refused export and plot made no folder
     # no torch._dynamo, transformers, or matplotlib (--no-plot) for a synthetic command
     assert out["synthetic"] == {c: [0, False, False, False] for c in ("rank-recovery", "bilevel-convergence", "compare")}
