@@ -389,3 +389,19 @@ def test_tiny_smoke_clients_end_with_the_refactorised_mean_of_the_last_uploads(s
     full = Payload({k: v for k, v in rounds[1]["state"].items()}).nbytes
     for rec in records[1:2]:
         assert all(rec["bytes_down"][str(i)] == full for i in rec["participants"])
+
+
+def test_tiny_smoke_clients_start_every_round_from_a_fresh_optimizer(smoke):
+    """The slot runtime's client records after round 3: every AdamW step count is one round's local steps
+    (tiny-smoke: 3), also for a client that trained in several rounds — its moments restarted at each download."""
+    from safetensors.torch import load_file
+
+    out, _ = smoke
+    records = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()][1:]
+    times = {k: sum(str(k) in r["train_loss"] for r in records) for k in range(3)}
+    assert max(times.values()) >= 2  # someone trained more than once: a kept optimizer would count more steps
+    steps = json.loads((out / "config.json").read_text())["config"]["train"]["local_steps"]
+    for k in (k for k, n in times.items() if n):
+        rec = load_file(str(out / "checkpoints" / "round_000003" / f"client_{k}.safetensors"))
+        counts = [float(v) for n, v in rec.items() if n.startswith("optim:") and n.endswith(":step")]
+        assert counts and all(c == steps for c in counts), (k, counts)
