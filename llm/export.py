@@ -10,8 +10,8 @@ run's frozen random head, which no hub checkpoint holds — travels as PEFT ``mo
 The run folder holds what this needs (``fedlora run`` writes it): ``config.json`` ("resolved": the
 adapted layers with their scales and orientation, the head's modules) and
 ``adapters/client_<k>.safetensors`` (the client's final tensors, no slot dimension: the model the run
-evaluated last — Per-FedAvg's after its one personalisation step). FLoRA merges every round into the
-base, which its adapters alone do not hold: ``adapters/merged_update.safetensors`` (once per run, the
+evaluated last — Per-FedAvg's after its one personalisation step). FLoRA (FedEx-LoRA, FRLoRA likewise)
+merges every round into the base, which its adapters alone do not hold: ``adapters/merged_update.safetensors`` (once per run, the
 same for every client) holds what was merged, as ONE LoRA of rank M (every round's stack concatenated,
 B_cat A_cat = Σ_t B_stack,t A_stack,t, scale 1), which the export appends to the client's own LoRA
 (rank r + M, exact); with a half-precision base, whose per-round rounding no LoRA reproduces, it holds
@@ -63,8 +63,9 @@ def lora_factors(tensors: Mapping[str, torch.Tensor], layers: Mapping[str, Mappi
         if a is None or b is None:
             raise ConfigError(f"export: the adapter has no lora_A/lora_B for layer {name!r}")
         if g("merged_weight") is not None:
-            raise ConfigError(f"export: layer {name!r} holds FLoRA's merged base weight (a half-precision base "
-                              f"rounds every round's merge, which no LoRA reproduces): use --format merged")
+            raise ConfigError(f"export: layer {name!r} holds the run's merged base weight (its method merges into the "
+                              f"base every round — FLoRA, FedEx-LoRA, FRLoRA — and a half-precision base rounds "
+                              f"every merge, which no LoRA reproduces): use --format merged")
         a_e, b_e, c, d_e = fold_adapters(a.double(), b.double(), float(info["scale"]),
                                          None if g("lora_C") is None else g("lora_C").double(),
                                          None if g("lora_D") is None else g("lora_D").double(),
