@@ -357,6 +357,8 @@ class LocalDeployment:
         self.procs: dict[str, subprocess.Popen] = {}
         self.commands: dict[str, list[str]] = {}  # what was started (also in work/commands.json)
         self._seen: set[int] = set()
+        #: how many times ``status`` asked the SuperLink (``flwr ls``): ``wait`` asks only while no ServerApp runs
+        self.status_checks = 0
         self.app, self.app_dir = str(app), self.work / "app"
 
     # -- processes ---------------------------------------------------------------------------------------
@@ -464,8 +466,23 @@ class LocalDeployment:
         except (ValueError, KeyError) as e:
             raise FlowerRunFailed(f"flwr run: no run id in its output ({_last_line(r.stdout)})") from e
 
+    def serverapps(self) -> list[int]:
+        """The live ServerApp processes of this deployment's SuperLink (``flwr-serverapp``, one per running run,
+        started by the SuperLink's SuperExec); read from /proc, no process started."""
+        link = self.procs.get("superlink")
+        out = []
+        for pid in sorted(_descendants({link.pid}) if link is not None else ()):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if any(a.endswith(b"flwr-serverapp") for a in argv[:2]) and _alive(pid):
+                out.append(pid)
+        return out
+
     def status(self, run_id: int) -> str:
         """Flower's status of run ``run_id``, e.g. ``running`` or ``finished:completed`` (``""`` if unknown)."""
+        self.status_checks += 1
         r = self.flwr("ls", "local", "--run-id", str(run_id), "--format", "json")
         try:
             runs = json.loads(r.stdout).get("runs", [])
@@ -475,11 +492,19 @@ class LocalDeployment:
 
     def wait(self, run_id: int, out: str | os.PathLike, timeout: float) -> dict[str, Any]:
         """Wait (at most ``timeout`` s) until run ``run_id``'s folder ``out`` is finished; its run.json.
-        ``FlowerRunFailed`` (one line) when the run failed, or ended, or ran out of time without a complete folder."""
+        ``FlowerRunFailed`` (one line) when the run failed, or ended, or ran out of time without a complete folder.
+        The SuperLink is asked how the run stands (``status``) only while no ServerApp of this deployment runs."""
         run_json = Path(out) / "run.json"
         deadline = time.monotonic() + timeout
-        next_check = time.monotonic() + 10
+        next_look, next_ask = time.monotonic() + 1, time.monotonic() + 10
         while True:
+            # looked at before run.json, which a ServerApp writes before it ends: a ServerApp that has ended has
+            # either written its folder, or died, and only then is the SuperLink asked how the run ended
+            now = time.monotonic()
+            if now >= next_look:
+                next_look = now + 1
+                if self.serverapps():  # it runs: nothing to ask the SuperLink (`flwr ls` is a process, ≈ 1 CPU-s);
+                    next_ask = now + 1  # once it has ended, ask within a second or two
             if run_json.exists():
                 try:
                     state = json.loads(run_json.read_text())
@@ -490,8 +515,8 @@ class LocalDeployment:
                 if state.get("status") in ("failed", "interrupted"):
                     raise FlowerRunFailed(f"run {run_id} {state['status']} after round {state.get('rounds_done')}: "
                                           f"{state.get('error') or state.get('signal')}")
-            if time.monotonic() >= next_check:  # the ServerApp may have died before writing its folder
-                next_check = time.monotonic() + 10
+            if now >= next_ask:  # the ServerApp has ended (or not started yet) without a complete folder
+                next_ask = now + 10
                 st = self.status(run_id)
                 if st.startswith("finished") and not (run_json.exists() and "complete" in run_json.read_text()):
                     time.sleep(1.0)  # run.json is written before the ServerApp returns; give the disk a moment

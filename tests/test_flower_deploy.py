@@ -64,7 +64,10 @@ def test_a_loopback_deployment_gives_the_embedded_records(method, auth, tmp_path
     tests/test_flower_synthetic.py runs without). Every method's records through a deployment's message-by-message
     processes: tests/test_flower.py::test_a_deployment_in_one_process_gives_the_embedded_records."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    common = ["tiny-smoke", "--set", f"method.name={method}"]
+    # every evaluation and checkpoint is a message to every node, each a new process building the run: evaluate
+    # before round 1 and after the last, no checkpoints (a checkpoint asks the nodes what the final adapters ask)
+    common = ["tiny-smoke", "--set", f"method.name={method}", "--set", "eval.every=2",
+              "--set", "train.checkpoint_every=0"]
     assert main(["run", *common, "--no-progress", "--out", str(tmp_path / "embedded")]) == 0
     work = tmp_path / "deployment"
     t0 = time.monotonic()
