@@ -318,6 +318,17 @@ def test_bad_options_are_one_line():
                                           r"B only"):
         FedSVD.aggregate([up], torch.ones(1, dtype=F64))
     assert get_method("fedsvd") is FedSVD and FedSVD.default_head == "frozen"
+    # PEFT adapters trained elsewhere (fedlora aggregate): clients whose A differ trained A; one line
+    g = torch.Generator().manual_seed(2)
+    a = _rand(g, R, D)
+    clients = [{"q": (a, _rand(g, D, R), 2.0)}, {"q": (a + 1e-3, _rand(g, D, R), 2.0)}]
+    with pytest.raises(ConfigError, match=r"fedsvd: client 1's lora_A of module 'q' differs from client 0's; "
+                                          r"fedsvd trains only lora_B"):
+        FedSVD().uploads_from_lora(clients)
+    clients[1] = {"q": (a, clients[1]["q"][1], 2.0)}
+    ups = FedSVD().uploads_from_lora(clients)
+    assert [set(p.tensors) for p in ups] == [{"q.lora_B"}] * 2
+    assert set(FedSVD().lora_server_state(clients)) == {"q.lora_A"}
 
 
 # ---------------------------------------------------------------------------------------------------
