@@ -445,3 +445,28 @@ def test_the_docs_table_names_every_method_that_aggregates_peft_adapters():
     table = page.split("<!-- aggregate-methods -->\n", 1)[1].split("\n\n", 1)[0]
     listed = {line.split("|")[1].strip().strip("`") for line in table.splitlines()[2:]}
     assert listed == set(lora_methods())
+
+
+def test_per_module_ranks_and_alphas_are_read_and_written_as_peft_patterns(tmp_path):
+    """rank_pattern / alpha_pattern give a module its own rank and scale, read as PEFT reads them; FLoRA's stack
+    (rank Σ r_k per module, differing between modules) is written with patterns PEFT loads: merged on the base
+    it adds the base delta to every module."""
+    q, v = "bert.encoder.layer.0.attention.self.query", "bert.encoder.layer.0.attention.self.value"
+    dirs = []
+    for k, (cfg_kw) in enumerate([dict(r=2, lora_alpha=4, rank_pattern={"value": 3}, alpha_pattern={"value": 9}),
+                                  dict(r=4, lora_alpha=8)]):
+        torch.manual_seed(k + 1)
+        lora = peft.LoraConfig(target_modules=TARGETS, init_lora_weights=False, **cfg_kw)
+        peft.get_peft_model(base_model(), lora).save_pretrained(str(tmp_path / f"c{k}"))
+        dirs.append(str(tmp_path / f"c{k}"))
+    factors = PeftAdapter.load(dirs[0]).lora()[0]
+    assert (factors[q][0].shape[0], factors[q][2]) == (2, 2.0) and (factors[v][0].shape[0], factors[v][2]) == (3, 3.0)
+    res = aggregate_adapters("flora", dirs, [1, 3])
+    out = res.adapters[0].save(tmp_path / "stack")
+    stack = factors_of(res.adapters[0].state_dict)
+    assert stack[q][0].shape[0] == 6 and stack[v][0].shape[0] == 7
+    merged = peft.PeftModel.from_pretrained(base_model(), str(out)).merge_and_unload().state_dict()
+    base = base_model().state_dict()
+    for m in (q, v):
+        torch.testing.assert_close(base[f"{m}.weight"] + res.base_delta[f"{m}.weight"], merged[f"{m}.weight"],
+                                   rtol=1e-5, atol=1e-6)
