@@ -306,9 +306,10 @@ def test_bad_input_is_refused_in_one_line(adapters, tmp_path, capsys):
     sd, cfg = PeftAdapter.load(same[0]).state_dict, PeftAdapter.load(same[0]).config
     with pytest.raises(Exception, match="DoRA adapter; only plain LoRA"):
         aggregate_adapters("fedavg", [(sd, {**cfg, "use_dora": True})] * 2, [1, 1])
-    extra = {**sd, "base_model.model.bert.embeddings.word_embeddings.lora_embedding_A": torch.zeros(4, 100)}
-    with pytest.raises(Exception, match="no plain LoRA factor"):
-        aggregate_adapters("fedavg", [(extra, cfg)] * 2, [1, 1])
+    for key in ("bert.embeddings.word_embeddings.lora_embedding_A", "bert.encoder.layer.0.attention.self.query.lora_B.bias"):
+        extra = {**sd, "base_model.model." + key: torch.zeros(4)}  # LoRA on embeddings, a LoRA bias (lora_bias)
+        with pytest.raises(Exception, match="no plain LoRA factor"):
+            aggregate_adapters("fedavg", [(extra, cfg)] * 2, [1, 1])
 
 
 def test_weights_from_a_file_equal_the_same_weights_given_inline(adapters, tmp_path):
