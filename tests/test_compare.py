@@ -72,7 +72,7 @@ def test_every_method_writes_the_documented_keys(tiny_run):
 #: methods whose clients all hold one global model after the download, and those whose clients keep
 #: a model of their own (personalised, or HetLoRA's per-client truncation) — every method is one of them
 GLOBAL_MODEL = ("centralized", "fedavg", "ffa", "flexlora", "flora", "lora-a2", "rolora", "fedsvd", "fedsb", "fedex", "frlora", "lora-fair")
-OWN_MODEL = ("fedsa", "h2tune", "hetlora", "local", "perfedavg", "pf2lora")
+OWN_MODEL = ("fedsa", "h2tune", "hetlora", "local", "perfedavg", "pf2lora", "feddpa")
 
 
 def _payload_bytes(**shapes) -> int:
@@ -95,7 +95,7 @@ def test_every_methods_numbers_mean_what_they_say(tiny_run):
         A, B, AB = (_payload_bytes(lora_A=(r_, d_in)), _payload_bytes(lora_B=(d_out, r_)),
                     _payload_bytes(lora_A=(r_, d_in), lora_B=(d_out, r_)))
         per_round = {"fedavg": [AB, AB], "perfedavg": [AB, AB], "pf2lora": [AB, AB], "ffa": [B, B],
-                     "fedsa": [A, A], "rolora": [B, A], "frlora": [AB, AB], "h2tune": [_payload_bytes(lora_R=(1, r_, r_))] * 2,
+                     "fedsa": [A, A], "rolora": [B, A], "frlora": [AB, AB], "feddpa": [AB, AB], "h2tune": [_payload_bytes(lora_R=(1, r_, r_))] * 2,
                      "local": [0, 0], "centralized": [0, 0]}.get(name)
         for s in r["seeds"]:
             cl = s["clients"]

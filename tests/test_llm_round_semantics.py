@@ -193,7 +193,7 @@ def test_every_client_is_scored_on_the_current_global_state(tmp_path):
 #:     rounds; FlexLoRA: a rank-r_k SVD truncation), so its size is the method's business, not the
 #:     runtime's; their uploads go through the same runtime line as every method's here.
 BYTES_METHODS = ["fedavg", "ffa", "rolora", "fedsa", "perfedavg", "pf2lora", "flora", "lora-a2", "h2tune",
-                 "local", "centralized", "fedsvd", "fedsb", "fedex", "frlora", "lora-fair"]
+                 "local", "centralized", "fedsvd", "fedsb", "fedex", "frlora", "lora-fair", "feddpa"]
 #: 4 clients instead of test_llm_runtime's 3: options that have one entry per client
 FOUR_CLIENTS = {"lora-a2": {"rank": 4, "client_ranks": [2, 2, 3, 4]}}
 

@@ -61,7 +61,7 @@ def test_flora_shares_the_base_where_the_runtime_says_so_and_others_ignore_it():
 
 def test_personalised_is_read_from_the_class():
     personal = {n for n in available_methods() if get_method(n).personalised}
-    assert personal == {"pf2lora", "fedsa", "h2tune", "perfedavg", "local"}
+    assert personal == {"pf2lora", "fedsa", "h2tune", "perfedavg", "local", "feddpa"}
     # a method without a global model can only be evaluated on each client's own model
     assert all(get_method(n).personalised for n in available_methods() if not get_method(n).has_global_model)
 

@@ -22,6 +22,7 @@ K, RANK, ROUNDS = 4, 3, 3
 #: parameters a method never downloads (they stay with the client): unchanged for a sampled-out
 #: client over the whole round, download included
 PRIVATE = {"local": ("lora_A", "lora_B"), "fedsa": ("lora_B",), "pf2lora": ("lora_C", "lora_D"),
+           "feddpa": ("lora_C", "lora_D"),
            "h2tune": ("lora_A", "lora_B", "lora_R", "lora_Phi")}
 #: sparse H²Tune supports (re-chosen every round start) make the masks part of what is restored
 OVERRIDES = {"h2tune": {"densities": [0.5, 1.0, 0.3, 0.8]}}

@@ -1,0 +1,67 @@
+"""FedDPA's pure math (Yang, Long, Shen, Jiang, Blumenstein, "Dual-Personalizing Adapter for Federated
+Foundation Models", NeurIPS 2024, arXiv 2403.19211).
+
+* ``feddpa_average``: the server's mean of the clients' GLOBAL adapters (the local ones never leave a client),
+  Σ_k p_k (A_k, B_k) with p_k the clients' data weights n_k/Σn, or 1/M over the M uploads with
+  ``uniform=True`` (what the authors' code does: its data-weighted line is commented out).
+* ``instance_weight``: the instance-wise dynamic weight of one test input x (the paper's instance-wise
+  dynamic weighting mechanism; the authors' ``get_weight``): w(x) = scale · (1/N) Σ_j cos(e(x), e(x_j))
+  over N of the client's training inputs x_j, with e(·) a representation of an input (the code: the
+  last layer's hidden state of the last token).
+* ``mix_delta``: the adapted weight a client's model uses with weights (w_g, w_l) on its two adapters,
+  w_g·s_g·B A + w_l·s_l·D C (PEFT orientation; the global adapter (A, B), the local one (C, D)).
+
+Every function is pure and raises ``ConfigError`` on bad input.
+"""
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+import torch
+
+from ..aggregation import fedavg_factors
+from ..errors import ConfigError
+
+__all__ = ["feddpa_average", "instance_weight", "mix_delta"]
+
+
+def feddpa_average(uploads: Sequence[Mapping[str, torch.Tensor]], weights: torch.Tensor,
+                   uniform: bool = False) -> dict[str, torch.Tensor]:
+    """The global adapter's server state: Σ_k p_k T_k for every uploaded tensor T (each factor apart),
+    with p_k = weights_k (normalised by ``fedavg_factors``), or p_k = 1/M when ``uniform``."""
+    if not uploads:
+        raise ConfigError("feddpa_average: no uploads")
+    w = torch.as_tensor(weights, dtype=torch.float64)
+    if w.dim() != 1 or w.numel() != len(uploads):
+        raise ConfigError(f"feddpa_average: {len(uploads)} uploads but weights of shape {tuple(w.shape)}")
+    if uniform:
+        w = torch.ones(len(uploads), dtype=torch.float64)
+    return fedavg_factors(list(uploads), w)
+
+
+def instance_weight(query: torch.Tensor, refs: torch.Tensor, scale: float = 0.5) -> torch.Tensor:
+    """w = scale · mean_j cos(q, r_j) for every row q of ``query`` (n, d) (or one vector (d,)), over the
+    rows r_j of ``refs`` (N, d): shape (n,) (or a scalar). A zero vector has cosine 0 with everything."""
+    if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale)
+            and 0 < scale <= 1):
+        raise ConfigError(f"instance_weight: scale must be a number in (0, 1], got {scale!r}")
+    single = query.dim() == 1
+    q = query[None] if single else query
+    if q.dim() != 2 or refs.dim() != 2 or refs.shape[0] < 1 or refs.shape[1] != q.shape[1]:
+        raise ConfigError(f"instance_weight: query (n, d) and refs (N ≥ 1, d) needed, got {tuple(query.shape)} "
+                          f"and {tuple(refs.shape)}")
+    eps = torch.finfo(q.dtype).tiny if q.dtype.is_floating_point else 0.0
+    qn = q / q.norm(dim=1, keepdim=True).clamp_min(eps)
+    rn = refs.to(q.dtype) / refs.to(q.dtype).norm(dim=1, keepdim=True).clamp_min(eps)
+    w = scale * (qn @ rn.T).mean(dim=1)
+    return w[0] if single else w
+
+
+def mix_delta(A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor, s_global: float,
+              s_local: float, w_global: float, w_local: float) -> torch.Tensor:
+    """ΔW = w_g·s_g·B A + w_l·s_l·D C (d_out, d_in): the adapted update a client's model applies."""
+    if A.shape[-1] != C.shape[-1] or B.shape[-2] != D.shape[-2]:
+        raise ConfigError(f"mix_delta: the two adapters must adapt the same module: A {tuple(A.shape)}, "
+                          f"B {tuple(B.shape)}, C {tuple(C.shape)}, D {tuple(D.shape)}")
+    return w_global * s_global * (B @ A) + w_local * s_local * (D @ C)

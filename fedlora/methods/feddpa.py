@@ -1,0 +1,155 @@
+"""FedDPA-T — a global and a local adapter per client (Yang, Long, Shen, Jiang, Blumenstein,
+"Dual-Personalizing Adapter for Federated Foundation Models", NeurIPS 2024, arXiv 2403.19211; code
+github.com/Lydia-yang/FedDPA).
+
+Every adapted module carries two LoRA adapters of the same rank r: the GLOBAL adapter (A, B), uploaded and
+averaged by the server, and the LOCAL adapter (C, D), which never leaves the client (``LoRALinear``'s client
+adapter, scale s₂ = s₁: the authors build both from one LoRA config). A round of FedDPA-T (the iterative
+variant; FedDPA-F, which trains the local adapter once after federated training, is not implemented):
+
+1. the local adapter is trained with the global one mixed in, detached (no gradient reaches it):
+   y = W0x + (1 − a)·s·B A x (detached) + a·s·D C x, with a = ``local_weight`` (the authors' ``local_weight``,
+   default 0.5; their PEFT fork's ``set_local(['default'], [a, 1 − a])``);
+2. then the global adapter is trained on its own: y = W0x + s·B A x (the local adapter is out of the model
+   in this phase, as in the authors' code, which deletes it before the global phase);
+3. the client uploads the global adapter (A, B) (+ a shared head); the server sets
+   (A, B) ← Σ_k p_k (A_k, B_k) with the data weights p_k = n_k/Σn (the paper's FedAvg server; the authors'
+   code averages uniformly — ``fedlora.aggmath.feddpa.feddpa_average(uniform=True)`` is that mean).
+
+Phase 1 runs in ``local_step`` (one optimizer step on C, D per call), phase 2 in ``end_round``: as many
+steps on A, B as the round had local steps, on fresh batches of the same sampler (so a round costs twice
+its local steps, as the authors' two training passes do). Both phases draw their own batches.
+
+Evaluation at a FIXED mixing (``personalised_params``): every client is scored on
+y = W0x + (1 − m)·s·B A x + m·s·D C x with m = ``eval_mix`` (default 0.5: the authors' inference
+without the dynamic weighting, ``set_local(['local'], [0.5, 0.5])``). The paper's instance-wise
+dynamic weighting — the weight of the two adapters per test input from the mean cosine similarity of
+its representation to a few of the client's training inputs (``fedlora.aggmath.feddpa.instance_weight``) —
+is not wired into the runtimes here: docs/methods/feddpa.md says what it needs. The global model
+(``has_global_model``) is the global adapter alone.
+
+Optimizer: one optimizer over both adapters (and a head), each client's moments kept across rounds
+(the house's convention, ``fedavg``); the authors' code builds a fresh AdamW for each phase of each round.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from ..aggmath.feddpa import feddpa_average
+from ..errors import ConfigError
+from ..payload import Payload
+from .base import Objective, Sampler, register
+from .fedavg import FactorLoRA
+
+__all__ = ["FedDPA"]
+
+
+def _check_fraction(name: str, v: Any) -> float:
+    if not isinstance(v, numbers.Real) or isinstance(v, bool) or not math.isfinite(v) or not 0 < v < 1:
+        raise ConfigError(f"feddpa: {name} must be a number strictly between 0 and 1, got {v!r}")
+    return float(v)
+
+
+@register
+class FedDPA(FactorLoRA):
+    """FedDPA-T. Args: rank r (both adapters), lr, optimizer ("adamw" | "sgd"), weight_decay,
+    local_weight a (the local adapter's weight while it trains; the detached global one gets 1 − a),
+    eval_mix m (the local adapter's weight in the evaluated model; the global one gets 1 − m)."""
+
+    name = "feddpa"
+    personalised = True  # the local adapter (C, D) stays on the client
+    needs_client_adapter = True
+    #: phase 2 (the global adapter) runs in ``end_round`` for every replica of a pass alike
+    equal_steps_per_pass = True
+
+    def __init__(self, rank: int = 8, lr: float = 5e-4, optimizer: str = "adamw", weight_decay: float = 0.0,
+                 local_weight: float = 0.5, eval_mix: float = 0.5) -> None:
+        super().__init__(rank, lr, optimizer, weight_decay)
+        self.local_weight = _check_fraction("local_weight", local_weight)
+        self.eval_mix = _check_fraction("eval_mix", eval_mix)
+        self._n_local, self._objective, self._sample = 0, None, None
+
+    def adapter_kwargs(self) -> dict:
+        """Both adapters of rank r (the authors' one LoRA config for both)."""
+        return {"rank": self.rank, "client_rank": self.rank}
+
+    def bind(self, model, replica_clients, n_clients=None) -> None:
+        super().bind(model, replica_clients, n_clients)
+        self.c_names, self.d_names = [], []
+        for a, _ in self.pairs:
+            c, d = a[: -len("lora_A")] + "lora_C", a[: -len("lora_A")] + "lora_D"
+            if c not in self.params or d not in self.params:
+                raise ConfigError(f"feddpa needs a local adapter beside {a}: build the model with "
+                                  f"client_rank = rank ({self.rank}), the method's adapter_kwargs()")
+            if self.params[c].shape[-2] != self.rank:
+                raise ConfigError(f"feddpa: {c} has rank {self.params[c].shape[-2]}, the local adapter needs "
+                                  f"rank {self.rank} (the global adapter's)")
+            self.c_names.append(c)
+            self.d_names.append(d)
+        self.global_names = self.a_names + self.b_names + self.shared_head_names()
+        self.local_names = self.c_names + self.d_names + (self.heads if self.head_mode == "personal" else [])
+        self.opt = self._make_optimizer([self.params[n] for n in self.a_names + self.b_names + self.c_names
+                                         + self.d_names + self.heads])
+
+    # the round -----------------------------------------------------------------------------------
+    def begin_round(self, round_idx: int) -> None:
+        self._n_local, self._objective, self._sample = 0, None, None
+
+    def _step(self, objective: Objective, sample: Sampler, trained: Sequence[str],
+              fixed: Mapping[str, torch.Tensor]) -> None:
+        """One optimizer step on ``trained``; ``fixed`` replaces other parameters in the forward."""
+        params = {**self.params, **fixed}
+        self.opt.zero_grad(set_to_none=True)
+        loss = objective(params, sample()).sum()  # replicas are independent: Σ keeps gradients apart
+        grads = torch.autograd.grad(loss, [self.params[n] for n in trained])
+        for n, g in zip(trained, grads):
+            self.params[n].grad = g
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def local_step(self, objective: Objective, sample: Sampler) -> None:
+        """Phase 1: one step on the local adapter, the global one mixed in with weight 1 − a, detached."""
+        a = self.local_weight
+        fixed = {n: self.params[n].detach() for n in self.a_names}
+        fixed.update({n: (1.0 - a) * self.params[n].detach() for n in self.b_names})
+        fixed.update({n: a * self.params[n] for n in self.d_names})  # the gradient reaches D through a·D
+        if self.head_mode == "shared":
+            fixed.update({n: self.params[n].detach() for n in self.shared_head_names()})
+        self._step(objective, sample, self.local_names, fixed)
+        self._n_local += 1
+        self._objective, self._sample = objective, sample
+
+    def end_round(self, round_idx: int) -> None:
+        """Phase 2: as many steps on the global adapter alone (the local adapter out of the model)."""
+        if self._n_local == 0:
+            raise ConfigError("feddpa: a round needs at least one local_step")
+        fixed = {n: torch.zeros_like(self.params[n]) for n in self.d_names}  # D = 0: no local path
+        fixed.update({n: self.params[n].detach() for n in self.c_names})
+        if self.head_mode == "personal":
+            fixed.update({n: self.params[n].detach() for n in self.heads})
+        for _ in range(self._n_local):
+            self._step(self._objective, self._sample, self.global_names, fixed)
+        self._objective = self._sample = None  # do not keep the caller's data alive
+
+    def upload(self, replica: int) -> Payload:
+        # Only the global adapter (and a shared head) leaves the client; (C, D) stays local.
+        return self.upload_params(replica, self.a_names + self.b_names + self.shared_head_names())
+
+    @staticmethod
+    def aggregate(payloads: Sequence[Payload], weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        """(A, B) ← Σ_k p_k (A_k, B_k), p_k the clients' data weights (``feddpa_average``)."""
+        if payloads and any(n.endswith(("lora_C", "lora_D")) for n in payloads[0].tensors):
+            raise ConfigError("feddpa.aggregate: the local adapter (lora_C, lora_D) is never uploaded")
+        return feddpa_average([p.tensors for p in payloads], weights)
+
+    def personalised_params(self, objective: Objective, sample: Sampler) -> Mapping[str, torch.Tensor]:
+        """The evaluated model: the global adapter weighted 1 − m, the local one m (m = ``eval_mix``)."""
+        m = self.eval_mix
+        out = {n: p.detach() for n, p in self.params.items()}
+        out.update({n: (1.0 - m) * self.params[n].detach() for n in self.b_names})
+        out.update({n: m * self.params[n].detach() for n in self.d_names})
+        return out
