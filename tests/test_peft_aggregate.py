@@ -3,9 +3,9 @@
 The adapters are saved by PEFT itself (``get_peft_model`` on a tiny BERT built from a config, random
 factors — ``init_lora_weights=False`` — and different ranks and seeds). Each method that declares its server
 runs on uploads alone (``Method.lora_upload``; new methods join by that attribute) is checked against the
-same method in a run: one round of the round protocol every run uses (``Server.run_round``, here over the
-testbed's ``StackedExecutor``) whose clients hold the same factors and take no local step — their own
-``upload``, the server's ``aggregate`` and ``server_update``, the final broadcast through ``download``.
+same method in a run: one round of the round protocol every run uses (``Server.run_round``) whose clients
+hold the same factors in a stacked model and take no local step — their own ``upload``, the server's
+``aggregate`` and ``server_update``, the final broadcast through the method's ``download``.
 Independent numbers pin what the results mean (FedAvg's weighted mean, FLoRA's Σ p_k s_k B_k A_k, FlexLoRA's
 truncated SVD, HetLoRA's norm-weighted zero-padded mean).
 """
@@ -20,8 +20,7 @@ import torch
 from torch import nn
 
 from fedlora.adapter import LoRALinear
-from fedlora.server import Federation, Server
-from fedlora.simulator import StackedExecutor
+from fedlora.server import ClientUpdate, Federation, Server
 from fedlora.cli import main
 from fedlora.methods import RankSlots, build, get_method, method_parameters
 from fedlora.peft_adapters import PeftAdapter, aggregate_adapters, lora_methods, peft_key
@@ -118,8 +117,9 @@ def run_options(name: str, ranks) -> dict:
     return opts
 
 
-def stacked_model(shapes, K: int, rank: int, scale: float) -> nn.Module:
-    """The adapted modules, named as in the HF model, as stacked LoRALinear layers of K replicas (W0 = 0)."""
+def stacked_model(shapes, K: int, adapter: dict, scale: float) -> nn.Module:
+    """The adapted modules, named as in the HF model, as stacked LoRALinear layers of K replicas (W0 = 0) with the
+    method's adapter structure (``adapter_kwargs``: its rank, a client adapter, a middle matrix) and scale."""
     root = nn.Module()
     for name, (d_out, d_in) in shapes.items():
         parent = root
@@ -128,19 +128,36 @@ def stacked_model(shapes, K: int, rank: int, scale: float) -> nn.Module:
             if p not in parent._modules:
                 parent.add_module(p, nn.Module())
             parent = parent._modules[p]
-        parent.add_module(leaf, LoRALinear(d_in, d_out, rank, alpha=scale * rank, stack=K))
+        parent.add_module(leaf, LoRALinear(d_in, d_out, **adapter, alpha=scale * adapter["rank"], stack=K))
     return root
+
+
+class Holding:
+    """A client executor whose clients upload what they hold (no local step: the PEFT adapters are their trained
+    state) with the method's own ``upload``, and take what the server sends with its own ``download``."""
+
+    live, shared_base = True, False
+
+    def __init__(self, method):
+        self.method = method
+
+    def train(self, round_idx, clients, downloads):
+        assert not downloads  # live: every client holds the state already
+        return {i: ClientUpdate(self.method.upload(i)) for i in clients}
+
+    def deliver(self, round_idx, downloads):
+        return {i: self.method.download(i, d.state).nbytes for i, d in downloads.items()}
 
 
 def server_in_a_run(name: str, clients, weights):
     """(server state, each client's factors after the round, each replica's W0 after it) of one round of
-    ``name`` run by the testbed's round protocol — ``Server.run_round`` over the ``StackedExecutor`` — on
-    clients that hold ``clients`` (module → (A, B)) and take no local step: their uploads (``Method.upload``),
-    the server's aggregate and ``server_update``, and the final broadcast through ``Method.download``."""
+    ``name`` run by the round protocol of every run (``Server.run_round``) on clients that hold ``clients``
+    (module → (A, B)): their uploads (``Method.upload``), the server's aggregate and ``server_update``, and the
+    final broadcast through ``Method.download``."""
     ranks = [next(iter(c.values()))[0].shape[0] for c in clients]
     method = build(name, run_options(name, ranks))
     shapes = {m: (b.shape[0], a.shape[1]) for m, (a, b) in clients[0].items()}
-    model = stacked_model(shapes, len(clients), method.adapter_kwargs()["rank"], 2.0)
+    model = stacked_model(shapes, len(clients), method.adapter_kwargs(), 2.0)
     method.setup(model, list(range(len(clients))))
     with torch.no_grad():
         for k, c in enumerate(clients):
@@ -150,10 +167,7 @@ def server_in_a_run(name: str, clients, weights):
     federation = Federation(n_groups=1, n_clients=len(clients), client_weights=list(weights))
     server = Server(method, federation, [method.initial_server_state(0)], rounds=1)  # FedSVD's: the frozen A
 
-    def no_step(*_):
-        raise AssertionError("no local step: the clients upload the adapters as PEFT saved them")
-
-    server.run_round(StackedExecutor(method, federation, no_step, no_step, local_steps=0))
+    server.run_round(Holding(method))
     state = server.states[0]
     got, bases = [], []
     for k, r in enumerate(ranks):
