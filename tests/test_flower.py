@@ -43,7 +43,7 @@ def test_tensors_cross_flower_bit_for_bit():
         assert torch.equal(back[k].view(torch.uint8) if v.numel() else back[k], v.view(torch.uint8) if v.numel() else v), k
 
 
-METHODS = ["fedavg", "rolora", "lora-a2", "pf2lora", "h2tune", "fedsvd", "fedsb", "lora-fair"]
+METHODS = ["fedavg", "rolora", "lora-a2", "pf2lora", "h2tune", "fedsvd", "fedsb", "lora-fair", "feddpa"]
 
 
 @pytest.fixture(scope="module")
