@@ -62,6 +62,8 @@ class FedDPA(FactorLoRA):
 
     name = "feddpa"
     personalised = True  # the local adapter (C, D) stays on the client
+    #: the server is the weighted mean of the uploaded global adapters: PEFT adapters aggregate with it
+    lora_upload = ("lora_A", "lora_B")
     needs_client_adapter = True
     #: phase 2 (the global adapter) runs in ``end_round`` for every replica of a pass alike
     equal_steps_per_pass = True
