@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from torch.func import functional_call
 
 from fedlora.adapter import LoRALinear
-from fedlora.aggmath.feddpa import feddpa_average, instance_weight, mix_delta
+from fedlora.aggmath.feddpa import feddpa_average, instance_mixed_output, instance_weight, mix_delta
 from fedlora.errors import ConfigError
 from fedlora.methods import build
 from fedlora.payload import Payload
@@ -90,6 +90,30 @@ def test_mix_delta_is_the_two_weighted_products(seed, wg, wl, sg):
     A, B, C, Dm = (torch.randn(*s, generator=g, dtype=F64) for s in ((3, 5), (4, 3), (3, 5), (4, 3)))
     np.testing.assert_allclose(_np(mix_delta(A, B, C, Dm, sg, 2.0, wg, wl)),
                                wg * sg * _np(B) @ _np(A) + wl * 2.0 * _np(Dm) @ _np(C), rtol=1e-12, atol=1e-12)
+
+
+@FAST
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 6), N=st.integers(1, 5), scale=st.floats(0.05, 1.0),
+       on=st.sampled_from(["local", "global"]))
+def test_the_instance_wise_output_weighs_each_row_by_its_own_similarity(seed, n, N, scale, on):
+    """Row i of the reference output is W0 x_i + the two adapters weighted by that row's w_i (numpy by hand):
+    the local adapter gets w_i with ``weight_on="local"`` (the paper's stated intent), the global one with
+    ``"global"`` (the authors' code)."""
+    g = torch.Generator().manual_seed(seed)
+    d_in, d_out, r, d = 5, 4, 2, 7
+    x, W0 = torch.randn(n, d_in, generator=g, dtype=F64), torch.randn(d_out, d_in, generator=g, dtype=F64)
+    A, C = torch.randn(r, d_in, generator=g, dtype=F64), torch.randn(r, d_in, generator=g, dtype=F64)
+    B, Dm = torch.randn(d_out, r, generator=g, dtype=F64), torch.randn(d_out, r, generator=g, dtype=F64)
+    e, refs = torch.randn(n, d, generator=g, dtype=F64), torch.randn(N, d, generator=g, dtype=F64)
+    got = _np(instance_mixed_output(x, W0, A, B, C, Dm, 1.5, 0.5, e, refs, scale, on))
+    en, rn = _np(e), _np(refs)
+    for i in range(n):
+        cos = [en[i] @ rn[j] / np.linalg.norm(en[i]) / np.linalg.norm(rn[j]) for j in range(N)]
+        w = scale * np.mean(cos)
+        wl, wg = (w, 1 - w) if on == "local" else (1 - w, w)
+        xi = _np(x[i])
+        want = _np(W0) @ xi + wg * 1.5 * _np(B) @ (_np(A) @ xi) + wl * 0.5 * _np(Dm) @ (_np(C) @ xi)
+        np.testing.assert_allclose(got[i], want, rtol=1e-10, atol=1e-12)
 
 
 # ------------------------------------------------------------------------------------------------

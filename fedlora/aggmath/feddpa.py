@@ -10,6 +10,8 @@ Foundation Models", NeurIPS 2024, arXiv 2403.19211).
   last layer's hidden state of the last token).
 * ``mix_delta``: the adapted weight a client's model uses with weights (w_g, w_l) on its two adapters,
   w_g·s_g·B A + w_l·s_l·D C (PEFT orientation; the global adapter (A, B), the local one (C, D)).
+* ``instance_mixed_output``: one adapted layer's output with a weight per input row from that row's
+  representation — the reference for the instance-wise weighting (not yet used by the runtimes).
 
 Every function is pure and raises ``ConfigError`` on bad input.
 """
@@ -23,7 +25,7 @@ import torch
 from ..aggregation import fedavg_factors
 from ..errors import ConfigError
 
-__all__ = ["feddpa_average", "instance_weight", "mix_delta"]
+__all__ = ["feddpa_average", "instance_weight", "mix_delta", "instance_mixed_output"]
 
 
 def feddpa_average(uploads: Sequence[Mapping[str, torch.Tensor]], weights: torch.Tensor,
@@ -65,3 +67,23 @@ def mix_delta(A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor
         raise ConfigError(f"mix_delta: the two adapters must adapt the same module: A {tuple(A.shape)}, "
                           f"B {tuple(B.shape)}, C {tuple(C.shape)}, D {tuple(D.shape)}")
     return w_global * s_global * (B @ A) + w_local * s_local * (D @ C)
+
+
+def instance_mixed_output(x: torch.Tensor, W0: torch.Tensor | None, A: torch.Tensor, B: torch.Tensor,
+                          C: torch.Tensor, D: torch.Tensor, s_global: float, s_local: float,
+                          representations: torch.Tensor, refs: torch.Tensor, scale: float = 0.5,
+                          weight_on: str = "local") -> torch.Tensor:
+    """One adapted layer's output with the instance-wise dynamic weighting, row by row (the reference a
+    runtime's implementation is to be checked against): w_i = ``instance_weight(representations[i], refs,
+    scale)``; with ``weight_on="local"`` (the paper's stated intent: an input like the client's data leans on
+    the local adapter) y_i = W0 x_i + (1 − w_i)·s_g·B A x_i + w_i·s_l·D C x_i; with ``weight_on="global"`` (the
+    authors' code) w_i and 1 − w_i are swapped. ``x`` (n, d_in), ``representations`` (n, d), ``refs`` (N, d)."""
+    if weight_on not in ("local", "global"):
+        raise ConfigError(f"instance_mixed_output: weight_on must be 'local' or 'global', got {weight_on!r}")
+    if x.dim() != 2 or representations.dim() != 2 or representations.shape[0] != x.shape[0]:
+        raise ConfigError(f"instance_mixed_output: x (n, d_in) and one representation per row (n, d) needed, got "
+                          f"{tuple(x.shape)} and {tuple(representations.shape)}")
+    w = instance_weight(representations, refs, scale).to(x.dtype)[:, None]
+    w_local, w_global = (w, 1 - w) if weight_on == "local" else (1 - w, w)
+    y = x @ W0.T if W0 is not None else torch.zeros(x.shape[0], B.shape[0], dtype=x.dtype, device=x.device)
+    return y + w_global * s_global * (x @ A.T) @ B.T + w_local * s_local * (x @ C.T) @ D.T
