@@ -36,6 +36,8 @@ import numpy as np
 import torch
 
 from fedlora.errors import ConfigError
+from fedlora import flower_client
+from fedlora.flower_client import partition_of, state_key as _state_key
 from fedlora.payload import Payload
 from fedlora.server import ClientExecutor, ClientFailure, ClientUpdate, Download
 
@@ -170,27 +172,9 @@ def _local_run(conf) -> _Node:
     return _RUNS[key]
 
 
-def _partition(context, node: _Node | None = None, conf=None) -> int:
-    """The client this node holds (its node config's ``partition-id``), checked against the run's clients
-    (the node's, or those of the run the message ``conf`` names, read without building its node)."""
-    pid = context.node_config.get("partition-id")
-    if pid is None:
-        raise ConfigError("this SuperNode has no partition: start it with --node-config "
-                          "'partition-id=K num-partitions=N' (K = the client it holds, 0..N-1)")
-    try:
-        k = int(pid)
-    except (TypeError, ValueError):
-        raise ConfigError(f"node config partition-id: must be an integer, got {pid!r}") from None
-    K = node.n_clients if node is not None else _kind_of(conf).clients(json.loads(str(conf["fedlora-config"])))
-    if not 0 <= k < K:
-        raise ConfigError(f"node config partition-id: {k} is not a client of this run (0..{K - 1})")
-    return k
-
-
-def _state_key(config_json: str) -> str:
-    """Where a node keeps its client's record in ``context.state``: one entry per run config, so that runs
-    sharing nodes (one simulation running several configs) never read each other's records."""
-    return f"fedlora-record-{_digest(config_json)[:16]}"
+def _partition(context, node: _Node) -> int:
+    """The client this node holds (its node config's ``partition-id``), checked against the node's clients."""
+    return partition_of(context, node.n_clients)
 
 
 def _load_state(node: _Node, k: int, context) -> None:
@@ -243,23 +227,14 @@ def _client_train(msg, context):
 
 
 def _client_query(msg, context):
-    """``hello``: which partition this node holds; ``get-record`` / ``put-record``: the client's state record
-    (a checkpoint; a resumed run); ``deliver``: apply a download outside training. The first three do not
-    build the run when the node's record is at hand: on a deployment every message is a new process, and
-    building means importing transformers and the model."""
+    """The queries that build the node: ``get-record`` of a client that never trained here (its initial
+    record) and ``deliver`` (apply a download outside training). ``hello``, ``put-record`` and ``get-record``
+    of a kept record are answered without torch or the node (``fedlora.flower_client``, whose ``client_app``
+    hands the others here): on a deployment every message is a new process, and building means importing
+    transformers and the model."""
     app = _flwr()
     conf = msg.content["config"]
-    config_json = str(conf["fedlora-config"])
     op = str(conf["op"])
-    if op == "hello":
-        return _reply(msg, result=app.ConfigRecord({"partition-id": _partition(context, conf=conf)}))
-    if op == "put-record":  # a resumed run: the record of its checkpoint
-        _partition(context, conf=conf)
-        context.state[_state_key(config_json)] = msg.content["record"]
-        return _reply(msg, result=app.ConfigRecord({"ok": True}))
-    if op == "get-record" and _state_key(config_json) in context.state:  # a checkpoint: the record it keeps
-        _partition(context, conf=conf)
-        return _reply(msg, record=context.state[_state_key(config_json)])
     node = _local_run(conf)
     k = _partition(context, node)
     _load_state(node, k, context)
@@ -310,8 +285,8 @@ class FlowerExecutor:
                  record: Mapping[str, torch.Tensor] | None = None, node: int | None = None, **conf):
         """A message to client ``client``'s node (``node``: to a node whose partition is not known yet)."""
         app = _flwr()
-        config = {"fedlora-config": self.config_json, **self.node, "client": int(client), "round": int(rnd),
-                  **conf}
+        config = {"fedlora-config": self.config_json, **self.node, "fedlora-clients": self.n_clients,
+                  "client": int(client), "round": int(rnd), **conf}
         records = {} if record is None else {"record": tensors_to_record(record)}
         if download is not None:
             config.update({"download-counted": bool(download.counted),
@@ -510,17 +485,6 @@ def simulate(main, n_clients: int):
     return box["out"]
 
 
-def make_client_app():
-    """A Flower ``ClientApp`` whose nodes are the registered node kinds (each message names its own)."""
-    from flwr.clientapp import ClientApp
-
-    capp = ClientApp()
-    capp.train()(_client_train)
-    capp.query()(_client_query)
-    capp.evaluate()(_client_evaluate)
-    return capp
-
-
 def make_server_app(main: Callable[[Any, Any], None]):
     """A Flower ``ServerApp`` running ``main(grid, context)`` (a task kind's deployment entry point)."""
     _flwr()
@@ -531,7 +495,7 @@ def make_server_app(main: Callable[[Any, Any], None]):
     return sapp
 
 
-try:  # importing this module without flwr still works (its functions say what to install)
-    client_app = make_client_app()
-except ImportError:  # pragma: no cover - exercised where flwr is absent
-    client_app = None
+#: the ClientApp (``fedlora.flower_client``: the queries that need no model are answered without torch; the
+#: others come to this module's handlers)
+flower_client.NODE_HANDLERS.update(train=_client_train, query=_client_query, evaluate=_client_evaluate)
+client_app = flower_client.client_app

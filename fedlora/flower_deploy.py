@@ -6,13 +6,14 @@ Flower 1.42 splits a deployment into long-running processes: one **SuperLink** (
 one HTTPS port for the Fleet, Control and Runtime APIs; it starts one ``flwr-serverapp`` process per run,
 which runs the app module's ``server_app``) and one **SuperNode** per client (it holds one partition,
 given as ``--node-config 'partition-id=K num-partitions=N'``, and starts a ``flwr-clientapp`` process per
-message, which runs the app module's ``client_app``). A run is submitted with ``flwr run APP LINK
+message, which runs ``fedlora.flower_client.client_app``: the ClientApp of every app, which imports torch and the
+run's node only for the messages that need them). A run is submitted with ``flwr run APP LINK
 --run-config FILE.toml``: APP is the folder ``write_app_dir`` writes, LINK a connection named in
 ``$FLWR_HOME/config.toml``, and FILE names the run's config.
 
 This module holds what those command lines need, in one place:
 
-* ``write_app_dir``: the Flower app folder naming an app module's ``server_app`` and ``client_app``;
+* ``write_app_dir``: the Flower app folder naming an app module's ``server_app`` (and fedlora's ClientApp);
 * ``make_certs``: a CA and a server certificate for the SuperLink (TLS; SANs for the hosts it is reached at);
 * ``superlink_command`` / ``supernode_command``: the two command lines, with fedlora's settings
   (TLS, no runtime dependency installation — the code is the installed package —, bounded retries);
@@ -570,7 +571,7 @@ publisher = "fedlora"
 
 [tool.flwr.app.components]
 serverapp = "{app}:server_app"
-clientapp = "{app}:client_app"
+clientapp = "fedlora.flower_client:client_app"
 
 [tool.flwr.app.config]
 fedlora-config = ""
@@ -587,8 +588,9 @@ APP_HEADERS = (_PYPROJECT.splitlines(keepends=True)[0],
 
 def write_app_dir(path: str | os.PathLike, app: str) -> Path:
     """The Flower app folder ``flwr run PATH CONNECTION -c 'fedlora-config="/abs/config.json"'`` submits,
-    naming the app module ``app``'s ``server_app`` and ``client_app`` (``fedlora.llm.flower`` for
-    ``fedlora run``). A ``pyproject.toml`` already there that this function did not write (a project's own) is
+    naming the app module ``app``'s ``server_app`` (``fedlora.llm.flower`` for ``fedlora run``) and, as every
+    app's ClientApp, ``fedlora.flower_client.client_app`` (the same object as ``app``'s ``client_app``, imported
+    without ``app``, so that a message needing no model imports no torch). A ``pyproject.toml`` already there that this function did not write (a project's own) is
     never replaced: ``ConfigError`` (the command line claims the folder first, ``claim_app_dir``)."""
     p = Path(path)
     toml = p / "pyproject.toml"

@@ -202,3 +202,37 @@ def test_a_supernode_without_its_partition_and_a_foreign_certificate(tmp_path, m
         assert "\n" not in str(e.value)
     assert not (tmp_path / "run").exists()
     assert not _ours_running(str(tmp_path / "dep"))
+
+
+_LIGHT_QUERIES = """
+import sys
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.common.constant import SUPERLINK_NODE_ID
+from flwr.supercore.task_identity import TaskIdentity
+from fedlora.flower_client import client_app
+
+TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, SUPERLINK_NODE_ID  # as flwr-clientapp's
+context = Context(run_id=1, node_id=5, node_config={"partition-id": 1}, state=RecordDict(), run_config={})
+
+def ask(op, **records):
+    conf = {"fedlora-config": '{"seed": 0}', "fedlora-node": "llm", "fedlora-node-module": "fedlora.llm.flower",
+            "fedlora-clients": 3, "client": 1, "round": -1, "op": op}
+    msg = Message(RecordDict({"config": ConfigRecord(conf), **records}), dst_node_id=5, message_type=MessageType.QUERY)
+    msg.metadata.__dict__["_message_id"] = op
+    return client_app(message=msg, context=context)
+
+assert ask("hello").content["result"]["partition-id"] == 1
+assert ask("put-record", record=ArrayRecord({"w": Array.from_numpy_ndarray(np.arange(3.0))})).content["result"]["ok"]
+assert ask("get-record").content["record"]["w"].numpy().tolist() == [0.0, 1.0, 2.0]
+print(sorted(m for m in ("torch", "transformers", "fedlora.flower", "fedlora.llm.flower") if m in sys.modules))
+"""
+
+
+def test_a_clientapp_process_answers_what_needs_no_model_without_torch():
+    """A deployment's SuperNode starts a process per message: `hello` (the node's partition), `put-record` and
+    `get-record` of the record it keeps are answered by fedlora.flower_client without importing torch, the
+    node kind's module or the run (≈ 1.3 s of a process's start-up), in a fresh interpreter."""
+    proc = subprocess.run([sys.executable, "-c", _LIGHT_QUERIES], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[]", proc.stdout
