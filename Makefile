@@ -27,6 +27,8 @@ demo: env
 # an expensive fixture carry one xdist_group and run in one process); TEST_WORKERS=0 runs it in this process.
 # --no-loadscope-reorder: tests are handed out in the suite's order, long ones first (tests/conftest.py), not
 # the groups with the most tests first. Measured on a 2-core machine: 2 workers 541 s, 3 workers 597 s.
+# One tier: every test, the long ones (deployments, MiniLM, the sm_90 compile) included, runs in this one call;
+# its summary line states the time.
 TEST_WORKERS ?= logical
 test: env
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=20
