@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import enum
 import json
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +39,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .adapter import lora_scale
 from .aggregation import normalise_weights
 from .errors import ConfigError
 from .methods import available_methods, build, get_method
@@ -129,7 +129,7 @@ class PeftAdapter:
             if re.match(rf"(.*\.)?({key})$", module):  # PEFT's own rule (peft.utils.other.get_pattern_key)
                 alpha = value
                 break
-        return float(alpha) / (math.sqrt(rank) if self.config.get("use_rslora") else rank)
+        return lora_scale(alpha, rank, bool(self.config.get("use_rslora")))  # the one rule, PEFT's too
 
     def lora(self) -> tuple[dict[str, Factors], dict[str, torch.Tensor]]:
         """(module → (A, B, s), head name → tensor in the run's names ``<module>.head_weight``); a one-line
