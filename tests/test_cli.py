@@ -99,13 +99,15 @@ def no_work(monkeypatch):
 
     import fedlora.llm.compare
     import fedlora.llm.export
+    import fedlora.llm.plots  # imported before the patch: it binds read_run at its top, and must not keep `boom`
     import fedlora.llm.runfolder
     import fedlora.llm.runtime
 
     for mod, fn in ((fedlora.synthetic.rank_recovery, "run_rank_recovery"), (fedlora.synthetic.bilevel, "run_bilevel_convergence"),
                     (fedlora.synthetic.tune, "tune_rank_recovery"), (fedlora.synthetic.compare, "run_compare"),
                     (fedlora.llm.runtime.FederatedRun, "prepare"), (fedlora.llm.export, "export_peft"),
-                    (fedlora.llm.runfolder, "read_run"), (fedlora.llm.compare, "run_compare")):
+                    (fedlora.llm.runfolder, "read_run"), (fedlora.llm.plots, "read_run"),
+                    (fedlora.llm.compare, "run_compare")):
         monkeypatch.setattr(mod, fn, boom)
 
 
