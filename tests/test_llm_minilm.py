@@ -20,7 +20,8 @@ def test_minilm_learns_real_text_federated(tmp_path, method, options):
         "method": {"name": method, "rank": 8, "lr": 2e-3, "options": options},
         "federation": {"clients": 4, "partition": "dirichlet(0.5)", "clients_per_pass": 4},
         "train": {"rounds": 4, "local_steps": 6, "batch_size": 8},
-        "eval": {"every": 4, "batch_size": 32}})
+        # the clients' models are what is checked: the global model's scores (a third of each evaluation) are not
+        "eval": {"every": 4, "batch_size": 32, "global_model": False}})
     s = FederatedRun(cfg, write=False).run()
     first, last = s["round0_test"]["mean"]["accuracy"], s["final_test"]["mean"]["accuracy"]
     assert last > first + 0.2 and last > 0.6, (first, last)
