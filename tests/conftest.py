@@ -154,3 +154,33 @@ def _on_test_device(request):
         return
     with _TestDeviceMode("cpu" if TEST_DEVICE == "cpu-mode" else TEST_DEVICE):
         yield
+
+
+@pytest.fixture(scope="session")
+def tiny_smoke_run(tmp_path_factory):
+    """``fedlora run tiny-smoke --set method.name=<method>`` (3 clients, client sampling on), run once per
+    method and worker: a function method → the finished run's folder, which tests only read. The protocol
+    goldens (tests/test_server_protocol.py) and Flower-equals-embedded (tests/test_flower.py) read the same runs;
+    both are in the ``flower`` xdist group, so one worker makes each run once."""
+    from fedlora.cli import main
+
+    root = tmp_path_factory.mktemp("tiny_smoke")
+    done: dict[str, Path] = {}
+
+    def run(method: str) -> Path:
+        if method not in done:
+            before = os.environ.get("HF_HUB_OFFLINE")
+            os.environ["HF_HUB_OFFLINE"] = "1"
+            try:
+                rc = main(["run", "tiny-smoke", "--set", f"method.name={method}", "--out", str(root / method),
+                           "--no-progress"])
+            finally:
+                if before is None:
+                    os.environ.pop("HF_HUB_OFFLINE", None)
+                else:
+                    os.environ["HF_HUB_OFFLINE"] = before
+            assert rc == 0, method
+            done[method] = root / method
+        return done[method]
+
+    return run

