@@ -18,16 +18,17 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
+from ..adapter import LoRALinear
 from ..errors import ConfigError
 from ..optim import make_optimizer
 from ..payload import Payload
-from .base import AveragedFactors, Objective, Sampler, broadcast_initial_factors, register
+from .base import AveragedFactors, Objective, RuntimeFacts, Sampler, broadcast_initial_factors, register
 
-__all__ = ["FactorLoRA", "FedAvgLoRA", "broadcast_initial_factors"]
+__all__ = ["FactorLoRA", "BaseMergingLoRA", "FedAvgLoRA", "broadcast_initial_factors"]
 
 OPTIMIZERS = ("adamw", "sgd")
 
@@ -96,6 +97,46 @@ class FactorLoRA(AveragedFactors):
             self.params[n].grad = g
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+
+
+class BaseMergingLoRA(FactorLoRA):
+    """Base of the LoRA-factor methods that change the frozen base weight W0 every round (FLoRA,
+    FedEx-LoRA, FRLoRA): what they share about where W0 lives and how a checkpoint keeps it.
+
+    ``shared_base`` (a runtime's ``RuntimeFacts.shared_base``): one base shared by every client (the LLM slot
+    runtime), into which the server merges each round once (``apply_to_base``); otherwise (the synthetic
+    testbed) each replica merges into its own W0. After ``bind``, ``layers`` holds the ``LoRALinear`` of
+    every adapted pair, in ``pairs`` order; ``base_state`` / ``load_base_state`` are the merged shared base's
+    part of ``runtime_state`` (``base:<j>``, CPU copies)."""
+
+    #: one frozen base shared by every client of one federation (the LLM runtime); False (the synthetic
+    #: testbed): each replica holds and merges its own W0
+    shared_base: bool = False
+
+    def use_runtime(self, facts: RuntimeFacts) -> None:
+        """The base model is shared by every client where the runtime says so (``facts.shared_base``)."""
+        super().use_runtime(facts)
+        self.shared_base = bool(facts.shared_base)
+
+    def bind(self, model, replica_clients, n_clients=None) -> None:
+        super().bind(model, replica_clients, n_clients)
+        self.layers: list[LoRALinear] = []
+        for a, _ in self.pairs:
+            prefix = a[: -len("lora_A")].rstrip(".")
+            layer = model.get_submodule(prefix) if prefix else model
+            if not isinstance(layer, LoRALinear):
+                raise ConfigError(f"{self.name}: {a} must belong to a LoRALinear (the method changes its W0 every round)")
+            self.layers.append(layer)
+
+    def base_state(self) -> dict[str, torch.Tensor]:
+        """The shared base's adapted weights as merged so far: ``base:<j>`` → (d_out, d_in), CPU copies."""
+        return {f"base:{j}": layer.weight.detach().cpu().clone() for j, layer in enumerate(self.layers)}
+
+    @torch.no_grad()
+    def load_base_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Put ``base_state``'s weights back into the shared base (a resumed run)."""
+        for j, layer in enumerate(self.layers):
+            layer.weight.copy_(state[f"base:{j}"].to(layer.weight.device))
 
 
 @register

@@ -48,12 +48,11 @@ from typing import Mapping, Sequence
 
 import torch
 
-from ..adapter import LoRALinear
 from ..aggmath import fedex_aggregate, fedex_merge
 from ..errors import ConfigError
 from ..payload import Payload
-from .base import Method, Objective, RuntimeFacts, Sampler, register
-from .fedavg import FactorLoRA
+from .base import Method, Objective, Sampler, register
+from .fedavg import BaseMergingLoRA
 
 __all__ = ["FedExLoRA", "RESIDUAL"]
 
@@ -68,34 +67,16 @@ def residual_name(a: str) -> str:
 
 
 @register
-class FedExLoRA(FactorLoRA):
+class FedExLoRA(BaseMergingLoRA):
     """FedEx-LoRA. Args: rank r (all clients), lr, optimizer ("adamw" | "sgd"), weight_decay."""
 
     name = "fedex"
     incremental_download = True  # a residual to add to the base: every client needs every round's
-    #: one frozen base shared by every client (the LLM runtime): the server adds each round's residual
-    #: to it once (``apply_to_base``); False (the synthetic testbed): each replica holds and updates its own W0
-    shared_base: bool = False
-
-    def use_runtime(self, facts: RuntimeFacts) -> None:
-        """The base model is shared by every client where the runtime says so (``facts.shared_base``)."""
-        super().use_runtime(facts)
-        self.shared_base = bool(facts.shared_base)
 
     def __init__(self, rank: int = 8, lr: float = 5e-4, optimizer: str = "adamw", weight_decay: float = 0.0) -> None:
         super().__init__(rank, lr, optimizer, weight_decay)
         #: shared base: the adapted layers' W0 before the first residual was added (CPU), for ``merged_update``
         self.base0: list[torch.Tensor] | None = None
-
-    def bind(self, model, replica_clients, n_clients=None) -> None:
-        super().bind(model, replica_clients, n_clients)
-        self.layers: list[LoRALinear] = []
-        for a, _ in self.pairs:
-            prefix = a[: -len("lora_A")].rstrip(".")
-            layer = model.get_submodule(prefix) if prefix else model
-            if not isinstance(layer, LoRALinear):
-                raise ConfigError(f"fedex: {a} must belong to a LoRALinear (FedEx-LoRA adds its residual to its W0)")
-            self.layers.append(layer)
 
     def init_state(self) -> None:
         super().init_state()  # the server's adapter to every client
@@ -174,16 +155,14 @@ class FedExLoRA(FactorLoRA):
         W0 once a residual was added — what a checkpoint must hold to resume bit for bit."""
         if not self.shared_base:
             return {}
-        out = {f"base:{j}": layer.weight.detach().cpu().clone() for j, layer in enumerate(self.layers)}
+        out = self.base_state()
         out.update({f"base0:{j}": w.clone() for j, w in enumerate(self.base0 or [])})
         return out
 
     def load_runtime_state(self, state: Mapping[str, torch.Tensor]) -> None:
         if not self.shared_base:
             return super().load_runtime_state(state)
-        with torch.no_grad():
-            for j, layer in enumerate(self.layers):
-                layer.weight.copy_(state[f"base:{j}"].to(layer.weight.device))
+        self.load_base_state(state)
         self.base0 = [state[f"base0:{j}"].clone() for j in range(len(self.layers))] if "base0:0" in state else None
 
     def merged_update(self) -> dict[str, torch.Tensor] | None:

@@ -41,13 +41,12 @@ from typing import Mapping, Sequence
 
 import torch
 
-from ..adapter import LoRALinear
 from ..aggmath import flora_merge, flora_stack
 from ..errors import ConfigError
 from ..payload import Payload
 from ..seeds import FLORA_FRESH, seed_of
-from .base import Method, Objective, RankSlots, RuntimeFacts, Sampler, register
-from .fedavg import FactorLoRA
+from .base import Method, Objective, RankSlots, Sampler, register
+from .fedavg import BaseMergingLoRA
 
 __all__ = ["FLoRA"]
 
@@ -55,21 +54,12 @@ _SCALE = "scale:"  # payload metadata key prefix: the client's LoRA scale s for 
 
 
 @register
-class FLoRA(FactorLoRA):
+class FLoRA(BaseMergingLoRA):
     """FLoRA. Args: rank r (of the stacked model), lr, optimizer ("adamw" | "sgd"), weight_decay,
     ranks (per-client r_k ≤ r, default all r), seed (fresh-adapter generator), reset_optimizer."""
 
     name = "flora"
     incremental_download = True  # a stack to merge: every client needs every round's
-    #: one frozen base shared by every client of one federation (the LLM runtime): the server merges
-    #: each round's stack into it once (``apply_to_base``) and a client's download only restarts its
-    #: adapters; False (the synthetic testbed): each replica holds and merges its own W0
-    shared_base: bool = False
-
-    def use_runtime(self, facts: RuntimeFacts) -> None:
-        """The base model is shared by every client where the runtime says so (``facts.shared_base``)."""
-        super().use_runtime(facts)
-        self.shared_base = bool(facts.shared_base)
 
     def __init__(self, rank: int = 8, lr: float = 5e-4, optimizer: str = "adamw", weight_decay: float = 0.0,
                  ranks: Sequence[int] | None = None, seed: int | Sequence[int] = 0,
@@ -94,13 +84,6 @@ class FLoRA(FactorLoRA):
         per_client = self.ranks or [self.rank] * self.n_clients
         self.client_ranks = torch.tensor([per_client[k] for k in self.replica_clients])  # (G,)
         self.rank_slots = RankSlots(self.client_ranks, self.rank)  # (G, r)
-        self.layers: list[LoRALinear] = []
-        for a, _ in self.pairs:
-            prefix = a[: -len("lora_A")].rstrip(".")
-            layer = model.get_submodule(prefix) if prefix else model
-            if not isinstance(layer, LoRALinear):
-                raise ConfigError(f"flora: {a} must belong to a LoRALinear (FLoRA merges into its W0)")
-            self.layers.append(layer)
         self._round = -1
         self._merged: set[int] = set()
 
@@ -214,7 +197,7 @@ class FLoRA(FactorLoRA):
         (``merged_update``), by round — what a checkpoint must hold to resume bit for bit."""
         if not self.shared_base:
             return {}
-        out = {f"base:{j}": layer.weight.detach().cpu().clone() for j, layer in enumerate(self.layers)}
+        out = self.base_state()
         out["merged_exact"] = torch.tensor([int(self.merged_exact)])
         for t, stack in enumerate(self.merged_stacks):
             out.update({f"stack:{t}:{n}": v for n, v in stack.items()})
@@ -223,9 +206,7 @@ class FLoRA(FactorLoRA):
     def load_runtime_state(self, state: Mapping[str, torch.Tensor]) -> None:
         if not self.shared_base:
             return super().load_runtime_state(state)
-        with torch.no_grad():
-            for j, layer in enumerate(self.layers):
-                layer.weight.copy_(state[f"base:{j}"].to(layer.weight.device))
+        self.load_base_state(state)
         self.merged_exact = bool(int(state["merged_exact"][0]))
         stacks: dict[int, dict[str, torch.Tensor]] = {}
         for key, v in state.items():

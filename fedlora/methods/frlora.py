@@ -45,8 +45,8 @@ from ..aggregation import weighted_average
 from ..aggmath import frlora_average, frlora_compensate, frlora_merge, frlora_merged_lora, frlora_principal
 from ..errors import ConfigError
 from ..payload import Payload
-from .base import Method, Objective, RuntimeFacts, Sampler, register
-from .fedavg import FactorLoRA
+from .base import Method, Objective, Sampler, register
+from .fedavg import BaseMergingLoRA
 
 __all__ = ["FRLoRA"]
 
@@ -54,7 +54,7 @@ INITS = ("principal", "peft")
 
 
 @register
-class FRLoRA(FactorLoRA):
+class FRLoRA(BaseMergingLoRA):
     """FRLoRA. Args: rank r, lr, optimizer ("adamw" | "sgd"), weight_decay, init ("principal": (B0, A0)
     from W0's top-r singular triplets, the paper's; "peft": A Kaiming-uniform, B = 0), train_a (False: A
     stays A0 and only B is trained and uploaded, as the authors' code runs it; the averaging is then exact,
@@ -62,9 +62,6 @@ class FRLoRA(FactorLoRA):
 
     name = "frlora"
     incremental_download = True  # every client merges every round's update
-    #: one frozen base shared by every client (the LLM runtime): the server merges each round's update
-    #: into it once (``apply_to_base``); False (the synthetic testbed): each replica merges into its own W0
-    shared_base: bool = False
 
     def __init__(self, rank: int = 8, lr: float = 5e-4, optimizer: str = "adamw", weight_decay: float = 0.0,
                  init: str = "principal", train_a: bool = True) -> None:
@@ -80,21 +77,6 @@ class FRLoRA(FactorLoRA):
         #: merge is not exactly a LoRA (a half-precision base)
         self.merged_averages: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
         self.merged_exact = True
-
-    def use_runtime(self, facts: RuntimeFacts) -> None:
-        """The base model is shared by every client where the runtime says so (``facts.shared_base``)."""
-        super().use_runtime(facts)
-        self.shared_base = bool(facts.shared_base)
-
-    def bind(self, model, replica_clients, n_clients=None) -> None:
-        super().bind(model, replica_clients, n_clients)
-        self.layers: list[LoRALinear] = []
-        for a, _ in self.pairs:
-            prefix = a[: -len("lora_A")].rstrip(".")
-            layer = model.get_submodule(prefix) if prefix else model
-            if not isinstance(layer, LoRALinear):
-                raise ConfigError(f"frlora: {a} must belong to a LoRALinear (FRLoRA merges into its W0)")
-            self.layers.append(layer)
 
     @torch.no_grad()
     def init_state(self) -> None:
@@ -212,7 +194,7 @@ class FRLoRA(FactorLoRA):
         round — what a checkpoint must hold to resume bit for bit."""
         if not self.shared_base:
             return {}
-        out = {f"base:{j}": layer.weight.detach().cpu().clone() for j, layer in enumerate(self.layers)}
+        out = self.base_state()
         for j, (B0, A0) in enumerate(self.principal or []):
             out[f"B0:{j}"], out[f"A0:{j}"] = B0.detach().cpu().clone(), A0.detach().cpu().clone()
         out["merged_exact"] = torch.tensor([int(self.merged_exact)])
@@ -224,9 +206,7 @@ class FRLoRA(FactorLoRA):
     def load_runtime_state(self, state: Mapping[str, torch.Tensor]) -> None:
         if not self.shared_base:
             return super().load_runtime_state(state)
-        with torch.no_grad():
-            for j, layer in enumerate(self.layers):
-                layer.weight.copy_(state[f"base:{j}"].to(layer.weight.device))
+        self.load_base_state(state)
         self.principal = [(state[f"B0:{j}"].clone(), state[f"A0:{j}"].clone()) for j in range(len(self.layers))]
         self.merged_exact = bool(int(state["merged_exact"][0]))
         T = len({k.split(":")[1] for k in state if k.startswith("avg:")})
