@@ -22,7 +22,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.func import functional_call
-from torch.overrides import TorchFunctionMode
 
 from fedlora.adapter import LoRALinear
 from fedlora.aggmath import fedsvd_aggregate, fedsvd_refactor
@@ -32,6 +31,7 @@ from fedlora.methods.fedavg import broadcast_initial_factors
 from fedlora.payload import Payload
 from fedlora.server import Server
 from fedlora.simulator import Federation, run_rounds
+from _shapes import ShapeRecorder
 
 FAST = settings(max_examples=60, deadline=None)
 F64 = torch.float64
@@ -129,22 +129,9 @@ def test_a_stays_in_the_row_space_of_the_initial_a():
     torch.testing.assert_close(A @ proj, A, rtol=0, atol=1e-10)
 
 
-class _ShapeRecorder(TorchFunctionMode):
-    def __init__(self):
-        super().__init__()
-        self.shapes = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for o in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(o, torch.Tensor):
-                self.shapes.append(tuple(o.shape))
-        return out
-
-
 def test_never_forms_the_dense_product():
     g = torch.Generator().manual_seed(1)
-    rec = _ShapeRecorder()
+    rec = ShapeRecorder()
     with rec:
         fedsvd_aggregate([_rand(g, 40, 4) for _ in range(3)], [1.0, 1.0, 2.0], _rand(g, 4, 50))
     assert rec.shapes and all(torch.Size(s).numel() < 40 * 50 for s in rec.shapes)  # the dense one is 40 × 50

@@ -15,7 +15,6 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch.func import functional_call
-from torch.overrides import TorchFunctionMode
 
 from fedlora.adapter import LoRALinear
 from fedlora.aggmath import lora_fair_correction, lora_fair_objective, lora_fair_similarity
@@ -25,6 +24,7 @@ from fedlora.errors import ConfigError
 from fedlora.methods import LoRAFAIR, build
 from fedlora.methods.fedavg import broadcast_initial_factors
 from fedlora.payload import Payload
+from _shapes import ShapeRecorder
 
 D64 = torch.float64
 FAST = settings(max_examples=40, deadline=None)
@@ -364,30 +364,15 @@ def test_fedlora_run_tiny_smoke_samples_clients_and_downloads_fedavgs_bytes(tiny
     assert json.loads((tiny_smoke / "summary.json").read_text())["method"] == "lora-fair"
 
 
-class _Shapes(TorchFunctionMode):
-    """Records the shape of every tensor a torch function returns."""
-
-    def __init__(self):
-        super().__init__()
-        self.shapes = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for o in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(o, torch.Tensor):
-                self.shapes.append(tuple(o.shape))
-        return out
-
-
 @pytest.mark.parametrize("solver", ["sgd", "ridge"])
 def test_the_dense_update_is_never_formed_where_the_factors_are_cheaper(solver):
     """(d_out + d_in)·Kr ≤ d_out·d_in: no d_out × d_in tensor is ever made, neither for ‖ΔW‖ nor in any step
     (the recorder sees every torch result); where the dense product is cheaper it is formed once, for ‖ΔW‖."""
     Bs, As = _clients(2, 3, 40, 30, 2, b_scale=0.3)
-    with _Shapes() as rec:
+    with ShapeRecorder() as rec:
         res = lora_fair_correction(Bs, As, [1.0, 2.0, 3.0], solver=solver, steps=10)
     assert (40, 30) not in rec.shapes and rec.shapes and res.similarity_after >= res.similarity_before
     Bs, As = _clients(2, 6, 5, 4, 3)  # (5 + 4)·18 > 5·4: the dense ΔW is cheaper
-    with _Shapes() as rec:
+    with ShapeRecorder() as rec:
         lora_fair_correction(Bs, As, [1.0] * 6, solver=solver, steps=10)
     assert (5, 4) in rec.shapes
