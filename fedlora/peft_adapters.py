@@ -3,7 +3,8 @@
 A method whose server half is a function of the clients' uploads alone declares it on its class:
 ``Method.lora_upload`` names the factors its clients upload, ``Method.uploads_from_lora`` builds each
 client's upload from its LoRA factors (with the ranks, scales and options the method's payloads carry),
-``Method.lora_server_state`` what the server holds before the round (FedSVD's shared A),
+``Method.lora_server_state`` what the server holds before the round (FedSVD's shared A, Fed-SB's frozen A and
+a basis of its frozen B),
 ``Method.lora_download`` what a client's factors become once it took the server's state, and
 ``Method.lora_base_delta`` what the state adds to the frozen base weights (FLoRA's merged stack, FedEx-LoRA's
 residual); they are called on the method built with the user's options, never bound to a model. This
@@ -23,7 +24,8 @@ except where the method changes them (FLoRA: the stack, rank Σ r_k, scale 1), w
 ``lora_alpha`` or per-module ``rank_pattern`` / ``alpha_pattern``.
 
 Bad input is a one-line ``ConfigError``: a method whose server needs more than the uploads, clients that
-adapt different modules or shapes, ranks or scales a method cannot take, missing or bad weights, an adapter
+adapt different modules or shapes, ranks or scales a method cannot take (rsLoRA with a method whose paper fixes
+the scale, ``Method.fixed_lora_scale``: Fed-SB), missing or bad weights, an adapter
 that is not plain LoRA (DoRA, LoRA on embeddings, LoRA biases).
 """
 from __future__ import annotations
@@ -39,7 +41,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .adapter import lora_scale
+from .adapter import lora_scale, refuse_rslora
 from .aggregation import normalise_weights
 from .errors import ConfigError
 from .methods import available_methods, build, get_method
@@ -281,6 +283,9 @@ def aggregate_adapters(method: str, adapters: Sequence[Any], weights: Sequence[f
         cls.check_lora_clients([])
     server = build(cls.name, options)  # the user's options (a server's solver settings); never bound to a model
     peft = [_as_adapter(x, k) for k, x in enumerate(adapters)]
+    for k, p in enumerate(peft):  # a method whose paper fixes the scale (Fed-SB) refuses rsLoRA, as its runs do
+        if p.config.get("use_rslora"):
+            refuse_rslora(cls.name, cls.fixed_lora_scale, where=p.label or f"adapter {k}")
     read = [p.lora() for p in peft]
     clients, heads = [f for f, _ in read], [h for _, h in read]
     _check_same_modules(peft, clients, heads)

@@ -177,7 +177,7 @@ def server_in_a_run(name: str, clients, weights):
     return state, got, bases
 
 
-@pytest.mark.parametrize("name", lora_methods())
+@pytest.mark.parametrize("name", [n for n in lora_methods() if n != "fedsb"])  # fedsb: its own test below
 def test_each_method_equals_its_server_in_a_run(name, adapters, tmp_path):
     """fedlora aggregate on PEFT's own adapters (random init; different ranks where the method takes them)
     gives each client what the same method's server and download give it in a run, bit for bit."""
@@ -491,3 +491,148 @@ def test_per_module_ranks_and_alphas_are_read_and_written_as_peft_patterns(tmp_p
     for m in (q, v):
         torch.testing.assert_close(base[f"{m}.weight"] + res.base_delta[f"{m}.weight"], merged[f"{m}.weight"],
                                    rtol=1e-5, atol=1e-6)
+
+
+# -- Fed-SB: R folded into lora_B over the frozen B and A every client shares ------------------------------------
+FEDSB_R = 4
+
+
+def fedsb_factors(K: int, seed: int = 7):
+    """Per adapted module of the tiny BERT: the frozen A (r, d_in) and B0 (d_out, r, orthonormal columns, as
+    LoRA-SB's U_r) every client shares, and each client's trained R_k (r, r) — float32, as a run holds them."""
+    g = torch.Generator().manual_seed(seed)
+    mods = [f"bert.encoder.layer.0.attention.self.{t}" for t in TARGETS]
+    d, r = TINY["hidden_size"], FEDSB_R
+    A = {m: torch.randn(r, d, generator=g) for m in mods}
+    B0 = {m: torch.linalg.qr(torch.randn(d, r, generator=g, dtype=torch.float64))[0].float() for m in mods}
+    Rs = [{m: torch.randn(r, r, generator=g) for m in mods} for _ in range(K)]
+    return A, B0, Rs
+
+
+def save_fedsb_adapters(folder: Path, A, B0, Rs, *, alpha=FEDSB_R, rslora=False, head=False) -> list[str]:
+    """PEFT's own adapters (``save_pretrained``) as a Fed-SB client's export writes them: lora_A = A, lora_B =
+    B0·R_k (float32), lora_alpha = r (s = 1)."""
+    dirs = []
+    for k, R in enumerate(Rs):
+        cfg = peft.LoraConfig(r=FEDSB_R, lora_alpha=alpha, target_modules=TARGETS, init_lora_weights=False,
+                              use_rslora=rslora, modules_to_save=["classifier"] if head else None)
+        pm = peft.get_peft_model(base_model(), cfg)
+        torch.manual_seed(100 + k)
+        with torch.no_grad():
+            for m in A:
+                layer = pm.base_model.model.get_submodule(m)
+                layer.lora_A["default"].weight.copy_(A[m])
+                layer.lora_B["default"].weight.copy_(B0[m] @ R[m])
+            for n, p in pm.named_parameters():
+                if "classifier" in n and "modules_to_save" in n:
+                    p.normal_()  # a trained head differs per client
+        pm.save_pretrained(str(folder / f"client{k}"))
+        dirs.append(str(folder / f"client{k}"))
+    return dirs
+
+
+def fedsb_server_in_a_run(A, B0, Rs, weights):
+    """(server state, each replica's lora_A and lora_B) after one training round (index 1: not the
+    initialisation round) of Fed-SB run by the round protocol (``Server.run_round``): replica k holds A, the
+    frozen B0 and R_k (written by Fed-SB's own ``download``), uploads R_k (``upload``); the server's
+    ``aggregate`` and ``server_update``; the broadcast of R̄ through ``download`` (which folds B0·R̄)."""
+    K = len(Rs)
+    method = build("fedsb", {"rank": FEDSB_R})
+    shapes = {m: (B0[m].shape[0], A[m].shape[1]) for m in A}
+    model = stacked_model(shapes, K, method.adapter_kwargs(), 1.0)
+    method.setup(model, list(range(K)))
+    for k, R in enumerate(Rs):
+        method.download(k, {**{f"{m}.lora_A": A[m] for m in A}, **{f"{m}.lora_B": B0[m] for m in A},
+                            **{f"{m}.lora_R": R[m] for m in A}})
+    state0 = {**{f"{m}.lora_A": A[m] for m in A}, **{f"{m}.lora_B": B0[m] for m in A},
+              **{f"{m}.lora_R": Rs[0][m] for m in A}}
+    server = Server(method, Federation(n_groups=1, n_clients=K, client_weights=list(weights)), [state0], rounds=2)
+    method.begin_round(1)
+    server.run_round(Holding(method), round_idx=1)
+    got = [{m: (model.get_submodule(m).lora_A[k].detach().clone(), model.get_submodule(m).lora_B[k].detach().clone())
+            for m in A} for k in range(K)]
+    return server.states[0], got
+
+
+def test_fedsb_on_folded_adapters_equals_its_server_in_a_run(tmp_path):
+    """Fed-SB on PEFT adapters holding lora_B = B0·R_k over one A: every client gets A (bit for bit) and
+    B0·(Σ p_k R_k) — what Fed-SB's server (its own upload, aggregate, download) gives in a run, within float32
+    rounding of the saved folds (rtol 1e-5, atol 1e-6) — and the state's B·R is that fold, its R the run's R̄
+    in another basis of B0's columns (B0⁺·B·R = R̄)."""
+    A, B0, Rs = fedsb_factors(len(WEIGHTS))
+    dirs = save_fedsb_adapters(tmp_path, A, B0, Rs)
+    state, got = fedsb_server_in_a_run(A, B0, Rs, WEIGHTS)
+    res = aggregate_adapters("fedsb", dirs, WEIGHTS)
+    p = np.array(WEIGHTS) / sum(WEIGHTS)
+    for m in A:
+        R_bar = sum(pk * R[m].double().numpy() for pk, R in zip(p, Rs))  # Fed-SB §3: Σ p_k R_k
+        np.testing.assert_allclose(state[f"{m}.lora_R"].double().numpy(), R_bar, rtol=1e-6, atol=1e-7)
+        fold = res.state[f"{m}.lora_B"] @ res.state[f"{m}.lora_R"]
+        np.testing.assert_allclose(fold.numpy(), B0[m].double().numpy() @ R_bar, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose((torch.linalg.pinv(B0[m].double()) @ fold).numpy(), R_bar, rtol=1e-5, atol=1e-5)
+        assert torch.equal(res.state[f"{m}.lora_A"], A[m])
+        for k in range(len(dirs)):
+            a, b = factors_of(res.adapters[k].state_dict)[m]
+            assert torch.equal(a, got[k][m][0]) and torch.equal(a, A[m])
+            torch.testing.assert_close(b, got[k][m][1], rtol=1e-5, atol=1e-6)
+            assert not torch.allclose(b, B0[m] @ Rs[k][m], atol=1e-3)  # an average, not the client's own fold
+        # ΔW = s·B R̄ A with s = 1: the weighted mean of the clients' updates, not B̄Ā of FedAvg's factor means
+        dw = sum(pk * (B0[m].double() @ R[m].double() @ A[m].double()).numpy() for pk, R in zip(p, Rs))
+        a, b = factors_of(res.adapters[0].state_dict)[m]
+        np.testing.assert_allclose((b.double() @ a.double()).numpy(), dw, rtol=1e-5, atol=1e-5)
+    assert all(ad.config["r"] == ad.config["lora_alpha"] == FEDSB_R for ad in res.adapters)
+
+
+def test_fedsb_aggregate_on_the_command_line_writes_peft_adapters_peft_loads(tmp_path):
+    """`fedlora aggregate --method fedsb` end to end on PEFT folders (with a trained head, which Fed-SB shares):
+    each client_<k>/ holds A and B0·Σ p_k R_k (float32, rtol 1e-5), the head's weighted mean, and PEFT loads it."""
+    A, B0, Rs = fedsb_factors(len(WEIGHTS), seed=11)
+    dirs = save_fedsb_adapters(tmp_path / "in", A, B0, Rs, head=True)
+    out = tmp_path / "agg"
+    assert main(["aggregate", "--method", "fedsb", *dirs, "--weights", "1,2,3", "--out", str(out)]) == 0
+    summary = json.loads((out / "aggregate.json").read_text())
+    assert summary["method"] == "fedsb" and summary["base_delta"] is None
+    assert not (out / "base_delta.safetensors").exists()  # Fed-SB leaves the base as it is
+    p = np.array(WEIGHTS) / sum(WEIGHTS)
+    heads = [PeftAdapter.load(d).state_dict for d in dirs]
+    for k in range(len(dirs)):
+        written = PeftAdapter.load(out / f"client_{k}")
+        assert written.config["r"] == written.config["lora_alpha"] == FEDSB_R and not written.config.get("use_rslora")
+        for m, (a, b) in factors_of(written.state_dict).items():
+            assert torch.equal(a, A[m])
+            want = B0[m].double().numpy() @ sum(pk * R[m].double().numpy() for pk, R in zip(p, Rs))
+            np.testing.assert_allclose(b.double().numpy(), want, rtol=1e-5, atol=1e-6)
+        for key in (k_ for k_ in written.state_dict if ".lora_" not in k_):
+            mean = sum(pk * sd[key].double().numpy() for pk, sd in zip(p, heads))
+            np.testing.assert_allclose(written.state_dict[key].double().numpy(), mean, rtol=1e-6, atol=1e-7)
+    loaded = dict(peft.PeftModel.from_pretrained(base_model(), str(out / "client_2")).named_parameters())
+    saved = PeftAdapter.load(out / "client_2").state_dict
+    for key, v in saved.items():
+        if ".lora_" in key:
+            assert torch.equal(loaded[key.replace(".weight", ".default.weight")].detach(), v), key
+
+
+def test_fedsb_refuses_adapters_that_are_not_folds_over_one_frozen_b_and_a(tmp_path, capsys):
+    """One line each: a client whose lora_A differs (naming the module), a lora_B off the clients' common
+    column space (a trained B), a scale other than 1, rsLoRA."""
+    A, B0, Rs = fedsb_factors(3)
+    out = str(tmp_path / "o")
+    other_a = {m: a.clone() for m, a in A.items()}
+    q = "bert.encoder.layer.0.attention.self.query"
+    other_a[q][0, 0] += 1e-3
+    dirs = save_fedsb_adapters(tmp_path / "a", A, B0, Rs[:2]) + save_fedsb_adapters(tmp_path / "a2", other_a, B0, Rs[2:])
+    err = _refused(capsys, ["aggregate", "--method", "fedsb", *dirs, "--weights", "uniform", "--out", out])
+    assert "fedsb" in err and f"client 2's lora_A of module {q!r} differs" in err and "Fed-SB" in err
+    other_b = {m: torch.linalg.qr(torch.randn(b.shape[0], FEDSB_R, dtype=torch.float64))[0].float()
+               for m, b in B0.items()}  # a client over another frozen B (or whose B was trained)
+    dirs = save_fedsb_adapters(tmp_path / "b", A, B0, Rs[:2]) + save_fedsb_adapters(tmp_path / "b2", A, other_b, Rs[2:])
+    err = _refused(capsys, ["aggregate", "--method", "fedsb", *dirs, "--weights", "uniform", "--out", out])
+    assert "lora_B" in err and "column space" in err and "ffa" in err
+    err = _refused(capsys, ["aggregate", "--method", "fedsb", *save_fedsb_adapters(tmp_path / "s", A, B0, Rs, alpha=8),
+                            "--weights", "uniform", "--out", out])
+    assert "LoRA scale 2" in err and "s = 1" in err
+    err = _refused(capsys, ["aggregate", "--method", "fedsb", *save_fedsb_adapters(tmp_path / "rs", A, B0, Rs, alpha=2,
+                                                                                rslora=True),
+                            "--weights", "uniform", "--out", out])
+    assert "rsLoRA" in err and "fedsb" in err
+    assert not Path(out).exists() or not any(Path(out).iterdir())

@@ -253,6 +253,79 @@ class FedSB(FactorLoRA):
         out.update(Method.aggregate_head(payloads, weights))
         return out
 
+    # PEFT adapters trained elsewhere (fedlora.peft_adapters) ---------------------------------------------
+    #: a Fed-SB client's PEFT adapter (this package's export, LoRA-SB's own) holds R folded into its up factor:
+    #: lora_B = B·R_k (s = 1) over the B and lora_A = A every client shares, so lora_B carries the upload
+    lora_upload = ("lora_B",)
+
+    @staticmethod
+    def _span_tolerance(dtype: torch.dtype) -> float:
+        """How far (relative, Frobenius) a client's lora_B may lie off the clients' common rank-r column space:
+        1000 ulps of its dtype (float32: 1.2e-4; float64: 2.2e-13), at most 0.05 (16-bit floats) — rounding of
+        the fold B·R_k, never a trained B (whose residual is of order 1)."""
+        return min(1e3 * torch.finfo(dtype).eps, 0.05)
+
+    def _common_basis(self, clients) -> dict[str, torch.Tensor]:
+        """Per module, Q (d_out, r), float64, orthonormal columns spanning every client's lora_B = B·R_k: the
+        top-r left singular vectors of [B·R_1 … B·R_K] (one sign per column fixed, as ``lorasb_init``). The
+        frozen B itself is not in a PEFT adapter, but every B·R_k lies in col(Q), so the coordinates
+        R'_k = Qᵀ(B·R_k) average and fold back to Q·Σ p_k R'_k = QQᵀ·Σ p_k B·R_k = B·(Σ p_k R_k): Fed-SB's
+        server, folded (when the R_k span r dimensions, Q = B·M with M invertible and R'_k = M⁻¹R_k — the same
+        R in another basis of B's columns). A client whose lora_B lies off col(Q) (a trained B, another frozen
+        B) is refused in one line."""
+        out = {}
+        for m, (a, b, _) in clients[0].items():
+            r, d_out = a.shape[0], b.shape[0]
+            if r > d_out:
+                raise ConfigError(f"fedsb: module {m!r} has rank {r} > d_out = {d_out}; Fed-SB's frozen B (d_out, r) "
+                                  f"has orthonormal columns (LoRA-SB), so r ≤ d_out")
+            Bs = [c[m][1].to(torch.float64) for c in clients]
+            Q = torch.linalg.svd(torch.cat(Bs, 1), full_matrices=False)[0][:, :r]
+            flip = torch.sign(Q[Q.abs().argmax(dim=0), torch.arange(r)])
+            Q = Q * torch.where(flip == 0, torch.ones_like(flip), flip)
+            tol = self._span_tolerance(b.dtype)
+            for k, B in enumerate(Bs):
+                off, norm = float(torch.linalg.norm(B - Q @ (Q.T @ B))), float(torch.linalg.norm(B))
+                if off > tol * norm:
+                    raise ConfigError(f"fedsb: client {k}'s lora_B of module {m!r} is not B·R_k over the frozen B the "
+                                      f"other clients share (it lies {off / norm:.2g} off their common rank-{r} column "
+                                      f"space, tolerance {tol:.2g}): Fed-SB trains only R; adapters whose B was trained "
+                                      f"aggregate with ffa or fedavg")
+            out[m] = Q
+        return out
+
+    def uploads_from_lora(self, clients) -> list[Payload]:
+        """Each client's R in the common basis Q (``_common_basis``): Qᵀ·lora_B_k (r, r), float64, uploaded as
+        ``<module>.lora_R`` to this method's own ``aggregate``. One-line ``ConfigError``: a scale other than 1
+        (Fed-SB fixes s = 1: lora_alpha = r, no rsLoRA), a lora_A that is not bitwise the same on every client
+        (frozen and shared), different ranks, a lora_B off the common column space."""
+        for m, (a, _, _) in clients[0].items():
+            for k, client in enumerate(clients):
+                a_k, _, s_k = client[m]
+                if abs(s_k - 1.0) > 1e-12:
+                    raise ConfigError(f"fedsb: module {m!r} of client {k} has LoRA scale {s_k:g}; Fed-SB fixes s = 1 "
+                                      f"(lora_alpha = r = {a_k.shape[0]}, no rsLoRA), as its exports are written")
+                if k and a_k.shape == a.shape and not torch.equal(a_k, a):
+                    raise ConfigError(f"fedsb: client {k}'s lora_A of module {m!r} differs from client 0's; Fed-SB's A "
+                                      f"is frozen and the same on every client (LoRA-SB's initialisation, bit for bit), "
+                                      f"only R is trained (folded into lora_B = B·R)")
+        self.check_lora_clients(clients)  # one rank per module
+        Q = self._common_basis(clients)
+        return [Payload({f"{m}.{R_NAME}": Q[m].T @ b.to(torch.float64) for m, (_, b, _) in client.items()})
+                for client in clients]
+
+    def lora_server_state(self, clients) -> dict[str, torch.Tensor]:
+        """The frozen factors the clients share, as the server holds them: A (client 0's, the same on all) and
+        B as the basis Q of ``uploads_from_lora`` (float64); the aggregate adds R (in that basis)."""
+        Q = self._common_basis(clients)
+        return {**{f"{m}.lora_A": a for m, (a, _, _) in clients[0].items()},
+                **{f"{m}.lora_B": q for m, q in Q.items()}}
+
+    def lora_download(self, state, client) -> dict:
+        """What ``download`` leaves in a client's layer: lora_A = A, lora_B = the fold Q·R̄ = B·Σ p_k R_k, s = 1."""
+        return {m: (state[f"{m}.lora_A"], fedsb_fold(state[f"{m}.lora_B"], state[f"{m}.{R_NAME}"]), s)
+                for m, (_, _, s) in client.items()}
+
     def download(self, replica: int, state: Mapping[str, torch.Tensor]) -> Payload:
         """Write the server's A, B (frozen), R and head into ``replica``; the model's lora_B ← B·R."""
         with torch.no_grad():
