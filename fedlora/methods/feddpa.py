@@ -20,13 +20,21 @@ Phase 1 runs in ``local_step`` (one optimizer step on C, D per call), phase 2 in
 steps on A, B as the round had local steps, on fresh batches of the same sampler (so a round costs twice
 its local steps, as the authors' two training passes do). Both phases draw their own batches.
 
-Evaluation at a FIXED mixing (``personalised_params``): every client is scored on
+Evaluation, ``eval_weighting="fixed"`` (the default; ``personalised_params``): every client is scored on
 y = W0x + (1 − m)·s·B A x + m·s·D C x with m = ``eval_mix`` (default 0.5: the authors' inference
-without the dynamic weighting, ``set_local(['local'], [0.5, 0.5])``). The paper's instance-wise
-dynamic weighting — the weight of the two adapters per test input from the mean cosine similarity of
-its representation to a few of the client's training inputs (``fedlora.aggmath.feddpa.instance_weight``) —
-is not wired into the runtimes here: docs/methods/feddpa.md says what it needs. The global model
-(``has_global_model``) is the global adapter alone.
+without the dynamic weighting, ``set_local(['local'], [0.5, 0.5])``).
+
+``eval_weighting="instance"``: the paper's instance-wise dynamic weighting (§"instance-wise dynamic
+weighting mechanism"; the authors' ``get_weight``), through ``instance_gating`` (an ``InstanceWeighting``)
+in the LLM runtime's evaluation: each test input x is scored on
+y = W0x + (1 − w(x))·s·B A x + w(x)·s·D C x (``instance_weight_on="local"``, the default) or with w(x) and
+1 − w(x) swapped (``"global"``: the authors' code), w(x) = scale · (1/N) Σ_j cos(e(x), e(x_j)) over N =
+``instance_refs`` of the client's training inputs x_j, e(·) the model's last hidden state (last real input
+token, or the mean over them: ``instance_repr``) with the local adapter alone (``fedlora.aggmath.feddpa``:
+``instance_weight``, ``pool_representation``, and ``instance_mixed_output``, the one-layer reference). The
+paper's equation could not be read here: docs/methods/feddpa.md says why "local" is the default. The saved
+client adapters and exports stay the fixed mix at ``eval_mix`` (a PEFT adapter has no per-input weight).
+The global model (``has_global_model``) is the global adapter alone.
 
 Optimizer: one optimizer over both adapters (and a head), each client's moments kept across rounds
 (the house's convention, ``fedavg``); the authors' code builds a fresh AdamW for each phase of each round.
@@ -37,15 +45,62 @@ import math
 import numbers
 from typing import Any, Mapping, Sequence
 
+import numpy as np
 import torch
 
-from ..aggmath.feddpa import feddpa_average
+from ..adapter import LoRALinear
+from ..aggmath.feddpa import feddpa_average, instance_weight, pool_representation
 from ..errors import ConfigError
 from ..payload import Payload
+from ..seeds import SAMPLER, seed_of
 from .base import Objective, Sampler, register
 from .fedavg import FactorLoRA
 
-__all__ = ["FedDPA"]
+__all__ = ["FedDPA", "InstanceWeighting"]
+
+_CHOICES = {"eval_weighting": ("fixed", "instance"), "instance_weight_on": ("local", "global"),
+            "instance_repr": ("last", "mean")}
+
+
+def _check_choice(name: str, v: Any) -> str:
+    if v not in _CHOICES[name]:
+        raise ConfigError(f"feddpa: {name} must be one of {', '.join(map(repr, _CHOICES[name]))}, got {v!r}")
+    return v
+
+
+class InstanceWeighting:
+    """FedDPA's instance-wise dynamic weighting as an evaluator applies it (``FedDPA.instance_gating``), for
+    the S clients bound to the method's replicas:
+
+    * ``reference_rows``: the N training rows of a client whose representations are its references x_j;
+    * ``represent_params``: the parameters e(·) is computed with — the local adapter alone (B = 0), as the
+      authors' ``get_weight`` (``set_adapter('local')``);
+    * ``represent(hidden (n, T, H), mask (n, T))``: e(x) (``pool_representation``);
+    * ``gates(query (S, b, H), refs [S × (N_p, H)])``: the per-input weights (g_global, g_local), (S·b,)
+      each, that the layers apply (``fedlora.adapter.set_row_gates``) on ``params`` — the raw adapters."""
+
+    def __init__(self, params: Mapping[str, torch.Tensor], represent_params: Mapping[str, torch.Tensor],
+                 n_refs: int, scale: float, weight_on: str, how: str) -> None:
+        self.params, self.represent_params = params, represent_params
+        self.n_refs, self.scale, self.weight_on, self.how = n_refs, scale, weight_on, how
+
+    def reference_rows(self, rows: Sequence[int], client: int, seed: int) -> np.ndarray:
+        """min(N, n) of the client's training ``rows``, drawn without replacement by a generator seeded
+        from the run's seed and the client (``seed_of(seed, SAMPLER, "feddpa-refs", client)``): the same
+        rows at every evaluation, in every process — nothing to keep in a checkpoint."""
+        rows = np.asarray(rows, dtype=np.int64)
+        g = torch.Generator().manual_seed(seed_of(seed, SAMPLER, "feddpa-refs", client))
+        return rows[torch.randperm(len(rows), generator=g)[:self.n_refs].numpy()]
+
+    def represent(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return pool_representation(hidden.float(), mask, self.how)
+
+    def gates(self, query: torch.Tensor, refs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        if query.dim() != 3 or len(refs) != query.shape[0]:
+            raise ConfigError(f"feddpa: one reference set per slot needed: query {tuple(query.shape)}, "
+                              f"{len(refs)} reference sets")
+        w = torch.cat([instance_weight(query[p], refs[p], self.scale) for p in range(query.shape[0])])
+        return (1.0 - w, w) if self.weight_on == "local" else (w, 1.0 - w)
 
 
 def _check_fraction(name: str, v: Any) -> float:
@@ -58,7 +113,11 @@ def _check_fraction(name: str, v: Any) -> float:
 class FedDPA(FactorLoRA):
     """FedDPA-T. Args: rank r (both adapters), lr, optimizer ("adamw" | "sgd"), weight_decay,
     local_weight a (the local adapter's weight while it trains; the detached global one gets 1 − a),
-    eval_mix m (the local adapter's weight in the evaluated model; the global one gets 1 − m)."""
+    eval_mix m (the local adapter's weight in the evaluated model; the global one gets 1 − m),
+    eval_weighting ("fixed": m for every input | "instance": the instance-wise dynamic weighting),
+    instance_refs N (the client's training inputs w(x) compares with), instance_scale (w's scale, in (0, 1]),
+    instance_weight_on ("local" | "global": the adapter w(x) weighs, the other gets 1 − w(x)),
+    instance_repr ("last" | "mean": e(x) from the last real input token's last hidden state or their mean)."""
 
     name = "feddpa"
     personalised = True  # the local adapter (C, D) stays on the client
@@ -69,10 +128,21 @@ class FedDPA(FactorLoRA):
     equal_steps_per_pass = True
 
     def __init__(self, rank: int = 8, lr: float = 5e-4, optimizer: str = "adamw", weight_decay: float = 0.0,
-                 local_weight: float = 0.5, eval_mix: float = 0.5) -> None:
+                 local_weight: float = 0.5, eval_mix: float = 0.5, eval_weighting: str = "fixed",
+                 instance_refs: int = 5, instance_scale: float = 0.5, instance_weight_on: str = "local",
+                 instance_repr: str = "last") -> None:
         super().__init__(rank, lr, optimizer, weight_decay)
         self.local_weight = _check_fraction("local_weight", local_weight)
         self.eval_mix = _check_fraction("eval_mix", eval_mix)
+        self.eval_weighting = _check_choice("eval_weighting", eval_weighting)
+        self.instance_weight_on = _check_choice("instance_weight_on", instance_weight_on)
+        self.instance_repr = _check_choice("instance_repr", instance_repr)
+        if not isinstance(instance_refs, int) or isinstance(instance_refs, bool) or instance_refs < 1:
+            raise ConfigError(f"feddpa: instance_refs must be an integer ≥ 1, got {instance_refs!r}")
+        if not (isinstance(instance_scale, numbers.Real) and not isinstance(instance_scale, bool)
+                and math.isfinite(instance_scale) and 0 < instance_scale <= 1):
+            raise ConfigError(f"feddpa: instance_scale must be a number in (0, 1], got {instance_scale!r}")
+        self.instance_refs, self.instance_scale = instance_refs, float(instance_scale)
         self._n_local, self._objective, self._sample = 0, None, None
 
     def adapter_kwargs(self) -> dict:
@@ -80,6 +150,9 @@ class FedDPA(FactorLoRA):
         return {"rank": self.rank, "client_rank": self.rank}
 
     def bind(self, model, replica_clients, n_clients=None) -> None:
+        if self.eval_weighting == "instance" and isinstance(model, LoRALinear):
+            raise ConfigError("feddpa: eval_weighting='instance' needs a model with hidden states (fedlora run); "
+                              "the synthetic testbed's one layer has none: use eval_weighting='fixed'")
         super().bind(model, replica_clients, n_clients)
         self.c_names, self.d_names = [], []
         for a, _ in self.pairs:
@@ -148,8 +221,19 @@ class FedDPA(FactorLoRA):
             raise ConfigError("feddpa.aggregate: the local adapter (lora_C, lora_D) is never uploaded")
         return feddpa_average([p.tensors for p in payloads], weights)
 
+    def instance_gating(self) -> InstanceWeighting | None:
+        """With ``eval_weighting="instance"``: the instance-wise weighting of the bound replicas' current
+        adapters (``InstanceWeighting``); else ``None`` (every input on ``personalised_params``)."""
+        if self.eval_weighting != "instance":
+            return None
+        raw = {n: p.detach() for n, p in self.params.items()}
+        alone = {**raw, **{n: torch.zeros_like(raw[n]) for n in self.b_names}}  # the local adapter alone
+        return InstanceWeighting(raw, alone, self.instance_refs, self.instance_scale, self.instance_weight_on,
+                                 self.instance_repr)
+
     def personalised_params(self, objective: Objective, sample: Sampler) -> Mapping[str, torch.Tensor]:
-        """The evaluated model: the global adapter weighted 1 − m, the local one m (m = ``eval_mix``)."""
+        """The model at a fixed mixing: the global adapter weighted 1 − m, the local one m (m = ``eval_mix``) —
+        the evaluated model with ``eval_weighting="fixed"``, and the saved adapters and exports in both modes."""
         m = self.eval_mix
         out = {n: p.detach() for n, p in self.params.items()}
         out.update({n: (1.0 - m) * self.params[n].detach() for n in self.b_names})
