@@ -128,9 +128,9 @@ def _objective(layer, log=None):
     return objective
 
 
-def _setup(local_weight=0.5, eval_mix=0.5, lr=0.05):
+def _setup(local_weight=0.5, eval_mix=0.5, lr=0.05, **options):
     g = torch.Generator().manual_seed(0)
-    m = build("feddpa", {"rank": R, "lr": lr, "local_weight": local_weight, "eval_mix": eval_mix})
+    m = build("feddpa", {"rank": R, "lr": lr, "local_weight": local_weight, "eval_mix": eval_mix, **options})
     layer = LoRALinear(D, D, **m.adapter_kwargs(), stack=K, alpha=4.0, client_alpha=4.0, dtype=F64)  # s = 2
     m.setup(layer, list(range(K)))
     X = torch.randn(K, 30, D, generator=g, dtype=F64)
@@ -325,7 +325,9 @@ def test_bad_instance_options_and_the_synthetic_testbed_are_refused_in_one_line(
                            ("instance_repr", "cls", "instance_repr must be one of 'last', 'mean'"),
                            ("instance_refs", 0, "instance_refs must be an integer ≥ 1"),
                            ("instance_refs", 2.0, "instance_refs must be an integer ≥ 1"),
-                           ("instance_scale", 1.5, r"instance_scale must be a number in \(0, 1\]")):
+                           ("instance_scale", 1.5, r"instance_scale must be a number in \(0, 1\]"),
+                           ("variant", "t", "variant must be one of 'T', 'F'"),
+                           ("finetune_steps", 0, "finetune_steps must be an integer ≥ 1")):
         with pytest.raises(ConfigError, match=f"feddpa: {says}"):
             build("feddpa", {opt: val})
     m = build("feddpa", {"rank": R, "eval_weighting": "instance"})
@@ -457,15 +459,18 @@ def test_the_saved_adapters_are_the_fixed_mix_and_the_evaluation_changes_nothing
             torch.testing.assert_close(saved[n], m.eval_mix * m.params[n][0].detach(), rtol=0, atol=0)
 
 
-def test_a_run_with_the_instance_weighting_stopped_and_resumed_equals_one_that_never_stopped(tmp_path, monkeypatch,
-                                                                                            capsys):
+@pytest.mark.parametrize("variant", ["T", "F"])
+def test_a_run_with_the_instance_weighting_stopped_and_resumed_equals_one_that_never_stopped(variant, tmp_path,
+                                                                                            monkeypatch, capsys):
     """``fedlora run tiny-smoke --set method.name=feddpa --set method.options.eval_weighting=instance`` end to
-    end, and stopped in round 3 of 4 then resumed: bit for bit the uninterrupted run (the reference rows are
-    drawn by a seeded rule at every evaluation, so no checkpoint entry is added)."""
+    end (FedDPA-T and FedDPA-F), and stopped in round 3 of 4 then resumed: bit for bit the uninterrupted run
+    (the reference rows are drawn by a seeded rule at every evaluation, FedDPA-F's local fine-tuning starts
+    from the record: no checkpoint entry is added)."""
     from test_resume import _argv, _interrupted, assert_same_run
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    inst = ("--set", "method.options.eval_weighting=instance", "--set", "method.options.instance_repr=mean")
+    inst = ("--set", "method.options.eval_weighting=instance", "--set", "method.options.instance_repr=mean",
+            "--set", f"method.options.variant={variant}", "--set", "method.options.finetune_steps=2")
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     assert main_cli(_argv("feddpa", whole, *inst)) == 0
     _interrupted(monkeypatch, capsys, "feddpa", resumed, *inst)
@@ -531,3 +536,78 @@ def test_generation_decodes_with_each_prompts_own_weight(tmp_path, monkeypatch):
             torch.testing.assert_close(gates[0], want[0], rtol=0, atol=1e-5)
             assert not torch.allclose(gates[0], gates[0][:1].expand(rows))  # the prompts' weights differ
     assert all(m.row_gates is None for m in run.model.modules() if isinstance(m, LoRALinear))
+
+
+# ------------------------------------------------------------------------------------------------
+# FedDPA-F (variant="F")
+
+def test_feddpa_f_rounds_train_the_global_adapter_alone_and_leave_the_local_one_as_it_was():
+    """FedDPA-F's rounds: every step's forward has the trained global adapter and the local path at zero
+    (D = 0, C and D not trained), one step per local step (no second phase), and the local adapter of every
+    client is exactly its initial one after the rounds."""
+    m, layer, X, Y = _setup(variant="F")
+    fed = Federation(n_groups=1, n_clients=K, client_weights=[1.0] * K, sample_fraction=0.5)
+    C0, D0 = layer.lora_C.detach().clone(), layer.lora_D.detach().clone()
+    log: list = []
+    run_rounds(m, fed, _objective(layer, log), lambda: (X, Y), rounds=2, local_steps=3)
+    assert len(log) == 6
+    for params in log:
+        assert params["lora_A"][1] and params["lora_B"][1]
+        assert not params["lora_D"][1] and torch.all(params["lora_D"][0] == 0) and not params["lora_C"][1]
+    assert not torch.equal(log[0]["lora_B"][0], log[-1]["lora_B"][0])
+    assert torch.equal(layer.lora_C, C0) and torch.equal(layer.lora_D, D0)
+
+
+def test_feddpa_f_evaluates_the_local_adapter_finetuned_from_the_global_one():
+    """FedDPA-F's evaluated model: C, D start at A, B and take ``finetune_steps`` plain-SGD steps of the
+    phase-1 loss (global adapter detached at weight 1 − a, D at weight a) — recomputed here by hand with
+    autograd on the layer — then the mix (1 − m)·B, m·D; the method's own parameters do not change."""
+    a, mix, lr, steps = 0.3, 0.25, 0.05, 3
+    m, layer, X, Y = _setup(local_weight=a, eval_mix=mix, lr=lr, variant="F", optimizer="sgd",
+                            finetune_steps=steps)
+    with torch.no_grad():
+        layer.lora_B.normal_(generator=torch.Generator().manual_seed(3))
+    before = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    batches = [(X[:, 3 * j:3 * j + 10], Y[:, 3 * j:3 * j + 10]) for j in range(steps)]
+    it = iter(batches)
+    got = m.personalised_params(_objective(layer), lambda: next(it))
+    assert all(torch.equal(p, before[n]) for n, p in layer.named_parameters())
+    A, B = before["lora_A"], before["lora_B"]
+    C, Dm = A.clone(), B.clone()
+    for Xb, Yb in batches:
+        c, d = C.clone().requires_grad_(True), Dm.clone().requires_grad_(True)
+        y = functional_call(layer, {"lora_A": A, "lora_B": (1 - a) * B, "lora_C": c, "lora_D": a * d}, (Xb,))
+        gc, gd = torch.autograd.grad(((y - Yb) ** 2).mean(dim=(-2, -1)).sum(), [c, d])
+        C, Dm = C - lr * gc, Dm - lr * gd
+    torch.testing.assert_close(got["lora_C"], C, rtol=0, atol=1e-12)
+    torch.testing.assert_close(got["lora_D"], mix * Dm, rtol=0, atol=1e-12)
+    torch.testing.assert_close(got["lora_B"], (1 - mix) * B, rtol=0, atol=1e-12)
+    torch.testing.assert_close(got["lora_A"], A, rtol=0, atol=0)
+    assert not torch.allclose(C, A)  # the local adapter moved away from the global one
+
+
+def test_feddpa_f_weighs_its_finetuned_local_adapter_per_input(instance_run):
+    """With FedDPA-F the per-input weighting uses the local adapter ``personalised_params`` fine-tuned for the
+    same clients (not the record's untrained one), unscaled (the weights carry the mix), and the
+    representation that adapter alone; asking for it without the fine-tuning is refused in one line."""
+    run, _ = instance_run
+    ex, m = run.slots, run.method
+    m.variant, m.finetune_steps = "F", 2
+    try:
+        ex._bind([1, 2])
+        samplers = ex._load([1, 2])
+        ex.model.eval()
+        mixed = m.personalised_params(ex._objective, ex._sampler_fn(samplers, [1, 2]))
+        gating = m.instance_gating()
+        for n in m.c_names:
+            assert torch.equal(gating.params[n], mixed[n]) and not torch.equal(gating.params[n], m.params[n])
+            assert torch.equal(gating.represent_params[n], mixed[n])
+        for n in m.d_names:
+            torch.testing.assert_close(m.eval_mix * gating.params[n], mixed[n], rtol=0, atol=0)
+            assert torch.equal(gating.represent_params[n], gating.params[n])
+        for n in m.b_names:
+            assert torch.equal(gating.params[n], m.params[n].detach()) and not gating.represent_params[n].any()
+        with pytest.raises(ConfigError, match="needs personalised_params first"):
+            m.instance_gating()
+    finally:
+        m.variant = "T"

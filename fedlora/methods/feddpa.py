@@ -1,11 +1,11 @@
-"""FedDPA-T — a global and a local adapter per client (Yang, Long, Shen, Jiang, Blumenstein,
+"""FedDPA-T and FedDPA-F — a global and a local adapter per client (Yang, Long, Shen, Jiang, Blumenstein,
 "Dual-Personalizing Adapter for Federated Foundation Models", NeurIPS 2024, arXiv 2403.19211; code
 github.com/Lydia-yang/FedDPA).
 
 Every adapted module carries two LoRA adapters of the same rank r: the GLOBAL adapter (A, B), uploaded and
 averaged by the server, and the LOCAL adapter (C, D), which never leaves the client (``LoRALinear``'s client
 adapter, scale s₂ = s₁: the authors build both from one LoRA config). A round of FedDPA-T (the iterative
-variant; FedDPA-F, which trains the local adapter once after federated training, is not implemented):
+variant, ``variant="T"``, the default):
 
 1. the local adapter is trained with the global one mixed in, detached (no gradient reaches it):
    y = W0x + (1 − a)·s·B A x (detached) + a·s·D C x, with a = ``local_weight`` (the authors' ``local_weight``,
@@ -19,6 +19,16 @@ variant; FedDPA-F, which trains the local adapter once after federated training,
 Phase 1 runs in ``local_step`` (one optimizer step on C, D per call), phase 2 in ``end_round``: as many
 steps on A, B as the round had local steps, on fresh batches of the same sampler (so a round costs twice
 its local steps, as the authors' two training passes do). Both phases draw their own batches.
+
+FedDPA-F (the sequential variant, ``variant="F"``): the rounds train the global adapter alone (phase 2's
+rule, one step per ``local_step``; the local adapter is out of the model and never changes); the local
+adapter is learnt after federated training — initialised from the global adapter (C, D ← A, B, as the
+paper's figure 2 describes FedDPA-F) and trained ``finetune_steps`` steps by phase 1's rule (the global
+adapter mixed in with weight 1 − a, detached) with a fresh optimizer, on the client's own batches. That
+fine-tuning runs where the client's model is evaluated or saved (``personalised_params``, from the
+client's record, which it does not change): at the end of the run it is FedDPA-F's model after the last
+round for every client, sampled in that round or not; at an evaluation before, the model FedDPA-F would
+have had if training had stopped there.
 
 Evaluation, ``eval_weighting="fixed"`` (the default; ``personalised_params``): every client is scored on
 y = W0x + (1 − m)·s·B A x + m·s·D C x with m = ``eval_mix`` (default 0.5: the authors' inference
@@ -51,6 +61,7 @@ import torch
 from ..adapter import LoRALinear
 from ..aggmath.feddpa import feddpa_average, instance_weight, pool_representation
 from ..errors import ConfigError
+from ..optim import make_optimizer
 from ..payload import Payload
 from ..seeds import SAMPLER, seed_of
 from .base import Objective, Sampler, register
@@ -59,7 +70,7 @@ from .fedavg import FactorLoRA
 __all__ = ["FedDPA", "InstanceWeighting"]
 
 _CHOICES = {"eval_weighting": ("fixed", "instance"), "instance_weight_on": ("local", "global"),
-            "instance_repr": ("last", "mean")}
+            "instance_repr": ("last", "mean"), "variant": ("T", "F")}
 
 
 def _check_choice(name: str, v: Any) -> str:
@@ -111,13 +122,16 @@ def _check_fraction(name: str, v: Any) -> float:
 
 @register
 class FedDPA(FactorLoRA):
-    """FedDPA-T. Args: rank r (both adapters), lr, optimizer ("adamw" | "sgd"), weight_decay,
+    """FedDPA-T (``variant="T"``) or FedDPA-F (``"F"``). Args: rank r (both adapters), lr, optimizer
+    ("adamw" | "sgd"), weight_decay,
     local_weight a (the local adapter's weight while it trains; the detached global one gets 1 − a),
     eval_mix m (the local adapter's weight in the evaluated model; the global one gets 1 − m),
     eval_weighting ("fixed": m for every input | "instance": the instance-wise dynamic weighting),
     instance_refs N (the client's training inputs w(x) compares with), instance_scale (w's scale, in (0, 1]),
     instance_weight_on ("local" | "global": the adapter w(x) weighs, the other gets 1 − w(x)),
-    instance_repr ("last" | "mean": e(x) from the last real input token's last hidden state or their mean)."""
+    instance_repr ("last" | "mean": e(x) from the last real input token's last hidden state or their mean),
+    variant ("T": both adapters every round | "F": the global adapter in the rounds, the local one after),
+    finetune_steps (FedDPA-F: the local adapter's steps after federated training)."""
 
     name = "feddpa"
     personalised = True  # the local adapter (C, D) stays on the client
@@ -130,7 +144,7 @@ class FedDPA(FactorLoRA):
     def __init__(self, rank: int = 8, lr: float = 5e-4, optimizer: str = "adamw", weight_decay: float = 0.0,
                  local_weight: float = 0.5, eval_mix: float = 0.5, eval_weighting: str = "fixed",
                  instance_refs: int = 5, instance_scale: float = 0.5, instance_weight_on: str = "local",
-                 instance_repr: str = "last") -> None:
+                 instance_repr: str = "last", variant: str = "T", finetune_steps: int = 10) -> None:
         super().__init__(rank, lr, optimizer, weight_decay)
         self.local_weight = _check_fraction("local_weight", local_weight)
         self.eval_mix = _check_fraction("eval_mix", eval_mix)
@@ -143,6 +157,11 @@ class FedDPA(FactorLoRA):
                 and math.isfinite(instance_scale) and 0 < instance_scale <= 1):
             raise ConfigError(f"feddpa: instance_scale must be a number in (0, 1], got {instance_scale!r}")
         self.instance_refs, self.instance_scale = instance_refs, float(instance_scale)
+        self.variant = _check_choice("variant", variant)
+        if not isinstance(finetune_steps, int) or isinstance(finetune_steps, bool) or finetune_steps < 1:
+            raise ConfigError(f"feddpa: finetune_steps must be an integer ≥ 1, got {finetune_steps!r}")
+        self.finetune_steps = finetune_steps
+        self._finetuned: dict[str, torch.Tensor] | None = None  # FedDPA-F: the evaluated local adapter
         self._n_local, self._objective, self._sample = 0, None, None
 
     def adapter_kwargs(self) -> dict:
@@ -186,29 +205,65 @@ class FedDPA(FactorLoRA):
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
 
-    def local_step(self, objective: Objective, sample: Sampler) -> None:
-        """Phase 1: one step on the local adapter, the global one mixed in with weight 1 − a, detached."""
+    def _phase1_fixed(self, local: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Phase 1's forward: the global adapter detached with B weighted 1 − a, D of ``local`` weighted a
+        (the gradient reaches D through a·D), the rest of ``local`` as it is, a shared head detached."""
         a = self.local_weight
         fixed = {n: self.params[n].detach() for n in self.a_names}
         fixed.update({n: (1.0 - a) * self.params[n].detach() for n in self.b_names})
-        fixed.update({n: a * self.params[n] for n in self.d_names})  # the gradient reaches D through a·D
+        fixed.update({n: local[n] for n in local if n not in self.d_names})
+        fixed.update({n: a * local[n] for n in self.d_names})
         if self.head_mode == "shared":
             fixed.update({n: self.params[n].detach() for n in self.shared_head_names()})
-        self._step(objective, sample, self.local_names, fixed)
-        self._n_local += 1
-        self._objective, self._sample = objective, sample
+        return fixed
 
-    def end_round(self, round_idx: int) -> None:
-        """Phase 2: as many steps on the global adapter alone (the local adapter out of the model)."""
-        if self._n_local == 0:
-            raise ConfigError("feddpa: a round needs at least one local_step")
+    def _phase2_fixed(self) -> dict[str, torch.Tensor]:
+        """Phase 2's forward: the local adapter out of the model (D = 0), a personal head detached."""
         fixed = {n: torch.zeros_like(self.params[n]) for n in self.d_names}  # D = 0: no local path
         fixed.update({n: self.params[n].detach() for n in self.c_names})
         if self.head_mode == "personal":
             fixed.update({n: self.params[n].detach() for n in self.heads})
-        for _ in range(self._n_local):
-            self._step(self._objective, self._sample, self.global_names, fixed)
+        return fixed
+
+    def local_step(self, objective: Objective, sample: Sampler) -> None:
+        """FedDPA-T, phase 1: one step on the local adapter, the global one mixed in with weight 1 − a,
+        detached. FedDPA-F: one step on the global adapter alone (phase 2's rule)."""
+        if self.variant == "F":
+            self._step(objective, sample, self.global_names, self._phase2_fixed())
+        else:
+            self._step(objective, sample, self.local_names,
+                       self._phase1_fixed({n: self.params[n] for n in self.local_names}))
+        self._n_local += 1
+        self._objective, self._sample = objective, sample
+
+    def end_round(self, round_idx: int) -> None:
+        """FedDPA-T, phase 2: as many steps on the global adapter alone (the local adapter out of the model).
+        FedDPA-F: nothing more (its round is the local steps)."""
+        if self._n_local == 0:
+            raise ConfigError("feddpa: a round needs at least one local_step")
+        if self.variant == "T":
+            fixed = self._phase2_fixed()
+            for _ in range(self._n_local):
+                self._step(self._objective, self._sample, self.global_names, fixed)
         self._objective = self._sample = None  # do not keep the caller's data alive
+
+    def _finetune_local(self, objective: Objective, sample: Sampler) -> dict[str, torch.Tensor]:
+        """FedDPA-F's local adapter of every replica, the method's parameters unchanged: C, D ← A, B (a
+        personal head as it is), then ``finetune_steps`` steps of phase 1's rule with a fresh optimizer
+        (the configured step size) on the replicas' own batches ``sample()``."""
+        init = dict(zip(self.c_names, self.a_names)) | dict(zip(self.d_names, self.b_names))
+        names = self.c_names + self.d_names + (self.heads if self.head_mode == "personal" else [])
+        with torch.enable_grad():  # evaluators call this under no_grad
+            leaves = {n: self.params[init.get(n, n)].detach().clone().requires_grad_(True) for n in names}
+            opt = make_optimizer(self.optimizer, list(leaves.values()), self.lr, self.weight_decay)
+            for _ in range(self.finetune_steps):
+                params = {**{n: p.detach() for n, p in self.params.items()}, **self._phase1_fixed(leaves)}
+                loss = objective(params, sample()).sum()  # replicas are independent: Σ keeps gradients apart
+                for t, g in zip(leaves.values(), torch.autograd.grad(loss, list(leaves.values()))):
+                    t.grad = g
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        return {n: t.detach() for n, t in leaves.items()}
 
     def upload(self, replica: int) -> Payload:
         # Only the global adapter (and a shared head) leaves the client; (C, D) stays local.
@@ -227,15 +282,26 @@ class FedDPA(FactorLoRA):
         if self.eval_weighting != "instance":
             return None
         raw = {n: p.detach() for n, p in self.params.items()}
+        if self.variant == "F":  # the local adapter personalised_params fine-tuned for these replicas
+            if self._finetuned is None:
+                raise ConfigError("feddpa: FedDPA-F's instance_gating needs personalised_params first (the "
+                                  "local adapter is fine-tuned there)")
+            raw.update(self._finetuned)
+            self._finetuned = None
         alone = {**raw, **{n: torch.zeros_like(raw[n]) for n in self.b_names}}  # the local adapter alone
         return InstanceWeighting(raw, alone, self.instance_refs, self.instance_scale, self.instance_weight_on,
                                  self.instance_repr)
 
     def personalised_params(self, objective: Objective, sample: Sampler) -> Mapping[str, torch.Tensor]:
         """The model at a fixed mixing: the global adapter weighted 1 − m, the local one m (m = ``eval_mix``) —
-        the evaluated model with ``eval_weighting="fixed"``, and the saved adapters and exports in both modes."""
+        the evaluated model with ``eval_weighting="fixed"``, and the saved adapters and exports in both modes.
+        FedDPA-F: with its local adapter fine-tuned from the global one first (``_finetune_local``)."""
         m = self.eval_mix
         out = {n: p.detach() for n, p in self.params.items()}
-        out.update({n: (1.0 - m) * self.params[n].detach() for n in self.b_names})
-        out.update({n: m * self.params[n].detach() for n in self.d_names})
+        if self.variant == "F":
+            tuned = self._finetune_local(objective, sample)
+            out.update(tuned)
+            self._finetuned = tuned if self.eval_weighting == "instance" else None  # for instance_gating
+        out.update({n: (1.0 - m) * out[n] for n in self.b_names})
+        out.update({n: m * out[n] for n in self.d_names})
         return out
