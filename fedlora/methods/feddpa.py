@@ -22,8 +22,8 @@ its local steps, as the authors' two training passes do). Both phases draw their
 
 FedDPA-F (the sequential variant, ``variant="F"``): the rounds train the global adapter alone (phase 2's
 rule, one step per ``local_step``; the local adapter is out of the model and never changes); the local
-adapter is learnt after federated training — initialised from the global adapter (C, D ← A, B, as the
-paper's figure 2 describes FedDPA-F) and trained ``finetune_steps`` steps by phase 1's rule (the global
+adapter is learnt after federated training — initialised from the global adapter (C, D ← A, B, as a summary
+of the paper's FedDPA-F figure describes it; docs/methods/feddpa.md) and trained ``finetune_steps`` steps by phase 1's rule (the global
 adapter mixed in with weight 1 − a, detached) with a fresh optimizer, on the client's own batches. That
 fine-tuning runs where the client's model is evaluated or saved (``personalised_params``, from the
 client's record, which it does not change): at the end of the run it is FedDPA-F's model after the last
