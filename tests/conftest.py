@@ -184,3 +184,29 @@ def tiny_smoke_run(tmp_path_factory):
         return done[method]
 
     return run
+
+
+@pytest.fixture(scope="session")
+def tiny_finished_run(tmp_path_factory):
+    """``FederatedRun(tiny_config(method, lr 0.05, lora_alpha 6)).run()`` (tests/test_llm_runtime.py's tiny
+    RoBERTa: 3 clients, half sampled, 2 rounds; α = 6 so that scales ≠ 1, except where the method's paper fixes
+    the scale: Fed-SB), run once per method and worker: a function method → (the FederatedRun as the run left it,
+    its summary, its folder). Read by the every-method runtime test (the records and files) and the export fidelity
+    test (exports scored against the run's own logits; it rebinds slots, never writes the folder): both in the
+    ``tiny_runs`` xdist group."""
+    from fedlora.llm.runtime import FederatedRun
+    from fedlora.methods import get_method
+    from test_llm_runtime import tiny_config
+
+    root = tmp_path_factory.mktemp("tiny_runs")
+    done: dict[str, tuple] = {}
+
+    def run(method: str):
+        if method not in done:
+            alpha = {} if getattr(get_method(method), "fixed_lora_scale", None) else {"model__lora_alpha": 6}
+            cfg = tiny_config(root / method, method, method__lr=0.05, **alpha)
+            fr = FederatedRun(cfg)
+            done[method] = (fr, fr.run(), root / method / "run")
+        return done[method]
+
+    return run

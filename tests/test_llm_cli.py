@@ -38,13 +38,12 @@ def test_own_csv_with_labels_of_its_own(tmp_path, capsys):
     assert "is not one of the task's class names" in err and "data.task to null" in err and err.count("\n") == 1
 
 
+@pytest.mark.xdist_group("flower")  # conftest's tiny_smoke_run: the protocol goldens' and Flower's runs
 @pytest.mark.parametrize("method", available_methods())
-def test_a_bundled_config_switches_to_every_method_with_one_flag(method, tmp_path, capsys):
-    """`--set method.name=X` is all it takes: the config's rank and lr shortcuts reach X's own options."""
-    out = tmp_path / "o"
-    argv = ["run", "tiny-smoke", "--out", str(out), "--no-progress", "--set", f"method.name={method}",
-            "--set", "train.rounds=1", "--set", "train.local_steps=1"]
-    assert main(argv) == 0, capsys.readouterr().err
+def test_a_bundled_config_switches_to_every_method_with_one_flag(method, tiny_smoke_run):
+    """`--set method.name=X` is all it takes (``fedlora run tiny-smoke --set method.name=X``, exit status 0: the
+    fixture asserts it): the config's rank and lr shortcuts reach X's own options."""
+    out = tiny_smoke_run(method)
     assert json.loads((out / "summary.json").read_text())["method"] == method
 
 

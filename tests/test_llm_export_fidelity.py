@@ -43,14 +43,13 @@ def _scores(logits, labels, num_labels):
     return out
 
 
+@pytest.mark.xdist_group("tiny_runs")  # the run is conftest's tiny_finished_run, shared with test_llm_runtime
 @pytest.mark.parametrize("method", available_methods())
-def test_exported_client_models_score_what_the_run_reported(tmp_path, method):
-    # models that move; scales ≠ 1 (but s = 1 where the method's paper fixes it: Fed-SB)
-    alpha = {} if getattr(get_method(method), "fixed_lora_scale", None) else {"model__lora_alpha": 6}
-    cfg = tiny_config(tmp_path, method, method__lr=0.05, **alpha)
-    run = FederatedRun(cfg)
-    summary = run.run()
-    run_dir = tmp_path / "run"
+def test_exported_client_models_score_what_the_run_reported(tmp_path, method, tiny_finished_run):
+    # models that move (lr 0.05); scales ≠ 1 (α = 6; but s = 1 where the method's paper fixes it: Fed-SB)
+    run, summary, run_dir = tiny_finished_run(method)
+    cfg = run.cfg
+    assert cfg.method.name == method and (cfg.model.lora_alpha == 6) != bool(get_method(method).fixed_lora_scale)
     info = json.loads((run_dir / "config.json").read_text())
     moved = 0.0
     for k in range(cfg.federation.clients):

@@ -44,12 +44,12 @@ def tiny_config(tmp_path, name="fedavg", **over):
     return RunConfig.from_dict(cfg)
 
 
+@pytest.mark.xdist_group("tiny_runs")  # the run is conftest's tiny_finished_run, shared with the export fidelity test
 @pytest.mark.parametrize("method", available_methods())
-def test_every_method_runs_two_rounds_of_three_clients_with_half_sampled(tmp_path, method):
-    """Acceptance: 13 methods × 2 rounds × 3 clients, half sampled, records written, metrics computed."""
-    cfg = tiny_config(tmp_path, method)
-    summary = FederatedRun(cfg).run()
-    out = tmp_path / "run"
+def test_every_method_runs_two_rounds_of_three_clients_with_half_sampled(method, tiny_finished_run):
+    """Acceptance: every method × 2 rounds × 3 clients, half sampled, records written, metrics computed (the
+    tiny_config run with lr 0.05 and α = 6 that the export fidelity test also reads)."""
+    _, summary, out = tiny_finished_run(method)
     rounds = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rounds] == [0, 1, 2]
     for r in rounds[1:]:
