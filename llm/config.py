@@ -223,7 +223,8 @@ class RunConfig:
     #: the tiny variant: a tiny random model of model.name's family (same target modules, the bundled MiniLM
     #: tokenizer, ≤ 32 tokens) and, for data from the Hub, generated stand-in rows of the task's shape — every
     #: config runs offline in seconds (`--set tiny=true`); it checks that a config runs, not what it scores.
-    #: A layer set (``model.layers``) becomes the tiny model's top block; a method.rank above 16 becomes 16
+    #: A layer set (``model.layers``) becomes the tiny model's top block; a method.rank above 16 becomes 16; a
+    #: generation task decodes at most 8 new tokens with at most 2 beams (``eval.decoding`` still overrides both)
     tiny: bool = False
 
     # -------------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from fedlora.seeds import MODEL, seed_of
 
 from .data import STAND_IN_WORDS, ColumnMap, Table, TextDataset, check_columns, read_tables, subsample
 from .decoding import DECODING, check_decoding  # noqa: F401  (generation's settings: fedlora.llm.generation's too)
-from .model import TINY_NEW_TOKENS, load_causal_lm, load_tokenizer
+from .model import TINY_NEW_TOKENS, TINY_NUM_BEAMS, load_causal_lm, load_tokenizer
 from .tasks import EvalContext, Task, TaskSpec, register_kind, slot_batches
 from .textmetrics import generation_metrics
 
@@ -157,9 +157,11 @@ class GenerationTask(Task):
         every reference in ``references``. Labels are one class (generation has none; label-skewed partitions
         are refused by ``split_clients``'s checks, key partitions work)."""
         dc = cfg.data
-        # the tiny variant: new tokens must fit the tiny model's positions beside the prompt
-        tiny = {"max_new_tokens": TINY_NEW_TOKENS} if cfg.tiny else {}
-        self.decoding = check_decoding({**dict(self.spec.decoding if self.spec else ()), **tiny, **cfg.eval.decoding})
+        # the tiny variant: new tokens must fit the tiny model's positions beside the prompt, and at most
+        # TINY_NUM_BEAMS beams (a check that the config runs; eval.decoding still overrides both)
+        given = {**DECODING, **dict(self.spec.decoding if self.spec else ())}
+        tiny = {"max_new_tokens": TINY_NEW_TOKENS, "num_beams": min(given["num_beams"], TINY_NUM_BEAMS)} if cfg.tiny else {}
+        self.decoding = check_decoding({**given, **tiny, **cfg.eval.decoding})
         if dc.doc_stride is not None:
             raise ConfigError("data.doc_stride: windows of a context are for extractive QA; a generation task has none")
         spec = self.spec

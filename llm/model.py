@@ -272,6 +272,9 @@ def load_causal_lm(name: str, *, from_config: Mapping[str, Any] | None = None, d
 TINY_MAX_LENGTH = 32
 TINY_MAX_RANK = 16  # the narrowest tiny projection (Gemma's one key/value head of 16)
 TINY_NEW_TOKENS = 8  # a generation task's decoding in the tiny variant: 32 + 8 = the 40 positions
+#: a generation task's beams in the tiny variant, at most (E2E/WebNLG's 10 beams made their tiny runs the slowest of
+#: the configs, ≈ 20 s of beam search on 2 cores for a random model; 2 beams take the same beam-search code path)
+TINY_NUM_BEAMS = 2
 _TINY_COMMON = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 48}
 TINY_FAMILIES: dict[str, dict[str, Any]] = {
     "roberta": {"model_type": "roberta", **_TINY_COMMON, "max_position_embeddings": TINY_MAX_LENGTH + 8},

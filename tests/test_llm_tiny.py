@@ -37,6 +37,10 @@ def test_every_shipped_config_runs_one_round_in_its_tiny_variant(name, tmp_path,
     assert cfg["config"]["model"]["target_modules"] == given.model.target_modules
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rounds"] == 1 and summary["clients"] == given.federation.clients
+    decoding = cfg["resolved"].get("decoding") or {}
+    if "num_beams" in decoding:  # a generation task: the tiny caps (E2E/WebNLG's beam 10 → 2, 64 new tokens → 8)
+        beams = dict(get_task(given.data.task).decoding).get("num_beams", 1) if given.data.task else 1
+        assert decoding["num_beams"] == min(beams, 2) and decoding["max_new_tokens"] == 8, decoding
 
 
 def test_the_tiny_model_is_of_the_named_family_with_its_target_modules(tmp_path, monkeypatch):
