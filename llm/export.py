@@ -194,7 +194,8 @@ def export_peft(run_dir: str | Path, client: int, out: str | Path, dtype: torch.
     Self-contained as far as a PEFT adapter can be: ``base_model_name_or_path`` is a name or folder
     ``from_pretrained`` resolves (the MiniLM package's folder, not its package name), the run's
     tokenizer is saved beside it, and ``fedlora_export.json`` carries the labels (``num_labels``,
-    ``id2label``, ``label2id``) to pass when loading — the base model's own config does not have them:
+    ``id2label``, ``label2id``) to pass when loading — the base model's own config does not have them —
+    and the method's options (an inference rule the adapter cannot hold: FedDPA's instance-wise weighting):
     ``AutoPeftModelForSequenceClassification.from_pretrained(out, **labels)`` (docs/how-to/export-peft.md)."""
     import peft  # the optional LLM dependencies (pip install fedlora[llm]): imported by the PEFT export only
 
@@ -239,8 +240,12 @@ def export_peft(run_dir: str | Path, client: int, out: str | Path, dtype: torch.
         save_file(state, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
         tok.save_pretrained(str(out))
         labels = peft_load_kwargs(res) if res.get("label_names") else {}  # a generation run has none
+        method = info["config"]["method"]
         (out / EXPORT_INFO).write_text(json.dumps(labels | {
-            "method": info["config"]["method"]["name"], "client": client,
+            "method": method["name"], "client": client,
+            # the run's method options: an inference rule a PEFT adapter cannot hold travels here (FedDPA's
+            # instance-wise weighting: eval_weighting, eval_mix, instance_*; docs/methods/feddpa.md)
+            "method_options": dict(method.get("options") or {}),
             "base_built_from_config": mc.get("from_config") is not None}, indent=1))
 
     return _exporting(out, overwrite, run_dir, check, write)

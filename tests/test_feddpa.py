@@ -459,6 +459,30 @@ def test_the_saved_adapters_are_the_fixed_mix_and_the_evaluation_changes_nothing
             torch.testing.assert_close(saved[n], m.eval_mix * m.params[n][0].detach(), rtol=0, atol=0)
 
 
+def test_the_peft_export_carries_the_weighting_rule_beside_the_fixed_mix(instance_run, tmp_path):
+    """A PEFT adapter cannot hold a per-input weight: ``fedlora_export.json`` carries the rule (the run's method
+    options), and the adapter is the saved fixed mix: rank 2r, [A; C] and [(1 − m)·s·B, m·s·D]."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from fedlora.llm.export import export_peft
+
+    run, out = instance_run
+    p = export_peft(out, 1, tmp_path / "peft")
+    info = json.loads((p / "fedlora_export.json").read_text())
+    assert info["method"] == "feddpa" and info["client"] == 1
+    opts = info["method_options"]
+    assert opts["eval_weighting"] == "instance" and opts["instance_refs"] == 3 and opts["rank"] == 4
+    assert json.loads((p / "adapter_config.json").read_text())["r"] == 8  # both adapters: 2r
+    saved = load_file(str(out / "adapters" / "client_1.safetensors"))
+    exported = load_file(str(p / "adapter_model.safetensors"))
+    m = run.method
+    a, c = m.a_names[0], m.c_names[0]
+    a_exp = next(v for k, v in exported.items() if k.endswith("lora_A.weight") and ".0." in k and "query" in k)
+    assert torch.equal(a_exp, torch.cat([saved[a], saved[c]])), "the export's A is [A; C] of the saved adapters"
+
+
 @pytest.mark.parametrize("variant", ["T", "F"])
 def test_a_run_with_the_instance_weighting_stopped_and_resumed_equals_one_that_never_stopped(variant, tmp_path,
                                                                                             monkeypatch, capsys):
