@@ -34,6 +34,9 @@ purpose                           ids         value (``s`` = the seed given)
 ``DATA_TEST`` ``DATA_SPLIT``                  ``np.random.default_rng([s, stream])`` does (streams 7, 8,
                                               10; a subsample names its stream): the words of ``s``
                                               then the stream's, as NumPy's ``SeedSequence`` reads them
+``DP_PARTICIPANTS``               round, g    the crc32 hash: the clients a round draws by Poisson
+``DP_CLIENT_NOISE``                           sampling under client-level DP and the server's noise of
+                                              round and federation g (``fedlora.privacy.client_dp``)
 ================================  ==========  ==========================================================
 
 ``clients_drawn(fraction, n)`` is the one formula of how many clients a round draws
@@ -50,7 +53,8 @@ from .errors import ConfigError
 
 __all__ = ["seed_of", "clients_drawn", "PURPOSES", "PARTICIPANTS", "FEDERATION", "H2TUNE_OMEGA", "FLORA_FRESH",
            "TESTBED_INIT", "TESTBED_METHOD", "RANK_RECOVERY", "SAMPLER", "DROPOUT", "ADAPTER", "MODEL",
-           "DATA_SUBSAMPLE", "DATA_VAL", "DATA_TEST", "DATA_SPLIT"]
+           "DATA_SUBSAMPLE", "DATA_VAL", "DATA_TEST", "DATA_SPLIT", "DP_PARTICIPANTS",
+           "DP_CLIENT_NOISE"]
 
 PARTICIPANTS = "participants"
 FEDERATION = "federation"
@@ -67,6 +71,8 @@ DATA_SUBSAMPLE = "data-subsample"
 DATA_VAL = "data-val"
 DATA_TEST = "data-test"
 DATA_SPLIT = "data-split"
+DP_PARTICIPANTS = "dp-participants"
+DP_CLIENT_NOISE = "dp-client-noise"
 
 _M63 = 2**63 - 1
 
@@ -104,6 +110,8 @@ _FORMULAS: dict[str, tuple[int | None, Callable[..., int]]] = {
     DATA_VAL: (0, lambda s: _numpy_words(s, 7)),
     DATA_TEST: (0, lambda s: _numpy_words(s, 8)),
     DATA_SPLIT: (0, lambda s: _numpy_words(s, 10)),
+    DP_PARTICIPANTS: (2, lambda s, rnd, g: _hashed(s, DP_PARTICIPANTS, rnd, g)),
+    DP_CLIENT_NOISE: (2, lambda s, rnd, g: _hashed(s, DP_CLIENT_NOISE, rnd, g)),
 }
 
 #: every purpose ``seed_of`` knows
