@@ -37,6 +37,9 @@ purpose                           ids         value (``s`` = the seed given)
 ``DP_PARTICIPANTS``               round, g    the crc32 hash: the clients a round draws by Poisson
 ``DP_CLIENT_NOISE``                           sampling under client-level DP and the server's noise of
                                               round and federation g (``fedlora.privacy.client_dp``)
+``DP_SAMPLE``                     kind,       the crc32 hash: sample-level DP-SGD's Poisson batch
+                                  client,     (kind "batch") and noise (kind "noise") of a client at
+                                  round, step a local step (``fedlora.privacy.dpsgd``)
 ================================  ==========  ==========================================================
 
 ``clients_drawn(fraction, n)`` is the one formula of how many clients a round draws
@@ -54,7 +57,7 @@ from .errors import ConfigError
 __all__ = ["seed_of", "clients_drawn", "PURPOSES", "PARTICIPANTS", "FEDERATION", "H2TUNE_OMEGA", "FLORA_FRESH",
            "TESTBED_INIT", "TESTBED_METHOD", "RANK_RECOVERY", "SAMPLER", "DROPOUT", "ADAPTER", "MODEL",
            "DATA_SUBSAMPLE", "DATA_VAL", "DATA_TEST", "DATA_SPLIT", "DP_PARTICIPANTS",
-           "DP_CLIENT_NOISE"]
+           "DP_CLIENT_NOISE", "DP_SAMPLE"]
 
 PARTICIPANTS = "participants"
 FEDERATION = "federation"
@@ -73,6 +76,7 @@ DATA_TEST = "data-test"
 DATA_SPLIT = "data-split"
 DP_PARTICIPANTS = "dp-participants"
 DP_CLIENT_NOISE = "dp-client-noise"
+DP_SAMPLE = "dp-sample"
 
 _M63 = 2**63 - 1
 
@@ -112,6 +116,7 @@ _FORMULAS: dict[str, tuple[int | None, Callable[..., int]]] = {
     DATA_SPLIT: (0, lambda s: _numpy_words(s, 10)),
     DP_PARTICIPANTS: (2, lambda s, rnd, g: _hashed(s, DP_PARTICIPANTS, rnd, g)),
     DP_CLIENT_NOISE: (2, lambda s, rnd, g: _hashed(s, DP_CLIENT_NOISE, rnd, g)),
+    DP_SAMPLE: (4, lambda s, kind, k, rnd, step: _hashed(s, DP_SAMPLE, kind, k, rnd, step)),
 }
 
 #: every purpose ``seed_of`` knows

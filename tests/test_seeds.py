@@ -67,7 +67,7 @@ def test_bad_purpose_or_ids_is_one_line():
     assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match=r"'participants' takes 2 id\(s\), got 1"):
         seed_of(0, "participants", 1)
-    assert len(set(PURPOSES)) == len(PURPOSES) == 15
+    assert len(set(PURPOSES)) == len(PURPOSES) == 18
 
 
 @pytest.mark.parametrize("fraction,K,drawn", [(1.0, 5, 5), (0.5, 3, 2), (0.3, 10, 3), (0.7, 10, 7), (0.01, 10, 1),
