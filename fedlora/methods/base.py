@@ -209,6 +209,11 @@ class Method(abc.ABC):
     #: the reason this method's paper fixes the LoRA scale (e.g. Fed-SB's s = 1 of its LoRA-SB init), which
     #: refuses rsLoRA's α/√r for it (``fedlora.adapter.refuse_rslora``); None = rsLoRA allowed
     fixed_lora_scale: ClassVar[str | None] = None
+    #: client-level DP (``fedlora.privacy.client_dp``, DP-FedAvg): None where the server's aggregate is the weighted
+    #: mean of the uploads, Σ_k p_k U_k, so the noised mean of clipped updates can stand in for it; else one line
+    #: saying why not (``fedlora run`` refuses the combination with it, before any training)
+    client_dp_refusal: ClassVar[str | None] = ("its server's aggregate is not the weighted mean of the uploads, "
+                                               "which DP-FedAvg's clipped, noised mean stands in for")
 
     def adapter_kwargs(self) -> dict[str, Any]:
         """The adapter structure this method needs, as ``LoRALinear`` keyword arguments
@@ -772,6 +777,8 @@ class AveragedFactors(Method):
     what they train and upload, so they share this server (PF2LoRA's download too; its server is the
     uniform 1/M mean of [PF2LoRA] Alg. 1 line 8).
     """
+
+    client_dp_refusal = None  # the weighted mean of the uploads: DP-FedAvg applies as it is
 
     @staticmethod
     def aggregate(payloads: Sequence[Payload], weights: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -71,6 +71,7 @@ class FedExLoRA(BaseMergingLoRA):
     """FedEx-LoRA. Args: rank r (all clients), lr, optimizer ("adamw" | "sgd"), weight_decay."""
 
     name = "fedex"
+    client_dp_refusal = ("its server adds the residual Σ p_k B_k A_k − B̄Ā, which needs each client's own product B_k A_k")
     incremental_download = True  # a residual to add to the base: every client needs every round's
 
     def __init__(self, rank: int = 8, lr: float = 5e-4, optimizer: str = "adamw", weight_decay: float = 0.0) -> None:

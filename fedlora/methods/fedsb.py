@@ -85,6 +85,7 @@ class FedSB(FactorLoRA):
     option asking to train A or B (they are not options: ``build`` names the allowed ones)."""
 
     name = "fedsb"
+    client_dp_refusal = ("not implemented yet: its first round uploads gradients (LoRA-SB's init), not an update of what was downloaded")
     fixed_lora_scale = ("Fed-SB fixes s = 1 (α = r): LoRA-SB's initialisation sets the update's scale and removes "
                         "the scale hyper-parameter (LoRA-SB §4; the authors' scripts set lora_alpha = lora_r)")
     #: the initialisation round's gradient accumulator is not part of a client's record, so a client may

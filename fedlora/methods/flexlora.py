@@ -72,6 +72,7 @@ class FlexLoRA(Method):
     """
 
     name = "flexlora"
+    client_dp_refusal = ("its server takes an SVD of Σ p_k B_k A_k, which needs each client's own product B_k A_k")
     head_modes = ("frozen", "shared")
 
     def __init__(self, rank: int = 8, lr: float = 5e-4, client_ranks: Sequence[int] | None = None,

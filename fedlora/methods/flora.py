@@ -59,6 +59,7 @@ class FLoRA(BaseMergingLoRA):
     ranks (per-client r_k ≤ r, default all r), seed (fresh-adapter generator), reset_optimizer."""
 
     name = "flora"
+    client_dp_refusal = ("its server stacks the clients' factors side by side (a concatenation, not a sum of updates)")
     incremental_download = True  # a stack to merge: every client needs every round's
 
     def __init__(self, rank: int = 8, lr: float = 5e-4, optimizer: str = "adamw", weight_decay: float = 0.0,

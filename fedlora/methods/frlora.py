@@ -61,6 +61,7 @@ class FRLoRA(BaseMergingLoRA):
     B̄A0 = Σ p_k B_k A0)."""
 
     name = "frlora"
+    client_dp_refusal = ('not implemented yet: its server merges into the base and restarts the factors each round; no private variant is wired')
     incremental_download = True  # every client merges every round's update
 
     def __init__(self, rank: int = 8, lr: float = 5e-4, optimizer: str = "adamw", weight_decay: float = 0.0,

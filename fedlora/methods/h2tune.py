@@ -155,6 +155,7 @@ class H2Tune(Method):
     """
 
     name = "h2tune"
+    client_dp_refusal = ("not implemented yet: its server aligns each client's R across layers and models before summing")
     personalised = True  # the private A_k, B_k
     default_head = "personal"  # task-specific knowledge (clients may even have different label sets)
     head_modes = ("frozen", "personal")

@@ -44,6 +44,7 @@ def hetlora_initial_ranks(n_clients: int, r_min: int, r_max: int) -> list[int]:
 @register
 class HetLoRA(Method):
     name = "hetlora"
+    client_dp_refusal = ("its aggregation weights come from each client's own factor norms")
     #: The PF2LoRA paper's GLUE comparison (its §6.1.1 and Table 6): HetLoRA with AdamW and
     #: r_min = 8, r_max = 12 against a rank-8 common adapter, so a config's ``method.rank`` is r_min
     #: and r_max follows as ⌈1.5·r_min⌉ unless given (``derive_options``).

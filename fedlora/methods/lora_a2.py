@@ -94,6 +94,7 @@ class LoRAA2(Method):
     """
 
     name = "lora-a2"
+    client_dp_refusal = ('not implemented yet: its uploads are masked deltas with index sets (rank selection per client)')
     rank_option = "client_rank"  # the tables' "rank r" is the client's budget; r_G stays 16
     equal_steps_per_pass = True  # end_round runs as many masked steps as the round's probe steps
     default_head = "frozen"  # App. B: "a frozen classifier is added upon the model" (Sun et al.)

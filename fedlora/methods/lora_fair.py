@@ -69,6 +69,7 @@ class LoRAFAIR(FactorLoRA):
     """
 
     name = "lora-fair"
+    client_dp_refusal = ("its server refines the averaged factors against Σ p_k B_k A_k, which needs each client's own product")
 
     def __init__(self, rank: int = 8, lr: float = 5e-4, optimizer: str = "adamw", weight_decay: float = 0.0,
                  lam: float = DEFAULTS["lam"], server_steps: int = DEFAULTS["steps"],

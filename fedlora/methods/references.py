@@ -37,6 +37,7 @@ class Centralized(FactorLoRA):
     client_weights (w_k ∝ n_k, one per client; default uniform — pass the federation's)."""
 
     name = "centralized"
+    client_dp_refusal = ("one model trained on pooled data: no client's update is released, so there is no client to protect at this level")
     pooled_data = True
     head_modes = ("frozen", "shared")  # one model: its head is the one head
 
@@ -95,6 +96,7 @@ class Local(FactorLoRA):
     """No-communication reference. Args: rank r, lr, optimizer ("adamw" | "sgd"), weight_decay."""
 
     name = "local"
+    client_dp_refusal = ('no server: nothing leaves a client, so there is no release to protect at client level')
     personalised = True  # no server: every client's model is its own
     global_factors = ()  # no server: every client starts from its own draw
     default_head = "personal"

@@ -1,0 +1,332 @@
+"""SecAgg+ on Flower 1.42 for fedlora uploads: the server learns only the weighted mean of a round's uploads.
+
+Built on the API through which Flower 1.42's SecAgg+ works — the legacy one: a ServerApp whose main wraps
+its context in ``LegacyContext`` and runs ``DefaultWorkflow(fit_workflow=SecAggPlusWorkflow(...))``, and a
+``client_fn``/``NumPyClient`` ClientApp with ``secaggplus_mod``. (A Message-API ClientApp with the mod fails:
+the server logs "Secure aggregation halted" and the run still exits 0 with no aggregate — so
+``run_secagg_simulation`` raises when a round ends without one.)
+
+One round: each client's ``Payload`` (from a *provider*, ``"module:function"`` called on the client as
+``provider(partition, config) -> (Payload, weight)``) is flattened to float64 arrays in sorted name order
+(``fedlora.secagg.flatten_payload``), checked against the clipping range (``SecAggQuantisation.check_values``:
+an error, never Flower's silent clip) and handed to Flower with its weight as ``num_examples``; the mod
+quantises and masks it; the server's workflow unmasks only the sum and hands the strategy (``_MeanOnly``)
+the weighted mean Σ_k p̃_k x_k — every ``FitRes`` it receives carries that same aggregate, never one
+client's arrays. Error bound and weights: ``fedlora.secagg``.
+
+Not yet wired into ``fedlora run``: ``fedlora.server.Server`` takes one upload per client. The proposal
+(docs/concepts/privacy.md, "Secure aggregation"): a SecAgg executor returns ONE ``ClientUpdate`` holding the
+pre-summed upload (``fedlora.secagg.summed_payload``) and the server, told so, calls
+``method.aggregate([summed], [1.0])`` — which equals ``aggregate(uploads, weights)`` for every method of
+``fedlora.secagg.SUM_METHODS`` (tested).
+
+Reproducible: Flower's stochastic rounding draws from NumPy's global generator right after the client's
+``fit`` returns, so ``fit`` seeds it from the round's ``rounding_seed`` and the client's partition; the masks
+(``os.urandom``) cancel exactly, so the same seeds give the same aggregate to the bit.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from .errors import ConfigError
+from .payload import Payload
+from .secagg import SecAggQuantisation, flatten_payload
+
+__all__ = ["SecAggRound", "SecAggRoundFailed", "run_secagg_simulation", "secagg_client_app", "SecAggClient", "testbed_upload",
+           "testbed_uploads"]
+
+
+class SecAggRoundFailed(ConfigError):
+    """A round that ended without an aggregate (one line: which round, how many uploads, why). ``done``: the
+    aggregates of the rounds before it; ``record``: what the server side saw."""
+
+    def __init__(self, message: str, done: list, record: "SecAggRecord") -> None:
+        super().__init__(message)
+        self.done, self.record = done, record
+
+
+@dataclass(frozen=True)
+class SecAggRound:
+    """One SecAgg+ round: ``provider`` ("module:function", importable on every client), ``config`` (its
+    arguments, Flower config values: str/int/float/bool), ``spec`` (name → (shape, dtype) of the uploads: what
+    the server knows of them), ``rounding_seed`` (the clients' stochastic rounding)."""
+
+    provider: str
+    config: Mapping[str, Any]
+    spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+    rounding_seed: int = 0
+
+
+@dataclass
+class SecAggRecord:
+    """What the server side saw: per round the aggregate arrays (sorted name order) and the number of
+    results, and every reply the server's grid received (``replies``: (stage, array-record arrays,
+    masked vectors))."""
+
+    aggregates: list[list[np.ndarray] | None] = field(default_factory=list)
+    n_results: list[int] = field(default_factory=list)
+    failures: list[list[str]] = field(default_factory=list)
+    replies: list[tuple[str, list[np.ndarray], list[np.ndarray]]] = field(default_factory=list)
+    strategy_saw: list[list[np.ndarray]] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------------------------------
+# the client side
+def _provider(spec: str) -> Callable[[int, Mapping[str, Any]], tuple[Payload, float]]:
+    mod, _, fn = spec.partition(":")
+    if not mod or not fn:
+        raise ConfigError(f"secagg: provider must be 'module:function', got {spec!r}")
+    try:
+        return getattr(importlib.import_module(mod), fn)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"secagg: cannot import provider {spec!r} ({e})") from None
+
+
+def _quantisation(config: Mapping[str, Any]) -> SecAggQuantisation:
+    return SecAggQuantisation(max_weight=float(config["secagg.max_weight"]),
+                              clipping_range=float(config["secagg.clipping_range"]),
+                              quantization_range=int(config["secagg.quantization_range"]),
+                              modulus_range=int(config["secagg.modulus_range"]))
+
+
+def _numpy_client_base():
+    from flwr.client import NumPyClient
+
+    return NumPyClient
+
+
+class SecAggClient:
+    """The fit side of a SecAgg+ client (a ``NumPyClient`` once ``secagg_client_app`` wraps it): the
+    provider's upload, range-checked, flattened (float64, sorted names), with its weight as num_examples."""
+
+    def __init__(self, partition: int) -> None:
+        self.partition = int(partition)
+
+    def get_parameters(self, config):  # the strategy gives initial parameters: never asked
+        raise ConfigError("secagg: a SecAgg+ client never hands out its parameters outside the protocol")
+
+    def fit(self, parameters, config):
+        payload, weight = _provider(str(config["provider"]))(self.partition, config)
+        quant = _quantisation(config)
+        names, arrays = flatten_payload(payload)
+        quant.check_values(dict(zip(names, arrays)), weight, who=f"client {self.partition}'s upload")
+        (n,) = quant.weight_quanta([weight])  # refuses a weight above max_weight, a fractional one
+        # Flower's stochastic rounding (quantize) draws from NumPy's global generator next: seeded, so the
+        # same round gives the same aggregate (fedlora.seeds would be overkill for one integer pair)
+        np.random.seed([int(config["rounding_seed"]) & 0xFFFFFFFF, self.partition])
+        return arrays, int(weight), {}
+
+
+def _client_fn(context):
+    cls = type("SecAggNumPyClient", (SecAggClient, _numpy_client_base()), {})
+    return cls(int(context.node_config["partition-id"])).to_client()
+
+
+def secagg_client_app():
+    """The ClientApp: ``client_fn`` + ``secaggplus_mod`` (the legacy API; see the module docstring)."""
+    from flwr.client.mod import secaggplus_mod
+    from flwr.clientapp import ClientApp
+
+    return ClientApp(client_fn=_client_fn, mods=[secaggplus_mod])
+
+
+# ------------------------------------------------------------------------------------------------------
+# the server side
+class _RecordingGrid:
+    """The ServerApp's grid, recording every reply the server receives (array records and SecAgg+'s masked
+    vectors) — what the test checks for individual uploads. Everything else is the grid's own."""
+
+    def __init__(self, grid, record: SecAggRecord) -> None:
+        self._grid, self._record = grid, record
+
+    def __getattr__(self, name):
+        return getattr(self._grid, name)
+
+    def send_and_receive(self, messages, *args, **kwargs):
+        from flwr.common import bytes_to_ndarray
+        from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
+
+        replies = list(self._grid.send_and_receive(messages, *args, **kwargs))
+        for msg in replies:
+            if msg.has_error():
+                continue
+            arrays = [a.numpy() for rec in msg.content.array_records.values() for a in rec.values()]
+            cfg = msg.content.config_records.get(RECORD_KEY_CONFIGS, {})
+            masked = [bytes_to_ndarray(b) for b in cfg.get(Key.MASKED_PARAMETERS, [])]
+            stage = "masked" if masked else ("fit" if arrays else "other")
+            self._record.replies.append((stage, arrays, masked))
+        return replies
+
+
+def _one_line(reason: str) -> str:
+    """A client's error as Flower relays it — a deployment's ``<class '…ConfigError'>:<'message'>``, Ray's whole
+    remote traceback with escaped quotes and newlines: fedlora's own one-line message where there is one,
+    else the reason's last non-empty line."""
+    import re
+
+    m = re.search(r"ConfigError(?:'>:<'|: )(.+?)(?:\\n|\n|'>|$)", reason)
+    if m:
+        return re.sub(r"\\+'", "'", m.group(1)).strip()
+    lines = [ln.strip() for ln in reason.replace("\\n", "\n").splitlines() if ln.strip()]
+    return lines[-1] if lines else "no reason given"
+
+
+def _strategy(rounds: Sequence[SecAggRound], n_clients: int, quant: SecAggQuantisation, record: SecAggRecord,
+              timeout: float):
+    from flwr.common import FitIns, Parameters, parameters_to_ndarrays
+    from flwr.server.strategy import Strategy
+
+    class _MeanOnly(Strategy):
+        """Sends every client the round's provider; keeps the aggregate SecAgg+ hands it (the same in every
+        FitRes) and refuses a round that lost a client (a dropped upload would bias the mean silently)."""
+
+        def initialize_parameters(self, client_manager):
+            return Parameters(tensors=[], tensor_type="numpy.ndarray")  # never ask a client for its arrays
+
+        def configure_fit(self, server_round, parameters, client_manager):
+            if not client_manager.wait_for(n_clients, timeout=int(timeout)):
+                raise ConfigError(f"secagg: {n_clients} clients did not connect within {timeout:g} s")
+            r = rounds[server_round - 1]
+            cfg = {**dict(r.config), "provider": r.provider, "rounding_seed": int(r.rounding_seed),
+                   "secagg.max_weight": float(quant.max_weight), "secagg.clipping_range": float(quant.clipping_range),
+                   "secagg.quantization_range": int(quant.quantization_range),
+                   "secagg.modulus_range": int(quant.modulus_range)}
+            return [(c, FitIns(parameters, cfg)) for c in client_manager.sample(n_clients, n_clients)]
+
+        def aggregate_fit(self, server_round, results, failures):
+            seen = [parameters_to_ndarrays(res.parameters) for _, res in results]
+            record.strategy_saw.extend(seen)
+            record.n_results.append(len(results))
+            reasons = [_one_line(str(f if isinstance(f, BaseException) else f[1].status.message)) for f in failures]
+            record.failures.append(list(dict.fromkeys(reasons)))  # Flower lists a failed upload twice
+            ok = len(results) == n_clients and not failures
+            record.aggregates.append(seen[0] if ok and seen else None)
+            return (None, {}) if not ok else (results[0][1].parameters, {})
+
+        def configure_evaluate(self, server_round, parameters, client_manager):
+            return []
+
+        def aggregate_evaluate(self, server_round, results, failures):
+            return None, {}
+
+        def evaluate(self, server_round, parameters):
+            return None
+
+    return _MeanOnly()
+
+
+def run_secagg_simulation(rounds: Sequence[SecAggRound], n_clients: int, quant: SecAggQuantisation, *,
+                          num_shares: int | None = None, reconstruction_threshold: int | None = None,
+                          timeout: float = 120.0) -> tuple[list[dict[str, torch.Tensor]], SecAggRecord]:
+    """Run ``rounds`` of SecAgg+ over Flower's simulation engine (Ray; ``n_clients`` SuperNodes running
+    ``secagg_client_app``). Returns per round the aggregate Σ_k p̃_k x_k as name → float64 tensor (the
+    round's ``spec`` names and shapes) and the server side's ``SecAggRecord``. Raises ``ConfigError`` when a
+    round ends without an aggregate (SecAgg+ halted, a client failed: its reason) — Flower would exit 0.
+    ``num_shares`` defaults to every client, ``reconstruction_threshold`` to a majority of them (≥ 2)."""
+    from flwr.server import LegacyContext, ServerConfig
+    from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
+    from flwr.serverapp import ServerApp
+    from flwr.simulation import run_simulation
+
+    if not rounds:
+        raise ConfigError("secagg: no rounds to run")
+    quant.check_clients(n_clients)
+    if n_clients < 3:
+        raise ConfigError(f"secagg: SecAgg+ needs at least 3 clients (Flower's num_shares > 2), got {n_clients}")
+    shares = n_clients if num_shares is None else num_shares
+    threshold = max(2, shares // 2 + 1) if reconstruction_threshold is None else reconstruction_threshold
+    record = SecAggRecord()
+    box: dict[str, BaseException] = {}
+    app = ServerApp()
+
+    @app.main()
+    def _main(grid, context) -> None:
+        try:
+            ctx = LegacyContext(context=context, config=ServerConfig(num_rounds=len(rounds)),
+                                strategy=_strategy(rounds, n_clients, quant, record, timeout))
+            workflow = SecAggPlusWorkflow(num_shares=shares, reconstruction_threshold=threshold,
+                                          max_weight=float(quant.max_weight), clipping_range=float(quant.clipping_range),
+                                          quantization_range=int(quant.quantization_range),
+                                          modulus_range=int(quant.modulus_range), timeout=timeout)
+            DefaultWorkflow(fit_workflow=workflow)(_RecordingGrid(grid, record), ctx)
+        except BaseException as e:  # the engine swallows the ServerApp's exceptions: re-raised below
+            box["error"] = e
+
+    flwr_log = logging.getLogger("flwr")
+    level = flwr_log.level
+    flwr_log.setLevel(logging.WARNING)  # Flower's per-stage INFO lines: not fedlora's output
+    try:
+        run_simulation(server_app=app, client_app=secagg_client_app(), num_supernodes=n_clients, backend_name="ray",
+                       backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                                       "init_args": {"num_cpus": 1, "include_dashboard": False,
+                                                     "logging_level": 40}})
+    finally:
+        flwr_log.setLevel(level)
+    if "error" in box:
+        raise box["error"]
+    out = []
+    for i, r in enumerate(rounds):
+        agg = record.aggregates[i] if i < len(record.aggregates) else None
+        if agg is None:
+            why = "; ".join(record.failures[i]) if i < len(record.failures) and record.failures[i] else \
+                "Secure aggregation halted (Flower logs it and exits 0)"
+            got = record.n_results[i] if i < len(record.n_results) else 0
+            raise SecAggRoundFailed(f"secagg: round {i + 1} produced no aggregate ({got} of {n_clients} uploads): "
+                                    f"{why}", out, record)
+        names = sorted(r.spec)
+        if len(agg) != len(names):
+            raise ConfigError(f"secagg: round {i + 1}'s aggregate has {len(agg)} arrays, the spec {len(names)}")
+        out.append({n: torch.from_numpy(np.array(a, dtype=np.float64)) for n, a in zip(names, agg)})
+    return out, record
+
+
+# ------------------------------------------------------------------------------------------------------
+# the self-check's uploads: real FedAvg-LoRA / FFA-LoRA uploads of the synthetic testbed after local steps
+def testbed_uploads(method: str, n_clients: int, seed: int, d_in: int = 16, d_out: int = 12, rank: int = 4,
+                    steps: int = 3) -> list[Payload]:
+    """Every client's upload after ``steps`` local steps of ``method`` on one float32 LoRA layer (regression
+    data drawn from ``seed``): deterministic on CPU, so each client computes its own and a test the same."""
+    from .adapter import LoRALinear
+    from .methods import get_method
+    from .methods.base import broadcast_initial_factors
+
+    g = torch.Generator().manual_seed(seed)
+    layer = LoRALinear(d_in, d_out, rank, stack=n_clients, base_weight=0.3 * torch.randn(d_out, d_in, generator=g),
+                       dtype=torch.float32)
+    with torch.no_grad():
+        layer.lora_A.copy_(torch.randn(layer.lora_A.shape, generator=g) / d_in ** 0.5)
+        layer.lora_B.copy_(0.01 * torch.randn(layer.lora_B.shape, generator=g))
+    broadcast_initial_factors(layer, [list(range(n_clients))])
+    m = get_method(method)(rank=rank, lr=0.05, optimizer="sgd")
+    m.setup(layer, list(range(n_clients)))
+    X = torch.randn(n_clients, 24, d_in, generator=g)
+    Y = torch.randn(n_clients, 24, d_out, generator=g)
+
+    def objective(params, batch):
+        from torch.func import functional_call
+
+        x, y = batch
+        return ((functional_call(layer, params, (x,)) - y) ** 2).mean(dim=(-2, -1))
+
+    m.begin_round(0)
+    for _ in range(steps):
+        m.local_step(objective, lambda: (X, Y))
+    m.end_round(0)
+    return [m.upload(i) for i in range(n_clients)]
+
+
+def testbed_upload(partition: int, config: Mapping[str, Any]) -> tuple[Payload, float]:
+    """A provider: client ``partition``'s ``testbed_uploads`` upload and its weight (``config``: "method",
+    "n_clients", "seed", "weights" — comma-separated data sizes)."""
+    ups = testbed_uploads(str(config["method"]), int(config["n_clients"]), int(config["seed"]))
+    weights = [float(w) for w in str(config["weights"]).split(",")]
+    up = ups[partition]
+    if int(config.get("inflate", -1)) == partition:  # a client whose update blew up (×1000): the range check's case
+        up = Payload({n: 1000 * t for n, t in up.tensors.items()}, dict(up.meta))
+    return up, weights[partition]
