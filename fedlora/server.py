@@ -40,6 +40,7 @@ from .aggregation import normalise_weights
 from .errors import ConfigError, RoundFailed
 from .methods.base import Method
 from .payload import Payload
+from .privacy.plan import PrivacyPlan
 from .seeds import PARTICIPANTS, clients_drawn, seed_of
 
 __all__ = ["Federation", "DownloadLedger", "Download", "ClientUpdate", "ClientFailure", "ClientExecutor",
@@ -289,7 +290,9 @@ class Server:
     (``None``: not checked — the testbed's own replicas)."""
 
     def __init__(self, method: Method, federation: Federation, initial_states: Sequence[Mapping[str, torch.Tensor]],
-                 rounds: int, *, min_clients: int = 1, spec: UploadSpec | None = None) -> None:
+                 rounds: int, *, min_clients: int = 1, spec: UploadSpec | None = None,
+                 privacy: PrivacyPlan | None = None,
+                 dp_references: Sequence[Mapping[str, torch.Tensor]] | None = None) -> None:
         if len(initial_states) != federation.n_groups:
             raise ConfigError(f"server: {len(initial_states)} initial states for {federation.n_groups} federations")
         if not isinstance(min_clients, int) or isinstance(min_clients, bool) or min_clients < 1:
@@ -306,12 +309,21 @@ class Server:
         self.ledgers = [DownloadLedger(K, s) for s in self.states]
         self.increments: list[dict[int, int]] = [{} for _ in self.states]  # round → bytes every client must merge
         self.round = 0  # the next round to run
+        self._init_privacy(privacy, dp_references)
 
     # -- who, what ------------------------------------------------------------------------------
     def participants(self, round_idx: int) -> list[int]:
         """Client ids of every federation that take part in round ``round_idx`` (federation-major)."""
         K = self.federation.n_clients
-        return [g * K + k for g in range(self.federation.n_groups) for k in self.federation.participants(round_idx, g)]
+        return [g * K + k for g in range(self.federation.n_groups) for k in self._drawn(round_idx, g)]
+
+    def _drawn(self, round_idx: int, group: int) -> list[int]:
+        """Federation ``group``'s clients of round ``round_idx``: ⌈qK⌉ drawn (``Federation.participants``), or each
+        with probability q under client-level DP (Poisson sampling, what its accountant assumes)."""
+        dp = self.privacy.client if self.privacy is not None else None
+        if dp is not None:
+            return dp.participants(round_idx, group, self.federation.n_clients)
+        return self.federation.participants(round_idx, group)
 
     def download_for(self, client: int, shared_base: bool = False) -> Download:
         """What ``client`` lacks of its federation's current state (a pure query; see ``DownloadLedger``).
@@ -349,6 +361,8 @@ class Server:
         t0 = time.perf_counter()
         K, m = self.federation.n_clients, self.method
         participants = self.participants(rnd)
+        if self.privacy is not None:  # before any work: a round that would exceed the budget is not started
+            self.privacy.check_budget(self.accountant, participants, K, rnd)
         downloads = {} if executor.live else {i: self.download_for(i, executor.shared_base) for i in participants}
         results = executor.train(rnd, participants, downloads)
         accepted: dict[int, ClientUpdate] = {}
@@ -372,13 +386,18 @@ class Server:
             else:
                 failures[i] = res
         changed_by_group: list[list[str]] = []
+        dp_log: dict[str, Any] = {}
         for g in range(self.federation.n_groups):
             ok = [i for i in participants if i // K == g and i in accepted]
-            if len(ok) < self.min_clients:
+            drawn_here = any(i // K == g for i in participants)  # client DP's Poisson draw may be empty: noise only
+            if len(ok) < self.min_clients and (drawn_here or self.privacy is None or self.privacy.client is None):
                 lost = ", ".join(f"client {i % K}: {failures[i].why}" for i in participants if i in failures)
                 raise RoundFailed(f"round {rnd + 1}: {len(ok)} accepted upload(s), federation.min_clients is "
                                   f"{self.min_clients} ({lost})")
-            ok, aggregated = self._aggregate(g, ok, accepted, failures, rnd)
+            if self.privacy is not None and self.privacy.client is not None:
+                aggregated = self._private_aggregate(g, ok, accepted, rnd, dp_log)
+            else:
+                ok, aggregated = self._aggregate(g, ok, accepted, failures, rnd)
             old = self.states[g]
             new = m.server_update(old, aggregated)
             changed_by_group.append(self.ledgers[g].update(rnd, old, new))
@@ -403,6 +422,9 @@ class Server:
             "ranks": {str(i): accepted[i].ranks for i in participants if i in accepted}}
         if failures:
             record["failures"] = {str(i): {"kind": f.kind, "why": f.why} for i, f in failures.items()}
+        if self.privacy is not None:
+            self.accountant.record_round(self.privacy.participation(participants, K))
+            record["privacy"] = {**self.privacy.record(self.accountant), **dp_log}
         record["wall_s"] = time.perf_counter() - t0
         self.round = rnd + 1
         return record
@@ -433,6 +455,43 @@ class Server:
                               f"{self.min_clients} ({lost})")
         return ok, m.aggregate([accepted[i].upload for i in ok], self.federation.round_weights([i % K for i in ok]))
 
+    # -- client-level DP ---------------------------------------------------------------------------
+    def _init_privacy(self, privacy: PrivacyPlan | None, references) -> None:
+        """The run's privacy plan, its accountant and, under client-level DP, what each upload's update is taken
+        from: the server's state, else (a tensor no round has aggregated yet) ``dp_references`` — per federation
+        the broadcast initial adapter every client starts from."""
+        self.privacy = privacy
+        self.accountant = None
+        self._dp_refs: list[dict[str, torch.Tensor]] = [{} for _ in self.states]
+        self._dp_names: list[list[str]] = [[] for _ in self.states]  # the tensors of a federation's last release
+        if privacy is None:
+            return
+        from .privacy.accounting import PrivacyAccountant
+
+        self.accountant = PrivacyAccountant()
+        if privacy.client is not None:
+            if references is None or len(references) != len(self.states):
+                raise ConfigError("client-level DP: the server needs each federation's initial adapter "
+                                  "(dp_references) to take the first round's updates from")
+            self._dp_refs = [{k: v.detach().cpu() for k, v in r.items()} for r in references]
+
+    def _private_aggregate(self, g: int, ok: list[int], accepted: Mapping[int, "ClientUpdate"], rnd: int,
+                           log: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """DP-FedAvg over federation ``g``'s accepted uploads (``fedlora.privacy.client_dp.ClientDP.aggregate``):
+        clipped updates against what each client started from, the noised fixed-denominator mean, the method's
+        ``aggregate`` of it as one upload. ``log`` gets each client's update norm before clipping."""
+        reference = {**self._dp_refs[g], **self.states[g]}
+        aggregated, info = self.privacy.client.aggregate(
+            self.method, [accepted[i].upload for i in ok], reference, self.federation.n_clients, rnd, g,
+            noise_names=self._dp_names[g])
+        if ok:
+            self._dp_names[g] = sorted(accepted[ok[0]].upload.tensors)
+        log.setdefault("update_norm", {}).update({str(i): n for i, n in zip(ok, info["update_norms"])})
+        log["clipped"] = log.get("clipped", 0) + info["clipped"]
+        if info["noise_only"]:
+            log.setdefault("noise_only", []).append(g)
+        return aggregated
+
     def _deliveries(self, rnd: int, changed: Sequence[Sequence[str]], executor: ClientExecutor,
                     last: bool) -> dict[int, Download]:
         """The downloads sent outside training at the end of round ``rnd``: after the last round,
@@ -446,7 +505,7 @@ class Server:
         for g in range(self.federation.n_groups):
             state = self.states[g]
             receivers = (range(K) if (incremental or last)
-                         else self.federation.participants(rnd + 1, g))
+                         else self._drawn(rnd + 1, g))
             for k in range(K):
                 i = g * K + k
                 if k in receivers:
@@ -466,6 +525,8 @@ class Server:
                 "entries": [list(s) for s in self.states],
                 "ledgers": [lg.state_dict() for lg in self.ledgers],
                 "increments": [{str(r): n for r, n in inc.items()} for inc in self.increments]}
+        if self.privacy is not None:
+            meta["privacy"] = {"accountant": self.accountant.state_dict(), "dp_names": self._dp_names}
         return {"tensors": tensors, "meta": meta}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -477,3 +538,12 @@ class Server:
             lg.load_state_dict(s)
         self.increments = [{int(r): int(n) for r, n in inc.items()} for inc in meta["increments"]]
         self.round = int(meta["round"])
+        if self.privacy is not None:
+            if "privacy" not in meta:
+                raise ConfigError("server checkpoint: it was written without differential privacy; this run has "
+                                  "privacy on (resume it with the config it was started with)")
+            self.accountant.load_state_dict(meta["privacy"]["accountant"])
+            self._dp_names = [list(n) for n in meta["privacy"]["dp_names"]]
+        elif "privacy" in meta:
+            raise ConfigError("server checkpoint: it was written with differential privacy on; this run has it off "
+                              "(resume it with the config it was started with)")

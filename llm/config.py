@@ -3,7 +3,7 @@ in one place). Typed dataclasses, loadable from YAML, TOML or JSON, overridable 
 ``--set section.field=value``; every bad value is a one-line ``ConfigError`` naming the field, the
 value and what is allowed, and an unknown key gets a "did you mean".
 
-Sections: ``model``, ``data``, ``method``, ``federation``, ``train``, ``eval`` and the top-level
+Sections: ``model``, ``data``, ``method``, ``federation``, ``train``, ``eval``, ``privacy`` and the top-level
 ``seed`` and ``output_dir`` (see each dataclass for its fields and defaults)."""
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from fedlora.seeds import clients_drawn
 from .decoding import DECODING, QA_DECODING, check_decoding, check_qa_decoding
 
 __all__ = ["ModelConfig", "DataConfig", "MethodConfig", "FederationConfig", "TrainConfig", "EvalConfig",
-           "RunConfig", "load_config", "apply_overrides", "bundled_configs", "resolve_config", "build_method", "describe_method", "HEAD_MODES",
+           "PrivacyConfig", "RunConfig", "load_config", "apply_overrides", "bundled_configs", "resolve_config", "build_method", "describe_method", "HEAD_MODES",
            "coerce_number", "group_configs"]
 
 HEAD_MODES = ("auto", "frozen", "shared", "personal")
@@ -211,6 +211,28 @@ class EvalConfig:
 
 
 @dataclass
+class PrivacyConfig:
+    """Differential privacy (docs/concepts/privacy.md). ``level``: ``none`` (default), ``client`` — DP-FedAvg
+    (McMahan et al., ICLR 2018): the server clips each participant's update (upload − what it started the round
+    from) to L2 norm ``clip_norm`` over the whole payload, adds N(0, σ²C²) to the sum and divides by the
+    expected number of participants qK; clients are drawn each round independently with probability q =
+    ``federation.sample_fraction`` (Poisson sampling, which the accountant assumes; data-size weights are
+    dropped) — or ``sample`` — DP-SGD on each client (per-example clipping and noise in every local step).
+    σ: ``noise_multiplier``, or ``target_epsilon`` — σ derived so that the planned rounds end at that ε; give
+    exactly one. ``delta``: the δ every ε is reported at; ``auto`` (default) = 1/(2n), n = the number of clients
+    (client level) or the smallest client's training rows (sample level). ``max_epsilon``: the budget — the run
+    stops cleanly, its checkpoint kept, before a round that would take ε above it (default: ``target_epsilon``;
+    none with ``noise_multiplier``). ε so far is in every round record and in summary.json."""
+
+    level: str = "none"
+    clip_norm: float = 1.0
+    noise_multiplier: float | None = None
+    target_epsilon: float | None = None
+    delta: float | str = "auto"
+    max_epsilon: float | None = None
+
+
+@dataclass
 class RunConfig:
     seed: int = 0
     output_dir: str = "runs/llm"
@@ -220,6 +242,7 @@ class RunConfig:
     federation: FederationConfig = field(default_factory=FederationConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     #: the tiny variant: a tiny random model of model.name's family (same target modules, the bundled MiniLM
     #: tokenizer, ≤ 32 tokens) and, for data from the Hub, generated stand-in rows of the task's shape — every
     #: config runs offline in seconds (`--set tiny=true`); it checks that a config runs, not what it scores.
@@ -382,7 +405,59 @@ class RunConfig:
             _int(e.max_samples, "eval.max_samples", 1)
         _bool(e.global_model, "eval.global_model")
         _bool(e.allow_clients_without_test, "eval.allow_clients_without_test")
+        check_privacy(self, method_cls)
         return self
+
+
+# --------------------------------------------------------------------------------------------------
+# privacy
+PRIVACY_LEVELS = ("none", "client", "sample")
+
+
+def check_privacy(cfg: RunConfig, method_cls) -> None:
+    """The ``privacy`` section against itself and the run (one line each, before anything is loaded): the level,
+    C > 0, σ ≥ 0 or ε > 0 (exactly one), δ in (0, 1) or auto, the budget > 0, a method that supports the level,
+    ``federation.min_clients`` 1 under client-level DP (the Poisson draw's size is random), no heterogeneous
+    client models. A budget the first round already exceeds is refused when the run is built (it needs the data
+    sizes at sample level)."""
+    p = cfg.privacy
+    _choice(p.level, "privacy.level", PRIVACY_LEVELS)
+    if p.level == "none":
+        given = [f"privacy.{n}" for n in ("noise_multiplier", "target_epsilon", "max_epsilon")
+                 if getattr(p, n) is not None]
+        if given:
+            raise ConfigError(f"{given[0]}: is set but privacy.level is none; set privacy.level to client or sample "
+                              f"(or drop {given[0]})")
+        return
+    _num(p.clip_norm, "privacy.clip_norm", 0.0, strict=True)
+    if (p.noise_multiplier is None) == (p.target_epsilon is None):
+        raise ConfigError(f"privacy: give exactly one of privacy.noise_multiplier (σ) and privacy.target_epsilon "
+                          f"(σ derived from it), got {'both' if p.noise_multiplier is not None else 'neither'}")
+    if p.noise_multiplier is not None:
+        _num(p.noise_multiplier, "privacy.noise_multiplier", 0.0, strict=False)
+    if p.target_epsilon is not None:
+        _num(p.target_epsilon, "privacy.target_epsilon", 0.0, strict=True)
+    if p.delta != "auto":
+        _num(p.delta, "privacy.delta", 0.0, strict=True)
+        if p.delta >= 1:
+            raise ConfigError(f"privacy.delta: must be in (0, 1) or auto, got {p.delta!r}")
+    if p.max_epsilon is not None:
+        _num(p.max_epsilon, "privacy.max_epsilon", 0.0, strict=True)
+    name = cfg.method.name
+    if cfg.federation.client_models is not None:
+        raise ConfigError("privacy: differential privacy with heterogeneous client models "
+                          "(federation.client_models) is not supported")
+    if p.level == "client":
+        why = method_cls.client_dp_refusal
+        if why is not None:
+            raise ConfigError(f"privacy.level: client-level DP does not apply to {name}: {why}")
+        if cfg.federation.min_clients != 1:
+            raise ConfigError(f"federation.min_clients: must be 1 under client-level DP (clients are drawn by Poisson "
+                              f"sampling, so a round's number of clients is random), got {cfg.federation.min_clients}")
+    else:
+        why = getattr(method_cls, "sample_dp_refusal", "sample-level DP is not built yet")
+        if why is not None:
+            raise ConfigError(f"privacy.level: sample-level DP does not apply to {name}: {why}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -583,7 +658,7 @@ def coerce_number(value: Any, annotation: Any, where: str) -> Any:
 
 
 _SECTIONS = {"model": ModelConfig, "data": DataConfig, "method": MethodConfig, "federation": FederationConfig,
-             "train": TrainConfig, "eval": EvalConfig}
+             "train": TrainConfig, "eval": EvalConfig, "privacy": PrivacyConfig}
 
 
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:

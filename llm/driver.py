@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from fedlora.io import OutputDir, claim_output_dir, write_bytes_atomic, write_json_atomic
+from fedlora.privacy.plan import BudgetExhausted
 from fedlora.payload import Payload
 from fedlora.server import ClientExecutor
 from fedlora.state import record_nbytes
@@ -54,6 +55,7 @@ class Driver:
         #: wall seconds of the earlier parts of a resumed run (from the checkpoint; None: not recorded)
         self._wall_before: list[float | None] = []
         self._t0: float | None = None  # when this part's rounds started (time.perf_counter)
+        self._stopped: dict[str, Any] | None = None  # why the rounds ended before train.rounds (privacy budget)
 
     @classmethod
     def of(cls, run, executor: ClientExecutor) -> "Driver":
@@ -107,7 +109,15 @@ class Driver:
         self._t0 = time.perf_counter()
         with _deferred_signals() as pending:
             for rnd in range(start, cfg.train.rounds):
-                rec = self.run_round(rnd)  # after the last round: the final global state to every client (counted)
+                try:
+                    rec = self.run_round(rnd)  # after the last round: the final global state to every client (counted)
+                except BudgetExhausted as e:  # privacy.max_epsilon: stop cleanly before the round, results kept
+                    self._stopped = {"reason": "privacy budget", "why": str(e), "rounds_done": rnd}
+                    if self.log is not None:
+                        self.log(f"stopped: {e}")
+                    if rnd > 0 and evals[-1].get("round") != rnd:  # the model the run ends with, scored
+                        evals.append(self.evaluate(rnd - 1))
+                    break
                 last = rnd == cfg.train.rounds - 1
                 if last or (rnd + 1) % cfg.eval.every == 0:
                     ev = self.evaluate(rnd)
@@ -135,6 +145,8 @@ class Driver:
         parts = self._wall_parts()  # a resumed run: each part's rounds, the total in wall_s
         summary = self.report.summary(evals, self.history, self._wall_total(parts))
         summary["wall_s_parts"] = parts
+        if self._stopped is not None:
+            summary["stopped"] = self._stopped
         if self.write:
             self.report.save_adapters(out / "adapters")
             write_json_atomic(out / "summary.json", summary)
@@ -142,7 +154,7 @@ class Driver:
                 self.report.plot(self.history, evals, out / "rounds.png")
             except Exception as e:  # a figure must never lose a run's results
                 summary["plot_error"] = str(e)
-            self._write_status("complete")
+            self._write_status("complete", **({"stopped": self._stopped["reason"]} if self._stopped else {}))
         return summary
 
     # ------------------------------------------------------------------------------------------
@@ -238,7 +250,11 @@ class Driver:
         """The line printed per round without a progress bar: mean training loss, the evaluation's
         figures where the round was evaluated (``_eval_text``), bytes up and down, failed clients, time."""
         losses = [v for v in rec["train_loss"].values() if math.isfinite(v)]
-        parts = [f"training loss {np.mean(losses):.4f}" if losses else "no finite training loss"]
+        parts = [f"training loss {np.mean(losses):.4f}" if losses else
+                 "no client drawn (Poisson sampling under client-level DP)" if not rec["participants"] else
+                 "no finite training loss"]
+        if "privacy" in rec:
+            parts.append(f"ε {rec['privacy']['epsilon']:.3g} (δ {rec['privacy']['delta']:.2g})")
         if "eval" in rec:
             parts.append(self.report.eval_text(rec["eval"]))
         parts.append(f"bytes up {sum(rec['bytes_up'].values()):,}, down {sum(rec['bytes_down'].values()):,}")
@@ -301,6 +317,12 @@ class Report:
              "wall_s": wall, "record_bytes_per_client": record_nbytes(self.run_.store.get(0)),
              "n_clients_without_test": len(self.run_.clients_without_test),  # left out of every clients' mean
              "clients_without_test": list(self.run_.clients_without_test)}
+        plan = getattr(self.run_, "privacy_plan", None)  # HeteroRun: privacy is refused for it
+        if plan is not None:  # ε spent by the rounds run (a run stopped by its budget: fewer than planned)
+            from .privacy import describe_plan
+
+            s["privacy"] = {**describe_plan(plan), "rounds_run": len(history),
+                            "epsilon": history[-1]["privacy"]["epsilon"] if history else 0.0}
         if "global" in last:
             s["round0_global"], s["final_global"] = first.get("global"), last["global"]
         if self.task.not_computed:  # e.g. METEOR without WordNet: named, with the reason, never silently absent

@@ -37,6 +37,7 @@ from .runfolder import data_label
 from .tasks import get_task
 from .dropout import install_client_dropout
 from .manifest import data_files, environment, file_hashes, split_indices
+from .privacy import client_references, describe_plan, privacy_plan
 from .inject import head_linear_names, inject_adapters, make_head_trainable, match_targets
 
 __all__ = ["FederatedRun", "slot_executor"]
@@ -80,6 +81,7 @@ class FederatedRun:
         self.overwrite, self.output = overwrite, output
         self._given_model, self._given_tokenizer = model, tokenizer
         self.prepared = False
+        self.privacy_plan = None  # fedlora.privacy.plan.PrivacyPlan once prepared, when privacy is on
         #: a verified checkpoint to continue from (``fedlora.llm.runs.resume``), or None
         self.resume_from = resume_from
 
@@ -200,9 +202,12 @@ class FederatedRun:
                                              output_fn=self.slots._logits_fn, global_layers=self.global_layers))
         initial = self.slots.init_records()
         self.initial_record = self.slots.initial_record
+        spec = UploadSpec.of(self.method)
+        self.privacy_plan = privacy_plan(cfg, self.K_train)  # None: privacy off
+        refs = [client_references(self.initial_record, list(spec.tensors))] if self.privacy_plan else None
         self.server = Server(self.method, self.federation, [initial], cfg.train.rounds,
                              min_clients=1 if self.centralized else fc.min_clients,
-                             spec=UploadSpec.of(self.method))
+                             spec=spec, privacy=self.privacy_plan, dp_references=refs)
         self.report = Report(self)
         self.prepared = True
         self.driver = Driver.of(self, self.slots)
@@ -299,7 +304,8 @@ class FederatedRun:
                 "local_steps": self.steps, "method_options": self.method_options,
                 "step_sizes": self.method.step_sizes(), "lr_schedule": self.cfg.train.lr_schedule,
                 "device": str(self.device), "runtime": self.runtime, "split": self.split_report, "manifest": self.manifest(),
-                "split_indices": split_indices(self.clients, self.train_data.keys)}
+                "split_indices": split_indices(self.clients, self.train_data.keys),
+                **({"privacy": describe_plan(self.privacy_plan)} if self.privacy_plan is not None else {})}
 
     def manifest(self) -> dict[str, Any]:
         """Provenance (``fedlora.llm.manifest``): versions, git commit, command line, the data files' hashes."""

@@ -2,6 +2,7 @@
 Ctrl-C in its round loop, and a record of what a run predicts on its test rows."""
 import json
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ def tiny_run(out: Path, *overrides: str) -> Path:
     return out
 
 
-def interrupted_run(out: Path, rounds: int = 4, stop_before: int = 2) -> Path:
+def interrupted_run(out: Path, rounds: int = 4, stop_before: int = 2, overrides: Sequence[str] = ()) -> Path:
     """tiny-smoke for ``rounds`` rounds stopped by a KeyboardInterrupt raised as round ``stop_before``
     (0-based) starts — rounds 1..stop_before finish, as after Ctrl-C; returns ``out``."""
     from fedlora.llm.driver import Driver
@@ -32,7 +33,7 @@ def interrupted_run(out: Path, rounds: int = 4, stop_before: int = 2) -> Path:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Driver, "run_round", run_round)
         with pytest.raises(KeyboardInterrupt):
-            tiny_run(out, f"train.rounds={rounds}")
+            tiny_run(out, f"train.rounds={rounds}", *overrides)
     return out
 
 
