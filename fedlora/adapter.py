@@ -204,8 +204,21 @@ class LoRALinear(nn.Module):
     #: fused op): set by an evaluator through ``set_row_gates`` (FedDPA's instance-wise weighting)
     row_gates: "tuple[torch.Tensor, torch.Tensor] | None" = None
 
+    #: sample-level DP-SGD (``fedlora.privacy.dpsgd.capture``): a list every forward appends its input, output and
+    #: factors to, for per-sample gradients; None (the class default): nothing is recorded, no extra work
+    dp_capture: "list | None" = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_with({}, x)
+        y = self.forward_with({}, x)
+        return y if self.dp_capture is None else self._captured(x, y, "stack")
+
+    def _captured(self, x: torch.Tensor, y: torch.Tensor, layout: str) -> torch.Tensor:
+        """Record this forward in ``dp_capture`` (x, y and the factors it used: a functional call's substitutes);
+        returns ``y``."""
+        from fedlora.privacy.dpsgd import Capture  # here: the privacy package imports this module
+
+        self.dp_capture.append(Capture(self, x, y, layout, self.lora_A, self.lora_B))
+        return y
 
     def forward_with(self, params: "Mapping[str, torch.Tensor]", x: torch.Tensor) -> torch.Tensor:
         """``forward`` with some factors replaced by ``params`` (keys ``lora_A`` … ``lora_Phi``).

@@ -66,6 +66,11 @@ class ClassificationTask(Task):
         logits = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
         return F.cross_entropy(logits, batch["labels"], reduction="none").view(slots, -1).mean(1)
 
+    def example_losses(self, logits: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """(S·b,) each row's cross-entropy: sample-level DP-SGD sums a slot's real rows (``fedlora.llm.slots``)."""
+        logits = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+        return F.cross_entropy(logits, batch["labels"], reduction="none")
+
     def outputs(self, logits: torch.Tensor, batch: Mapping[str, torch.Tensor], slots: int) -> torch.Tensor:
         """(S, b, C): each slot's logits (H²Tune's eq. 7 compares these)."""
         return logits.view(slots, -1, logits.shape[-1])

@@ -197,8 +197,9 @@ class SlotLoRALinear(LoRALinear):
         if x.shape[0] % S:
             raise ConfigError(f"slot layer: the batch's first dimension {x.shape[0]} is not a multiple of the "
                               f"{S} slots (each slot's rows must be equal in number, slot-major)")
-        y = super().forward(x.reshape(S, -1, x.shape[-1]))
-        return y.reshape(*x.shape[:-1], self.out_features)
+        # forward_with, not super().forward: a DP capture records the slot-major input, not the (S, b·L, d) view
+        y = self.forward_with({}, x.reshape(S, -1, x.shape[-1])).reshape(*x.shape[:-1], self.out_features)
+        return y if self.dp_capture is None else self._captured(x, y, "slot")
 
 
 class SlotHead(nn.Module):
@@ -222,6 +223,9 @@ class SlotHead(nn.Module):
             self.register_parameter("head_bias", None)
             self.register_buffer("init_bias", None, persistent=False)
 
+    #: sample-level DP-SGD's record of the forwards (``fedlora.privacy.dpsgd.capture``); None: nothing recorded
+    dp_capture: "list | None" = None
+
     def resize_slots(self, slots: int) -> None:
         if slots == self.stack:
             return
@@ -238,7 +242,12 @@ class SlotHead(nn.Module):
         y = xs @ self.head_weight.transpose(1, 2)
         if self.head_bias is not None:
             y = y + self.head_bias.unsqueeze(1)
-        return y.reshape(*x.shape[:-1], self.out_features)
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        if self.dp_capture is not None:  # sample-level DP: per-sample gradients x⊗g (fedlora.privacy.dpsgd)
+            from fedlora.privacy.dpsgd import Capture
+
+            self.dp_capture.append(Capture(self, x, y, "slot"))
+        return y
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, slots={self.stack}"

@@ -37,6 +37,7 @@ from fedlora.adapter import set_row_gates
 from fedlora.errors import ConfigError
 from fedlora.methods.base import Method
 from fedlora.payload import Payload
+from fedlora.privacy.dpsgd import DP_MASK, SampleDP
 from fedlora.seeds import ADAPTER, DROPOUT, SAMPLER, seed_of
 from fedlora.server import ClientFailure, ClientUpdate, Download
 from fedlora.state import ClientStore
@@ -119,7 +120,7 @@ class SlotExecutor:
 
     def __init__(self, cfg: RunConfig, method: Method, model, tokenizer, device: torch.device, data: RunData,
                  store: ClientStore, dropout, *, P: int, centralized: bool, head_mode: str,
-                 head_linear: Sequence[str], targets: Sequence[str]) -> None:
+                 head_linear: Sequence[str], targets: Sequence[str], sample_dp: SampleDP | None = None) -> None:
         self.cfg, self.method, self.model, self.tokenizer, self.device = cfg, method, model, tokenizer, device
         self.task, self.train_data, self.test_data = data.task, data.train_data, data.test_data
         self.enc_train, self.enc_test, self.clients = data.enc_train, data.enc_test, data.clients
@@ -131,6 +132,28 @@ class SlotExecutor:
         self.client_hook: Callable[[int, int], None] | None = None
         self.initial_record: dict[str, torch.Tensor] | None = None  # a fresh replica (init_records)
         self._gating, self._refs = None, []  # while evaluating with per-input weights (Method.instance_gating)
+        self.sample_dp: SampleDP | None = None
+        self.set_sample_dp(sample_dp)
+
+    def set_sample_dp(self, sample_dp: SampleDP | None) -> None:
+        """Train with sample-level DP-SGD (``fedlora.privacy.dpsgd``), or without it again (None): each local step
+        draws every client's batch by Poisson sampling (each of its rows in with probability q, from its own
+        stream), pads the pass's slots to the largest draw with rows masked out, and the method's step takes
+        per-sample clipped, noised gradients (``Method.set_sample_dp``: a method that cannot is refused in one line).
+        The clients' data samplers are not used then (their records keep them unchanged)."""
+        if sample_dp is not None:
+            if not isinstance(sample_dp, SampleDP):
+                raise ConfigError(f"sample_dp must be a fedlora.privacy.dpsgd.SampleDP, got {type(sample_dp).__name__}")
+            if not callable(getattr(self.task, "example_losses", None)):
+                raise ConfigError(f"sample-level DP needs each example's loss; the {self.task.kind!r} task does not "
+                                  "give them (classification does)")
+            if self.dropout.enabled and self.P > 1:
+                raise ConfigError("sample-level DP with model.dropout: a client's dropout masks would depend on its "
+                                  "pass-mates' batch sizes (Poisson batches are padded per pass); set "
+                                  "train.clients_per_pass: 1 or model.dropout: false")
+            sample_dp.set_client_sizes(self.sizes)
+        self.method.set_sample_dp(sample_dp)
+        self.sample_dp = sample_dp
 
     def init_records(self) -> dict[str, torch.Tensor]:
         """Every client's initial state record into the store (PEFT init per slot, its data sampler and
@@ -220,12 +243,29 @@ class SlotExecutor:
         return gating.represent(hidden[-1], mask)
 
     def _objective(self, params: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Each slot's mean loss, (S,) (the task's ``loss``): the Objective contract of ``fedlora.methods``."""
+        """Each slot's mean loss, (S,) (the task's ``loss``): the Objective contract of ``fedlora.methods``.
+        A Poisson batch of sample-level DP (it carries ``DP_MASK``): each slot's SUM of its real rows' losses
+        (``_private_objective``)."""
+        if DP_MASK in batch:
+            return self._private_objective(params, batch)
         ce = self.task.loss(self._forward(params, batch), batch, self._slots)
         # on the model's device (no host sync per step); a slot that has finished its steps counts no more
         self._loss_sum += ce.detach().double() * self._active
         self._loss_n += self._active
         return ce
+
+    def _private_objective(self, params: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """(S,): Σ over slot p's real rows of the task's per-example loss (``example_losses``), padded rows exactly 0
+        (``torch.where``: their gradient is 0 too) — the summed loss whose per-example gradients DP-SGD clips. The
+        training loss recorded is the mean over the round's real rows."""
+        mask = batch[DP_MASK].view(self._slots, -1) > 0
+        batch = {k: v for k, v in batch.items() if k != DP_MASK}
+        per = self.task.example_losses(self._forward(params, batch), batch).view(self._slots, -1)
+        per = torch.where(mask, per, torch.zeros((), dtype=per.dtype, device=per.device))
+        total = per.sum(1)
+        self._loss_sum += total.detach().double() * self._active
+        self._loss_n += mask.sum(1).double() * self._active
+        return total
 
     def _logits_fn(self, params: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return self.task.outputs(self._forward(params, batch), batch, self._slots)
@@ -236,6 +276,26 @@ class SlotExecutor:
         def sample() -> dict[str, torch.Tensor]:
             idx = torch.cat([torch.as_tensor(self.train_sets[k])[s.next(b)] for s, k in zip(samplers, clients)])
             return self._rows(self.enc_train, idx)
+
+        return sample
+
+    def _private_sampler_fn(self, clients: Sequence[int]) -> Callable[[], dict]:
+        """Sample-level DP's batches: client k's rows each in with probability q, drawn from its own stream at the
+        current (round, step) (``SampleDP.poisson_rows``); the slots padded to the pass's largest draw (at least one
+        row) with the client's first row, ``DP_MASK`` 1 for real rows and 0 for padding."""
+        sdp = self.sample_dp
+
+        def sample() -> dict[str, torch.Tensor]:
+            draws = [sdp.poisson_rows(k, len(self.train_sets[k])) for k in clients]
+            b = max(1, max(len(d) for d in draws))
+            idx, mask = [], []
+            for d, k in zip(draws, clients):
+                rows = torch.as_tensor(self.train_sets[k])
+                idx.append(torch.cat([rows[d], rows[:1].expand(b - len(d))]))
+                mask.append(torch.cat([torch.ones(len(d)), torch.zeros(b - len(d))]))
+            batch = self._rows(self.enc_train, torch.cat(idx))
+            batch[DP_MASK] = torch.cat(mask).to(self.device)
+            return batch
 
         return sample
 
@@ -358,11 +418,14 @@ class SlotExecutor:
         samplers = self._load(clients)
         for i, k in enumerate(clients):
             bytes_down[k] = self._apply(i, downloads[k]) if downloads is not None else 0
-        sample = self._sampler_fn(samplers, clients)
+        sdp = self.sample_dp
+        sample = self._sampler_fn(samplers, clients) if sdp is None else self._private_sampler_fn(clients)
         self.method.begin_round(rnd)
         finished: dict[int, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
         for j in range(I):
             self.method.set_lr_factor(self._lr_factor((rnd + j / I) / self.cfg.train.rounds))
+            if sdp is not None:  # the draws of this step are keyed by (client, round, step): no state to keep
+                sdp.at(rnd, j)
             self.method.local_step(self._objective, sample)
             for i, n in enumerate(steps):
                 if n == j + 1 and n < I:  # slot i's client is done: keep its state as it is now

@@ -209,6 +209,13 @@ class Method(abc.ABC):
     #: the reason this method's paper fixes the LoRA scale (e.g. Fed-SB's s = 1 of its LoRA-SB init), which
     #: refuses rsLoRA's α/√r for it (``fedlora.adapter.refuse_rslora``); None = rsLoRA allowed
     fixed_lora_scale: ClassVar[str | None] = None
+    #: sample-level DP-SGD on the clients (``fedlora.privacy.dpsgd``): None where the method's local step can take
+    #: private gradients (``FactorLoRA.train_step``'s private path); else one line saying why not, which
+    #: ``set_sample_dp`` raises (and a run's config check, before any training)
+    sample_dp_refusal: ClassVar[str | None] = ("its local step is its own, not FactorLoRA.train_step, the step that "
+                                              "takes per-sample clipped, noised gradients")
+    #: the ``fedlora.privacy.dpsgd.SampleDP`` the local steps use (``set_sample_dp``); None: ordinary steps
+    sample_dp: Any = None
     #: client-level DP (``fedlora.privacy.client_dp``, DP-FedAvg): None where the server's aggregate is the weighted
     #: mean of the uploads, Σ_k p_k U_k, so the noised mean of clipped updates can stand in for it; else one line
     #: saying why not (``fedlora run`` refuses the combination with it, before any training)
@@ -287,6 +294,13 @@ class Method(abc.ABC):
             for g in opt.param_groups:
                 g.setdefault("base_lr", g["lr"])
                 g["lr"] = g["base_lr"] * self.lr_factor
+
+    def set_sample_dp(self, sample_dp: Any) -> None:
+        """Train with sample-level DP-SGD (a ``fedlora.privacy.dpsgd.SampleDP``), or normally again (None). A method
+        that cannot (``sample_dp_refusal``) is a one-line ``ConfigError`` saying why."""
+        if sample_dp is not None and self.sample_dp_refusal is not None:
+            raise ConfigError(f"{self.name}: sample-level DP is not supported: {self.sample_dp_refusal}")
+        self.sample_dp = sample_dp
 
     def setup(self, model: nn.Module, replica_clients: Sequence[int], n_clients: int | None = None) -> None:
         """Bind to ``model`` and put the protocol's initial state on every replica: ``bind`` then

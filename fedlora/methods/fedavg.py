@@ -57,6 +57,8 @@ class FactorLoRA(AveragedFactors):
     ``shared_head_names()`` those of them that are uploaded; ``params`` maps names to the stacked tensors.
     """
 
+    sample_dp_refusal = None  # train_step has the private path (fedlora.privacy.dpsgd); subclasses with their own step refuse
+
     def __init__(self, rank: int = 8, lr: float = 5e-4, optimizer: str = "adamw",
                  weight_decay: float = 0.0) -> None:
         check_lora_options(self.name, rank, lr, optimizer, weight_decay)
@@ -89,8 +91,25 @@ class FactorLoRA(AveragedFactors):
 
     def train_step(self, objective: Objective, sample: Sampler, names: Sequence[str]) -> None:
         """One optimizer step on the parameters ``names`` of every replica; the others stay frozen
-        (their ``.grad`` stays None, so the optimizer leaves them and their moments untouched)."""
+        (their ``.grad`` stays None, so the optimizer leaves them and their moments untouched).
+
+        With a ``SampleDP`` attached (``set_sample_dp``) the gradient is DP-SGD's (Abadi et al., CCS 2016, Alg. 1):
+        per-sample gradients of ``names`` clipped jointly to C, summed, plus N(0, σ²C²) from each client's own
+        stream, divided by the expected batch size q·n_k (``fedlora.privacy.dpsgd.private_gradients``); the
+        objective must then give each slot the SUM of its real examples' losses (the slot executor's Poisson
+        batches do). The optimizer step is the same."""
         self.opt.zero_grad(set_to_none=True)
+        if self.sample_dp is not None:
+            from ..privacy.dpsgd import private_gradients
+
+            batch = sample()
+            private = private_gradients(self.sample_dp, self.model, lambda: objective(self.params, batch), names,
+                                        self.replica_clients)
+            for n in names:
+                self.params[n].grad = private[n]
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            return
         loss = objective(self.params, sample()).sum()  # replicas are independent: Σ keeps grads apart
         grads = torch.autograd.grad(loss, [self.params[n] for n in names])
         for n, g in zip(names, grads):

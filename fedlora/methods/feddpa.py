@@ -134,6 +134,7 @@ class FedDPA(FactorLoRA):
     finetune_steps (FedDPA-F: the local adapter's steps after federated training)."""
 
     name = "feddpa"
+    sample_dp_refusal = 'its own steps train the local adapter (C, D), whose per-sample gradients are not implemented'
     personalised = True  # the local adapter (C, D) stays on the client
     #: the server is the weighted mean of the uploaded global adapters: PEFT adapters aggregate with it
     lora_upload = ("lora_A", "lora_B")

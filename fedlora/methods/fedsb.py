@@ -85,6 +85,7 @@ class FedSB(FactorLoRA):
     option asking to train A or B (they are not options: ``build`` names the allowed ones)."""
 
     name = "fedsb"
+    sample_dp_refusal = "its initialisation round uploads full-weight gradients of the client's data (not a DP-SGD step) and its R step is its own"
     client_dp_refusal = ("not implemented yet: its first round uploads gradients (LoRA-SB's init), not an update of what was downloaded")
     fixed_lora_scale = ("Fed-SB fixes s = 1 (α = r): LoRA-SB's initialisation sets the update's scale and removes "
                         "the scale hyper-parameter (LoRA-SB §4; the authors' scripts set lora_alpha = lora_r)")

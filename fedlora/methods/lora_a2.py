@@ -94,6 +94,7 @@ class LoRAA2(Method):
     """
 
     name = "lora-a2"
+    sample_dp_refusal = "its probe steps choose each client's ranks from gradient norms on its data, a data-dependent selection DP-SGD does not privatise"
     client_dp_refusal = ('not implemented yet: its uploads are masked deltas with index sets (rank selection per client)')
     rank_option = "client_rank"  # the tables' "rank r" is the client's budget; r_G stays 16
     equal_steps_per_pass = True  # end_round runs as many masked steps as the round's probe steps

@@ -60,6 +60,7 @@ class PerFedAvgLoRA(AveragedFactors):
     """
 
     name = "perfedavg"
+    sample_dp_refusal = 'second-order: its meta step differentiates through an inner SGD step on another batch; no private variant (per-example clipping of the meta-gradient) is implemented'
     lora_upload = ("lora_A", "lora_B")  # its server averages the uploads: PEFT adapters aggregate with it
     personalised = True  # one SGD step on the client's own data (personalised_params)
     head_modes = ("frozen", "shared")  # a trained head is part of the meta-learned x

@@ -30,6 +30,7 @@ __all__ = ["PF2LoRA"]
 @register
 class PF2LoRA(AveragedFactors):
     name = "pf2lora"
+    sample_dp_refusal = "second-order: its upper step differentiates through the lower level's gradient (the hypergradient), which per-example clipping does not bound; no private variant is implemented"
     personalised = True  # the client adapter C_k, D_k
     needs_client_adapter = True
     lr_option, optimizer_option = "upper_lr", "upper_optimizer"

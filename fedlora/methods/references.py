@@ -37,6 +37,7 @@ class Centralized(FactorLoRA):
     client_weights (w_k ∝ n_k, one per client; default uniform — pass the federation's)."""
 
     name = "centralized"
+    sample_dp_refusal = "its step weights every client's loss into one pooled model (its own step, not FactorLoRA.train_step)"
     client_dp_refusal = ("one model trained on pooled data: no client's update is released, so there is no client to protect at this level")
     pooled_data = True
     head_modes = ("frozen", "shared")  # one model: its head is the one head

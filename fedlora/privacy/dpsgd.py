@@ -1,0 +1,279 @@
+"""Sample-level DP-SGD on the clients (issue 29 item 2): Poisson-sampled batches, per-sample LoRA gradients from
+each adapted layer's input and output gradient, joint clipping, Gaussian noise from the client's own generator.
+
+Abadi, Chu, Goodfellow, McMahan, Mironov, Talwar, Zhang, "Deep Learning with Differential Privacy" (CCS 2016),
+Algorithm 1, per client k and local step t:
+
+1. a batch L_t drawn by Poisson sampling: each of the client's n_k training rows is in it with probability q,
+   independently (so |L_t| varies, and may be 0);
+2. every example's gradient g_i over ALL the tensors the step trains (every adapted layer's trained factors and
+   a trained classifier head) clipped jointly to L2 norm C (``fedlora.privacy.clipping.clip_per_sample``);
+3. g̃ = (Σ_{i ∈ L_t} clip(g_i) + N(0, σ²C² I)) / (q·n_k) — the EXPECTED batch size in the denominator (the
+   fixed-denominator estimator: unbiased, and the sensitivity C/(q·n_k) does not depend on the realised
+   batch), then the method's optimizer step on g̃.
+
+Per-sample gradients: a LoRA layer y = x W₀ᵀ + s (x Aᵀ) Bᵀ has dAᵢ = s Σ_t (g_t B)ᵀ x_t and dBᵢ = s Σ_t g_tᵀ (x_t Aᵀ)
+(``per_sample_lora_grads``: rank-r einsums, never a d_out × d_in matrix per example); a trained linear head has
+dWᵢ = Σ_t g_tᵀ x_t and dbᵢ = Σ_t g_t. The layers record their input x and output y during the forward only
+inside ``capture`` (``LoRALinear.dp_capture``, None otherwise: no work when DP is off); one
+``torch.autograd.grad`` of the per-slot SUMMED losses with respect to those outputs gives every g. With S clients
+in one pass (slots), slot p's rows only reach slot p's adapters, so each slot is clipped, summed and noised on
+its own: a client's update does not depend on its pass-mates.
+
+Randomness: client k's batch draw and its noise at round t, local step j come from two generators seeded by
+``seed_of(seed, DP_SAMPLE, kind, k, t, j)`` — a fresh stream per (client, round, step), so nothing needs saving
+and a run resumed at a round boundary draws the same numbers, whichever clients share a pass.
+"""
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from fedlora.errors import ConfigError
+from fedlora.seeds import DP_SAMPLE, seed_of
+
+from .clipping import check_clip_norm, clip_per_sample, gaussian_noise_like, per_sample_lora_grads
+
+__all__ = ["SampleDP", "Capture", "capture", "per_sample_grads", "private_gradients", "DP_MASK"]
+
+#: the batch entry (S·b,) of 1.0 for a real row and 0.0 for a padded one (the slot executor's Poisson batches)
+DP_MASK = "dp_mask"
+
+
+class SampleDP:
+    """The settings and random streams of sample-level DP-SGD (one object per run).
+
+    Args:
+        clip_norm: C > 0, the per-example clipping norm over all trained tensors jointly.
+        noise_multiplier: σ ≥ 0; the noise added to a step's clipped sum has std σ·C per coordinate.
+        sampling_rate: Poisson rate q ∈ (0, 1] — one number for every client, or one per client (a sequence
+            indexed by client, or a mapping client → q).
+        seed: the run's seed (≥ 0); every stream is ``seed_of(seed, DP_SAMPLE, kind, client, round, step)``.
+
+    Before each local step the runtime calls ``at(round, step)``; ``set_client_sizes`` gives n_k (the expected
+    batch size is q·n_k).
+    """
+
+    def __init__(self, clip_norm, noise_multiplier, sampling_rate, seed: int = 0) -> None:
+        self.clip_norm = check_clip_norm(clip_norm, "sample-level DP clip_norm")
+        s = noise_multiplier
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s < 0:
+            raise ConfigError(f"sample-level DP noise_multiplier must be a finite number ≥ 0, got {s!r}")
+        self.noise_multiplier = float(s)
+        if isinstance(sampling_rate, Mapping):
+            rates = {k: _check_rate(v) for k, v in sampling_rate.items()}
+        elif isinstance(sampling_rate, (list, tuple)):
+            rates = {k: _check_rate(v) for k, v in enumerate(sampling_rate)}
+        else:
+            rates = _check_rate(sampling_rate)
+        self.sampling_rate = rates
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ConfigError(f"sample-level DP seed must be an integer ≥ 0, got {seed!r}")
+        self.seed = seed
+        self.round: int | None = None
+        self.step: int | None = None
+        self.client_sizes: dict[int, int] = {}
+
+    def __repr__(self) -> str:
+        return (f"SampleDP(clip_norm={self.clip_norm!r}, noise_multiplier={self.noise_multiplier!r}, "
+                f"sampling_rate={self.sampling_rate!r}, seed={self.seed!r})")
+
+    # position and sizes -------------------------------------------------------------------------------
+    def at(self, rnd: int, step: int) -> None:
+        """The coming local step is step ``step`` (0-based) of round ``rnd``: what the draws are keyed by."""
+        for name, v in (("round", rnd), ("step", step)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"sample-level DP: the {name} must be an integer ≥ 0, got {v!r}")
+        self.round, self.step = rnd, step
+
+    def set_client_sizes(self, sizes: Sequence[int] | Mapping[int, int]) -> None:
+        """n_k of every client (its number of training rows; a sequence by client or a mapping)."""
+        items = sizes.items() if isinstance(sizes, Mapping) else enumerate(sizes)
+        out = {}
+        for k, n in items:
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ConfigError(f"sample-level DP: client {k} has {n!r} training rows; at least 1 is needed")
+            out[int(k)] = n
+        self.client_sizes = out
+
+    def rate(self, client: int) -> float:
+        """q of ``client``."""
+        if isinstance(self.sampling_rate, dict):
+            if client not in self.sampling_rate:
+                raise ConfigError(f"sample-level DP: no sampling rate for client {client} (rates given for clients "
+                                  f"{sorted(self.sampling_rate)[:8]})")
+            return self.sampling_rate[client]
+        return self.sampling_rate
+
+    def expected_batch_size(self, client: int) -> float:
+        """q·n_k: the denominator of the client's private gradient."""
+        if client not in self.client_sizes:
+            raise ConfigError(f"sample-level DP: the size of client {client} is unknown (set_client_sizes)")
+        return self.rate(client) * self.client_sizes[client]
+
+    # streams -------------------------------------------------------------------------------------------
+    def generator(self, kind: str, client: int, device: torch.device | str = "cpu") -> torch.Generator:
+        """Client ``client``'s generator of ``kind`` ("batch" or "noise") at the current (round, step)."""
+        if kind not in ("batch", "noise"):
+            raise ConfigError(f"sample-level DP: a stream is 'batch' or 'noise', got {kind!r}")
+        if self.round is None:
+            raise ConfigError("sample-level DP: no local step is positioned (the runtime calls at(round, step) "
+                              "before each step)")
+        return torch.Generator(device=device).manual_seed(
+            seed_of(self.seed, DP_SAMPLE, kind, int(client), self.round, self.step))
+
+    def poisson_rows(self, client: int, n: int) -> torch.Tensor:
+        """The positions (sorted, int64) in 0..n−1 of the rows in client ``client``'s batch at the current step:
+        each independently with probability q (one uniform per row from the client's "batch" stream)."""
+        u = torch.rand(n, generator=self.generator("batch", client), dtype=torch.float64)
+        return torch.nonzero(u < self.rate(client)).reshape(-1)
+
+    def noise_like(self, tensors: Mapping[str, torch.Tensor], client: int) -> dict[str, torch.Tensor]:
+        """N(0, σ²C²) shaped like ``tensors`` from client ``client``'s "noise" stream at the current step (names in
+        sorted order, ``gaussian_noise_like``); zeros when σ = 0."""
+        some = next(iter(tensors.values()))
+        return gaussian_noise_like(tensors, self.noise_multiplier * self.clip_norm,
+                                   self.generator("noise", client, some.device))
+
+
+def _check_rate(q) -> float:
+    if isinstance(q, bool) or not isinstance(q, (int, float)) or not math.isfinite(q) or not 0 < q <= 1:
+        raise ConfigError(f"sample-level DP sampling_rate must be a number in (0, 1], got {q!r}")
+    return float(q)
+
+
+class Capture:
+    """One forward of one layer inside ``capture``: the module, its input ``x`` and output ``y`` (the tensor the
+    model uses downstream: its gradient is g) as the module saw them, the factors it used (``A``, ``B``: the
+    tensors a functional call substituted, for a LoRA layer) and ``layout``: "slot" — x (S·b, …, d), slot-major —
+    or "stack" — x (G, N, d), one example per row of each replica."""
+
+    __slots__ = ("module", "x", "y", "A", "B", "layout")
+
+    def __init__(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor, layout: str,
+                 A: torch.Tensor | None = None, B: torch.Tensor | None = None) -> None:
+        self.module, self.x, self.y, self.layout, self.A, self.B = module, x, y, layout, A, B
+
+    def per_example(self, t: torch.Tensor, slots: int) -> torch.Tensor:
+        """``t`` (x or g) as (S, n, T, d): S slots of n examples of T positions."""
+        if self.layout == "slot":
+            return t.reshape(slots, t.shape[0] // slots, -1, t.shape[-1])
+        if t.dim() == 2:  # an unstacked layer: (N, d)
+            return t.reshape(1, t.shape[0], 1, t.shape[-1])
+        return t.reshape(t.shape[0], t.shape[1], -1, t.shape[-1])
+
+
+def _capturing(model: nn.Module) -> list[nn.Module]:
+    from fedlora.adapter import LoRALinear
+
+    out = [m for m in model.modules() if isinstance(m, LoRALinear) or hasattr(m, "head_weight")]
+    return out
+
+
+@contextmanager
+def capture(model: nn.Module) -> Iterator[list[Capture]]:
+    """Within the block every adapter layer (``LoRALinear``, ``SlotLoRALinear``) and trained head (``SlotHead``) of
+    ``model`` appends a ``Capture`` of each forward to the yielded list; afterwards they record nothing again."""
+    records: list[Capture] = []
+    mods = _capturing(model)
+    for m in mods:
+        m.dp_capture = records
+    try:
+        yield records
+    finally:
+        for m in mods:
+            m.__dict__.pop("dp_capture", None)  # back to the class's None
+
+
+def _module_prefixes(model: nn.Module) -> dict[int, str]:
+    return {id(m): (n + "." if n else "") for n, m in model.named_modules()}
+
+
+def per_sample_grads(records: Sequence[Capture], grads_out: Sequence[torch.Tensor | None], names: Sequence[str],
+                     model: nn.Module, slots: int) -> dict[str, torch.Tensor]:
+    """Per-example gradients of the parameters ``names``: name → (S, n, *shape) from the captured forwards and the
+    gradients ``grads_out`` of the SUMMED loss with respect to each capture's output (None: the output was not
+    used). A parameter reached by several forwards (a shared layer) gets the sum. A name no capture covers, or a
+    layer whose per-sample gradient is not a plain LoRA's or a linear head's (TriLoRA's middle matrix), is a one-line
+    ``ConfigError``."""
+    prefixes = _module_prefixes(model)
+    wanted = set(names)
+    out: dict[str, torch.Tensor] = {}
+
+    def add(name: str, t: torch.Tensor) -> None:
+        out[name] = t if name not in out else out[name] + t
+
+    for rec, g in zip(records, grads_out):
+        pre = prefixes.get(id(rec.module))
+        if pre is None:
+            raise ConfigError("sample-level DP: a captured layer is not part of the model being trained")
+        if g is None:
+            g = torch.zeros_like(rec.y)
+        x, gy = rec.per_example(rec.x.detach(), slots), rec.per_example(g, slots)
+        if rec.A is not None:  # a LoRA layer
+            a_name, b_name = pre + "lora_A", pre + "lora_B"
+            if not (a_name in wanted or b_name in wanted):
+                continue
+            if getattr(rec.module, "middle", False):
+                raise ConfigError(f"sample-level DP: {pre.rstrip('.')} has TriLoRA's middle matrix, whose per-sample "
+                                  "gradients are not implemented (H²Tune cannot train privately)")
+            A, B = rec.A.detach(), rec.B.detach()
+            if A.dim() == 2:
+                A, B = A.unsqueeze(0), B.unsqueeze(0)
+            das, dbs = zip(*(per_sample_lora_grads(x[p], gy[p], A[p], B[p], rec.module.scale) for p in range(slots)))
+            if a_name in wanted:
+                add(a_name, torch.stack(das))
+            if b_name in wanted:
+                add(b_name, torch.stack(dbs))
+        else:  # a trained linear head: dW_i = Σ_t g_tᵀ x_t, db_i = Σ_t g_t
+            w_name, b_name = pre + "head_weight", pre + "head_bias"
+            if w_name in wanted:
+                add(w_name, torch.einsum("snto,sntd->snod", gy, x))
+            if b_name in wanted:
+                add(b_name, gy.sum(2))
+    missing = [n for n in names if n not in out]
+    if missing:
+        raise ConfigError(f"sample-level DP: no per-sample gradient for {missing[0]!r} (only LoRA factors of "
+                          "adapter layers and a trained linear head can be trained privately)")
+    return out
+
+
+def private_gradients(sdp: SampleDP, model: nn.Module, losses_fn: Callable[[], torch.Tensor],
+                      names: Sequence[str], clients: Sequence[int]) -> dict[str, torch.Tensor]:
+    """One DP-SGD gradient of every slot: name → (S, *shape) = (Σᵢ clip_C(gᵢ) + N(0, σ²C²)) / (q·n_k).
+
+    Args:
+        sdp: the settings and streams (positioned with ``at``, sizes set).
+        model: the model whose adapter layers ``losses_fn`` runs through.
+        losses_fn: runs the forward and returns (S,) per slot the SUM of its real examples' losses (padded rows
+            contribute exactly 0, e.g. through ``torch.where``: their per-sample gradients are then 0 and, clipped
+            or not, add nothing).
+        names: the trained parameters (stacked (S, …)).
+        clients: the client in each slot (its noise stream and n_k).
+    Returns:
+        the private gradients, in the parameters' dtypes.
+    """
+    slots = len(clients)
+    with capture(model) as records:
+        losses = losses_fn()
+    if losses.shape != (slots,):
+        raise ConfigError(f"sample-level DP: the objective must give one summed loss per slot ({slots}), got shape "
+                          f"{tuple(losses.shape)}")
+    live = [r for r in records if r.y.requires_grad]
+    outs = torch.autograd.grad(losses.sum(), [r.y for r in live], allow_unused=True) if live else []
+    per = per_sample_grads(live, outs, names, model, slots)
+    result: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+    for p, k in enumerate(clients):
+        if per[names[0]].shape[1]:
+            clipped = clip_per_sample({n: per[n][p] for n in names}, sdp.clip_norm)
+        else:  # no example at all: the noise alone
+            clipped = {n: per[n].new_zeros(per[n].shape[2:]) for n in names}
+        noise = sdp.noise_like(clipped, k)
+        denom = sdp.expected_batch_size(k)
+        for n in names:
+            result[n].append((clipped[n] + noise[n]) / denom)
+    return {n: torch.stack(v) for n, v in result.items()}

@@ -1,0 +1,394 @@
+"""Sample-level DP-SGD (fedlora.privacy.dpsgd, issue 29 item 2): per-sample gradients through our slot layers equal a
+per-example loop (float64), the private gradient equals clip-sum-noise-divide computed by hand from the per-example
+gradients and the client's own noise stream, clipped norms stay ≤ C, the noise has the std of its formula, a client's
+update does not depend on its pass-mates, same seed → bit-identical and resumable without saved state, every supported
+method's factors train (opacus issue 820), refused methods say why in one line, and DP off changes nothing."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedlora.errors import ConfigError
+from fedlora.methods.base import available_methods, get_method
+from fedlora.privacy import dpsgd
+from fedlora.privacy.dpsgd import DP_MASK, SampleDP, capture, per_sample_grads, private_gradients
+from fedlora.seeds import DP_SAMPLE, seed_of
+
+F64 = torch.float64
+#: the methods whose local step takes private gradients (docs/concepts/privacy.md, "Sample-level DP-SGD")
+SUPPORTED = {"fedavg", "ffa", "rolora", "fedsvd", "fedsa", "fedex", "flora", "frlora", "lora-fair", "local"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a tiny slot model: two adapted layers and a trained head, float64
+class _Tiny(nn.Module):
+    def __init__(self, d=6, h=5, c=3):
+        super().__init__()
+        self.l1, self.l2, self.classifier = nn.Linear(d, h), nn.Linear(h, h), nn.Linear(h, c)
+
+    def forward(self, x):  # x (S·b, T, d) → logits (S·b, c)
+        return self.classifier(torch.tanh(self.l2(torch.tanh(self.l1(x)))).mean(1))
+
+
+def _tiny(S, seed=0, r=2):
+    from fedlora.llm.inject import inject_adapters, make_head_trainable
+
+    torch.manual_seed(seed)
+    model = _Tiny().double()
+    inject_adapters(model, ["l1", "l2"], rank=r, slots=S, alpha=3.0)
+    make_head_trainable(model, S)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=F64) * 0.7)  # B ≠ 0: both factors have gradients
+    return model
+
+
+def _params(model):
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _data(S, b, T=4, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(S * b, T, 6, generator=g, dtype=F64), torch.randint(0, 3, (S * b,), generator=g)
+
+
+def _summed(model, x, y, mask, S, scale=1.0):
+    """(S,): each slot's Σ of its real rows' cross-entropy (padded rows exactly 0, as the slot executor's)."""
+    ce = F.cross_entropy(model(x), y, reduction="none") * scale
+    return torch.where(mask.bool(), ce, torch.zeros((), dtype=ce.dtype)).view(S, -1).sum(1)
+
+
+def _loop_grads(model, x, y, S, b):
+    """name → (S, b, *shape): each example's gradient, one backward per example of its own loss."""
+    params = _params(model)
+    out = {n: torch.zeros(S, b, *p.shape[1:], dtype=F64) for n, p in params.items()}
+    for p in range(S):
+        for i in range(b):
+            row = p * b + i
+            loss = F.cross_entropy(model(x), y, reduction="none")[row]
+            gs = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+            for n, gr in zip(params, gs):
+                if gr is not None:
+                    out[n][p, i] = gr[p]
+    return out
+
+
+def test_per_sample_grads_equal_a_loop_float64():
+    S, b = 3, 4
+    model = _tiny(S)
+    x, y = _data(S, b)
+    names = list(_params(model))
+    with capture(model) as recs:
+        losses = _summed(model, x, y, torch.ones(S * b), S)
+    outs = torch.autograd.grad(losses.sum(), [r.y for r in recs])
+    per = per_sample_grads(recs, outs, names, model, S)
+    ref = _loop_grads(model, x, y, S, b)
+    assert sorted(per) == sorted(ref) and len(names) == 6  # A, B of two layers, the head's weight and bias
+    for n in names:
+        assert ref[n].abs().max() > 1e-3, n  # a real gradient, not zeros on both sides
+        torch.testing.assert_close(per[n], ref[n], rtol=1e-6, atol=1e-9, msg=n)
+    assert all(getattr(m, "dp_capture", None) is None for m in model.modules())  # capture is off afterwards
+
+
+def _by_hand(ref, names, mask, S, b, sdp, clients):
+    """The DP-SGD gradient from per-example gradients: joint clip, Σ over real rows, + the client's noise, / q·n_k."""
+    out = {n: [] for n in names}
+    for p, k in enumerate(clients):
+        total = {n: torch.zeros_like(ref[n][p, 0]) for n in names}
+        for i in range(b):
+            if not mask[p * b + i]:
+                continue
+            norm = math.sqrt(sum(float(ref[n][p, i].pow(2).sum()) for n in names))
+            f = min(1.0, sdp.clip_norm / (norm + 1e-6))
+            for n in names:
+                total[n] += ref[n][p, i] * f
+        gen = torch.Generator().manual_seed(seed_of(sdp.seed, DP_SAMPLE, "noise", k, sdp.round, sdp.step))
+        noise = {n: torch.randn(total[n].shape, generator=gen, dtype=F64) * sdp.noise_multiplier * sdp.clip_norm
+                 for n in sorted(names)}
+        for n in names:
+            out[n].append((total[n] + noise[n]) / (sdp.rate(k) * sdp.client_sizes[k]))
+    return {n: torch.stack(v) for n, v in out.items()}
+
+
+def test_private_gradient_is_clip_sum_noise_over_expected_batch():
+    S, b = 3, 5
+    model = _tiny(S)
+    x, y = _data(S, b)
+    mask = torch.tensor([1, 1, 0, 1, 0, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0], dtype=F64)  # Poisson batches padded to 5
+    names = list(_params(model))
+    sdp = SampleDP(clip_norm=0.8, noise_multiplier=0.6, sampling_rate={4: 0.1, 7: 0.2, 9: 0.25}, seed=5)
+    sdp.set_client_sizes({4: 30, 7: 20, 9: 12})
+    sdp.at(2, 1)
+    got = private_gradients(sdp, model, lambda: _summed(model, x, y, mask, S), names, [4, 7, 9])
+    want = _by_hand(_loop_grads(model, x, y, S, b), names, mask, S, b, sdp, [4, 7, 9])
+    per = _loop_grads(model, x, y, S, b)
+    norms = torch.stack([sum(per[n][p, i].pow(2).sum() for n in names).sqrt() for p in range(S) for i in range(b)])
+    assert (norms > 0.8).any() and (norms[mask.bool()] < 0.8).any()  # some examples clipped, some not
+    for n in names:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-9, atol=1e-12, msg=n)
+
+
+def test_a_clients_gradient_does_not_depend_on_its_pass_mates():
+    """Client 7 in slot 1 of three (its batch padded to the pass's 5 rows) = client 7 alone (its own 3 rows)."""
+    S, b = 3, 5
+    model = _tiny(S)
+    x, y = _data(S, b)
+    mask = torch.tensor([1] * 5 + [1, 1, 1, 0, 0] + [1, 0, 0, 0, 0], dtype=F64)
+    names = list(_params(model))
+    sdp = SampleDP(0.5, 1.1, 0.2, seed=1)
+    sdp.set_client_sizes({4: 25, 7: 25, 9: 25})
+    sdp.at(0, 3)
+    together = private_gradients(sdp, model, lambda: _summed(model, x, y, mask, S), names, [4, 7, 9])
+    alone = _tiny(1)
+    with torch.no_grad():
+        for n, p in _params(alone).items():
+            p.copy_(_params(model)[n][1:2])
+    xa, ya = x[5:8], y[5:8]
+    solo = private_gradients(sdp, alone, lambda: _summed(alone, xa, ya, torch.ones(3), 1), names, [7])
+    for n in names:
+        torch.testing.assert_close(solo[n][0], together[n][1], rtol=1e-12, atol=1e-14, msg=n)
+
+
+def test_clipped_norms_are_at_most_C():
+    """One example per slot, σ = 0, q·n = 1: the private gradient is that example's clipped gradient."""
+    S, C = 4, 0.3
+    model = _tiny(S)
+    x, y = _data(S, 1, seed=11)
+    names = list(_params(model))
+    sdp = SampleDP(C, 0.0, 1.0, seed=0)
+    sdp.set_client_sizes([1] * S)
+    sdp.at(0, 0)
+    for scale in (0.01, 50.0):  # norms below C come back unchanged, norms above are clipped to C
+        got = private_gradients(sdp, model, lambda: _summed(model, x, y, torch.ones(S), S, scale), names, range(S))
+        ref = _loop_grads(model, x, y, S, 1)
+        for p in range(S):
+            norm = float(sum(got[n][p].pow(2).sum() for n in names).sqrt())
+            raw = float(sum((ref[n][p, 0] * scale).pow(2).sum() for n in names).sqrt())
+            assert norm <= C
+            if raw > C:
+                assert norm == pytest.approx(C, rel=1e-5) and scale == 50.0
+            else:
+                assert norm == pytest.approx(raw, rel=1e-12) and scale == 0.01
+
+
+def test_noise_std_is_sigma_C_over_expected_batch():
+    """Zero gradients: what remains is the noise / (q·n_k); its std over many steps is σC/(q·n_k) within 3 s.e."""
+    S = 2
+    model = _tiny(S)
+    x, y = _data(S, 2)
+    names = list(_params(model))
+    sdp = SampleDP(0.7, 1.3, 0.25, seed=9)
+    sdp.set_client_sizes([40, 16])
+    draws = {0: [], 1: []}
+    for step in range(60):
+        sdp.at(0, step)
+        got = private_gradients(sdp, model, lambda: _summed(model, x, y, torch.ones(4), S, 0.0), names, [0, 1])
+        for p in range(S):
+            draws[p].append(torch.cat([got[n][p].reshape(-1) for n in names]))
+    for p, n_k in ((0, 40), (1, 16)):
+        z = torch.cat(draws[p])
+        want = 1.3 * 0.7 / (0.25 * n_k)
+        se = want / math.sqrt(2 * (len(z) - 1))  # s.e. of a normal sample's std
+        assert len(z) > 3000
+        assert abs(float(z.std()) - want) < 3 * se, (float(z.std()), want, se)
+        assert abs(float(z.mean())) < 3 * want / math.sqrt(len(z))
+
+
+def test_streams_are_keyed_by_client_round_and_step():
+    a, b = SampleDP(1.0, 1.0, 0.3, seed=0), SampleDP(1.0, 1.0, 0.3, seed=0)
+    a.at(3, 2)
+    b.at(3, 2)
+    b.poisson_rows(5, 100)  # another client's draw in between changes nothing
+    assert torch.equal(a.poisson_rows(1, 100), b.poisson_rows(1, 100))
+    assert not torch.equal(a.poisson_rows(1, 100), a.poisson_rows(2, 100))
+    b.at(3, 3)
+    assert not torch.equal(a.poisson_rows(1, 100), b.poisson_rows(1, 100))
+    c = SampleDP(1.0, 1.0, 0.3, seed=1)
+    c.at(3, 2)
+    assert not torch.equal(a.poisson_rows(1, 100), c.poisson_rows(1, 100))
+    counts = []  # each row in with probability q: the batch size is Binomial(n, q)
+    for step in range(400):
+        a.at(0, step)
+        counts.append(len(a.poisson_rows(0, 50)))
+    mean, want = sum(counts) / len(counts), 0.3 * 50
+    assert abs(mean - want) < 3 * math.sqrt(50 * 0.3 * 0.7 / len(counts))
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(clip_norm=0, noise_multiplier=1, sampling_rate=0.1), "clip_norm must be a finite number > 0"),
+    (dict(clip_norm=1, noise_multiplier=-1, sampling_rate=0.1), "noise_multiplier must be a finite number ≥ 0"),
+    (dict(clip_norm=1, noise_multiplier=1, sampling_rate=0), r"sampling_rate must be a number in \(0, 1\]"),
+    (dict(clip_norm=1, noise_multiplier=1, sampling_rate=1.5), r"sampling_rate must be a number in \(0, 1\]"),
+    (dict(clip_norm=1, noise_multiplier=1, sampling_rate=0.1, seed=-1), "seed must be an integer ≥ 0"),
+])
+def test_bad_settings_are_one_line(kw, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        SampleDP(**kw)
+    assert "\n" not in str(e.value)
+
+
+def test_refusals_name_the_reason_and_the_supported_list_is_the_documented_one():
+    supported = {n for n in available_methods() if get_method(n).sample_dp_refusal is None}
+    assert supported == SUPPORTED
+    for name in ("pf2lora", "perfedavg"):
+        assert get_method(name).sample_dp_refusal.startswith("second-order")
+    method = get_method("pf2lora")()
+    with pytest.raises(ConfigError, match=r"^pf2lora: sample-level DP is not supported: second-order") as e:
+        method.set_sample_dp(SampleDP(1.0, 1.0, 0.1))
+    assert "\n" not in str(e.value)
+    method.set_sample_dp(None)  # off is always allowed
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the slot executor on tiny-smoke
+def _prepared(method="fedavg", *sets):
+    from fedlora.llm.config import load_config
+    from fedlora.llm.runtime import FederatedRun
+
+    cfg = load_config("tiny-smoke", [f"method.name={method}", "train.local_steps=2", "data.max_train_samples=60",
+                                     *sets])
+    return FederatedRun(cfg, write=False).prepare().slots
+
+
+def _train(ex, rnd, clients=(0, 1, 2)):
+    from fedlora.server import ClientUpdate, Download
+
+    out = ex.train(rnd, list(clients), {k: Download() for k in clients})
+    assert all(isinstance(v, ClientUpdate) for v in out.values()), out
+    return out
+
+
+def _records(ex):
+    return {k: {n: v.clone() for n, v in rec.items()} for k, rec in ex.records().items()}
+
+
+def _equal(r1, r2):
+    return all(torch.equal(r1[k][n], r2[k][n]) for k in r1 for n in r1[k]) and r1.keys() == r2.keys()
+
+
+@pytest.fixture(scope="module")
+def smoke():
+    ex = _prepared("fedavg")
+    return ex, _records(ex)  # the run's initial records (``restore`` them to start again)
+
+
+def test_same_seed_bit_identical_two_seeds_differ_resume_needs_no_state(smoke):
+    ex, start = smoke
+    ex.restore(start)
+    ex.set_sample_dp(SampleDP(1.0, 0.8, 0.2, seed=0))
+    _train(ex, 0)
+    after0 = _records(ex)
+    _train(ex, 1)
+    after1 = _records(ex)
+    ex.restore(start)  # again from the start, a fresh SampleDP of the same settings
+    ex.set_sample_dp(SampleDP(1.0, 0.8, 0.2, seed=0))
+    _train(ex, 0)
+    assert _equal(_records(ex), after0)
+    ex.restore(after0)  # resumed at the round boundary: a new SampleDP, nothing saved
+    ex.set_sample_dp(SampleDP(1.0, 0.8, 0.2, seed=0))
+    _train(ex, 1)
+    assert _equal(_records(ex), after1)
+    ex.restore(start)
+    ex.set_sample_dp(SampleDP(1.0, 0.8, 0.2, seed=1))
+    _train(ex, 0)
+    other = _records(ex)
+    assert not torch.equal(other[0]["param:roberta.encoder.layer.0.attention.self.query.lora_B"],
+                           after0[0]["param:roberta.encoder.layer.0.attention.self.query.lora_B"])
+    ex.set_sample_dp(None)
+
+
+def test_dp_off_is_the_ordinary_step(smoke):
+    """Switching DP on and off again leaves training as it was, bit for bit (no hook left, the same batches)."""
+    ex, start = smoke
+    ex.set_sample_dp(None)
+    ex.restore(start)
+    _train(ex, 0)
+    plain = _records(ex)
+    ex.restore(start)
+    ex.set_sample_dp(SampleDP(1.0, 0.8, 0.2, seed=0))
+    ex.set_sample_dp(None)
+    _train(ex, 0)
+    assert _equal(_records(ex), plain)
+    assert all("dp_capture" not in vars(m) for m in ex.model.modules())
+
+
+def test_executor_client_update_does_not_depend_on_pass_mates():
+    """float64 tiny-smoke: three clients in one pass (Poisson batches padded per pass) = each client alone."""
+    sdp = dict(clip_norm=1.0, noise_multiplier=0.5, sampling_rate=0.15, seed=3)
+    recs = {}
+    for P in (3, 1):
+        ex = _prepared("fedavg", "model.dtype=float64", f"federation.clients_per_pass={P}")
+        assert ex.P == P
+        ex.set_sample_dp(SampleDP(**sdp))
+        losses = _train(ex, 0)
+        recs[P] = (_records(ex), {k: v.train_loss for k, v in losses.items()})
+    for k in range(3):
+        for n, v in recs[3][0][k].items():
+            if n.startswith("param:"):
+                torch.testing.assert_close(v, recs[1][0][k][n], rtol=1e-9, atol=1e-12, msg=f"{k} {n}")
+        assert recs[3][1][k] == pytest.approx(recs[1][1][k], rel=1e-9)
+
+
+@pytest.mark.parametrize("method", sorted(SUPPORTED))
+def test_every_supported_method_trains_its_factors(method, monkeypatch):
+    """σ = 0, two private steps from PEFT's init (B = 0): every factor the step trains has moved for every client —
+    by its clipped gradient alone, so the adapters do train (opacus issue 820); with σ > 0 too."""
+    trained = set()
+    real = dpsgd.private_gradients
+
+    def spy(sdp, model, losses_fn, names, clients):
+        trained.update(names)
+        return real(sdp, model, losses_fn, names, clients)
+
+    monkeypatch.setattr(dpsgd, "private_gradients", spy)
+    ex = _prepared(method)
+    before = _records(ex)
+    zero_b = [n for n in before[0] if n.startswith("param:") and n.endswith("lora_B")]
+    peft_init = all(not before[k][n].any() for k in before for n in zero_b)
+    assert zero_b and (peft_init or method == "frlora")  # B = 0 at init but FRLoRA's (W0's principal triplets)
+    sdp = SampleDP(0.5, 0.0, 0.5, seed=0)
+    ex.set_sample_dp(sdp)
+    for step in (0, 1):  # the premise: every client's Poisson batch has rows in both steps (an empty one trains nothing)
+        sdp.at(0, step)
+        assert all(len(sdp.poisson_rows(k, ex.sizes[k])) for k in before)
+    _train(ex, 0)
+    after = _records(ex)
+    assert any(n.endswith("lora_B") for n in trained), trained
+    for k in before:
+        for n in trained:
+            assert not torch.equal(before[k][f"param:{n}"], after[k][f"param:{n}"]), (k, n)
+    ex.restore(before)
+    ex.set_sample_dp(SampleDP(0.5, 1.0, 0.5, seed=0))
+    _train(ex, 0)
+    noisy = _records(ex)
+    for k in before:
+        for n in trained:
+            assert not torch.equal(noisy[k][f"param:{n}"], after[k][f"param:{n}"]), (k, n)
+
+
+def test_padded_rows_and_masks_in_the_executors_batches(smoke):
+    ex, _ = smoke
+    ex.set_sample_dp(SampleDP(1.0, 1.0, 0.1, seed=4))
+    ex._bind([0, 1, 2])
+    ex.sample_dp.at(0, 0)
+    batch = ex._private_sampler_fn([0, 1, 2])()
+    draws = [ex.sample_dp.poisson_rows(k, ex.sizes[k]) for k in range(3)]
+    b = max(1, max(len(d) for d in draws))
+    mask = batch[DP_MASK].view(3, b)
+    assert [int(m.sum()) for m in mask] == [len(d) for d in draws]
+    assert batch["labels"].shape == (3 * b,)
+    want = torch.cat([torch.as_tensor(ex.train_sets[k])[d] for k, d in enumerate(draws)])
+    got_labels = batch["labels"][batch[DP_MASK] > 0]
+    assert torch.equal(got_labels, ex.enc_train["labels"][want])
+    ex.set_sample_dp(None)
+
+
+def test_sample_dp_with_a_refused_method_is_one_line():
+    ex = _prepared("pf2lora")
+    with pytest.raises(ConfigError, match=r"pf2lora: sample-level DP is not supported: second-order") as e:
+        ex.set_sample_dp(SampleDP(1.0, 1.0, 0.1))
+    assert "\n" not in str(e.value)
