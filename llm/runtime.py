@@ -327,6 +327,8 @@ def dry_run(run: "FederatedRun") -> dict[str, Any]:
     resolved (the head policy, the targets)."""
 
     run._settings(machine=False)
+    plan = describe_plan(privacy_plan(run.cfg, run.cfg.federation.clients))  # σ derived, δ resolved, budget checked
+    private = {"privacy": plan} if plan is not None else {}
     data = run.check_data()
     if not data["checked"]:
         run.task = _task_without_rows(run.cfg)
@@ -334,7 +336,7 @@ def dry_run(run: "FederatedRun") -> dict[str, Any]:
         with skeleton_models():
             run._base_model()
     except ModelUnavailable as e:
-        return {"data": data, "head": run._head_mode(),
+        return {"data": data, "head": run._head_mode(), **private,
                 "model": {"checked": False,
                           "why": f"{e.key} {e.name!r} is not in the Hugging Face cache and a dry run downloads "
                                  f"nothing: model.target_modules, the ranks, model.max_length and the model's "
@@ -350,7 +352,7 @@ def dry_run(run: "FederatedRun") -> dict[str, Any]:
            "head_linear": run.head_linear}
     if not data["checked"] and isinstance(run.task, QATask):
         mod["not_checked"] = "the questions' windows in model.max_length (data.doc_stride): the data is not fetched"
-    return {"data": data, "head": run.head_mode, "model": mod}
+    return {"data": data, "head": run.head_mode, "model": mod, **private}
 
 
 def _machine(run: "FederatedRun") -> dict[str, str]:

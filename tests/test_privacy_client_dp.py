@@ -334,3 +334,46 @@ def test_a_target_epsilon_derives_sigma_that_ends_the_planned_rounds_at_it():
     acc.record(CLIENT_UNIT, 0.3, plan.noise_multiplier, 20)
     assert acc.epsilon(1e-3) <= 4.0 and acc.epsilon(1e-3) == pytest.approx(4.0, rel=1e-3)
     assert plan.max_epsilon == 4.0 and plan.client.sampling_rate == 0.3
+
+
+@pytest.mark.xdist_group("flower")
+@pytest.mark.parametrize("method", ["fedavg", "ffa"])
+def test_client_level_dp_over_flower_gives_the_embedded_runs_records(method, tmp_path, monkeypatch, capsys):
+    """The mechanism lives in the one server protocol, so a Flower deployment (every message to a fresh ClientApp,
+    tests/_flower_inprocess.py) draws the same clients, releases the same noised means and reports the same ε."""
+    pytest.importorskip("flwr")
+    from _flower_inprocess import OneProcessGrid
+    from _flower_inprocess import run_as_serverapp
+    from _run_compare import adapters, assert_close, assert_same_adapters, records
+    from fedlora import flower
+    from fedlora.cli import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(flower, "simulate", lambda main_, n: run_as_serverapp(main_, OneProcessGrid(n)))
+    argv = ["run", "tiny-smoke", "--set", f"method.name={method}", "--no-progress", "--set", "privacy.level=client",
+            "--set", "privacy.noise_multiplier=0.6", "--set", "privacy.clip_norm=0.5", "--set", "privacy.delta=1e-3",
+            "--set", "federation.sample_fraction=0.67"]
+    assert main([*argv, "--out", str(tmp_path / "embedded")]) == 0, capsys.readouterr().err
+    assert main([*argv, "--out", str(tmp_path / "flower"), "--runtime", "flower"]) == 0, capsys.readouterr().err
+    emb, flw = records(tmp_path / "embedded"), records(tmp_path / "flower")
+    assert all(r["privacy"]["epsilon"] > 0 for r in emb[1:])
+    assert_close(emb, flw)
+    assert_same_adapters(adapters(tmp_path / "embedded"), adapters(tmp_path / "flower"))
+
+
+def test_a_dry_run_shows_the_derived_sigma_and_refuses_a_budget_the_first_round_exceeds(tmp_path):
+    from fedlora.llm.config import load_config
+    from fedlora.llm.runtime import FederatedRun
+    from fedlora.privacy.accounting import noise_multiplier_for
+
+    cfg = load_config("tiny-smoke", ["privacy.level=client", "privacy.target_epsilon=3", "privacy.delta=1e-5",
+                                     f"output_dir={tmp_path / 'run'}"])
+    plan = FederatedRun(cfg).check()["privacy"]
+    q = cfg.federation.sample_fraction
+    assert plan["noise_multiplier"] == noise_multiplier_for(3.0, 1e-5, q, cfg.train.rounds)
+    assert plan["max_epsilon"] == 3.0 and plan["client_sampling_rate"] == q
+    bad = load_config("tiny-smoke", ["privacy.level=client", "privacy.noise_multiplier=0.1", "privacy.max_epsilon=5",
+                                     f"output_dir={tmp_path / 'bad'}"])
+    with pytest.raises(ConfigError, match="the first round alone spends"):
+        FederatedRun(bad).check()
+    assert not (tmp_path / "bad").exists()
