@@ -58,7 +58,7 @@ import torch
 from .errors import ConfigError
 from .payload import Payload
 
-__all__ = ["SUM_METHODS", "REFUSED", "secagg_refusal", "secagg_weighting", "SecAggQuantisation",
+__all__ = ["SUM_METHODS", "REFUSED", "secagg_refusal", "secagg_weighting", "check_secagg", "SecAggQuantisation",
            "choose_max_weight", "flatten_payload", "summed_payload", "integer_weights"]
 
 #: methods whose server aggregate is Σ_k p_k T_k of every uploaded tensor T, applied to that sum: name →
@@ -118,6 +118,20 @@ def secagg_weighting(method) -> str:
     if why is not None:
         raise ConfigError(why)
     return SUM_METHODS[_name(method)][0]
+
+
+def check_secagg(method, runtime: str, n_clients: int) -> None:
+    """What a run asking for SecAgg+ must satisfy, checked before any training (one line each): a method a sum
+    serves, the Flower runtime (the only one whose clients mask their uploads), at least 3 clients per round
+    (Flower's SecAgg+ needs num_shares > 2; with 2, each would learn the other's upload from the sum)."""
+    why = secagg_refusal(method)
+    if why is not None:
+        raise ConfigError(why)
+    if runtime != "flower":
+        raise ConfigError(f"secure aggregation (SecAgg+) needs runtime 'flower' (its clients mask their uploads), "
+                          f"got {runtime!r}")
+    if isinstance(n_clients, bool) or not isinstance(n_clients, int) or n_clients < 3:
+        raise ConfigError(f"secure aggregation (SecAgg+) needs at least 3 clients per round, got {n_clients!r}")
 
 
 def integer_weights(weights: Sequence[float]) -> list[int]:

@@ -10,8 +10,8 @@ import torch
 from fedlora.errors import ConfigError
 from fedlora.methods.base import available_methods, get_method
 from fedlora.payload import Payload
-from fedlora.secagg import (REFUSED, SUM_METHODS, SecAggQuantisation, choose_max_weight, flatten_payload,
-                            secagg_refusal, secagg_weighting, summed_payload)
+from fedlora.secagg import (REFUSED, SUM_METHODS, SecAggQuantisation, check_secagg, choose_max_weight,
+                            flatten_payload, secagg_refusal, secagg_weighting, summed_payload)
 
 F64 = torch.float64
 
@@ -172,11 +172,19 @@ def test_a_value_outside_the_clipping_range_is_a_one_line_error_on_the_client():
     (lambda: SecAggQuantisation(max_weight=10).weight_quanta([2.5]), "whole number"),
     (lambda: flatten_payload(Payload({"i.indices": torch.arange(3)})), "not a float tensor"),
     (lambda: summed_payload({"a": ((2,), F64)}, [np.zeros(3)]), "shape (3,), expected (2,)"),
+    (lambda: check_secagg("hetlora", "flower", 3), "cannot serve method 'hetlora': its server weights each client"),
+    (lambda: check_secagg("fedavg", "embedded", 3), "needs runtime 'flower' (its clients mask their uploads), got 'embedded'"),
+    (lambda: check_secagg("ffa", "flower", 2), "at least 3 clients per round, got 2"),
 ])
 def test_bad_settings_are_one_line(make, says):
     with pytest.raises(ConfigError) as e:
         make()
     assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_run_that_may_use_secagg_passes_the_check():
+    check_secagg("fedavg", "flower", 3)
+    check_secagg(get_method("h2tune"), "flower", 10)
 
 
 def test_flatten_and_sum_keep_names_shapes_and_dtypes():
