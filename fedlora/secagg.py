@@ -28,15 +28,15 @@ p_k = n_k / Σ_j n_j, per coordinate where every |x_k| ≤ X:
 
 — the rounding term N·Δ·Q/Σq = 2cN/Σq, plus the weights' own quantisation: with q_k = n_k Q/W + δ_k,
 |δ_k| ≤ ½, Σ_k |p̃_k − p_k| ≤ (Σ|δ_k| + |Σδ_k|)/Σq ≤ N/Σq. The (1 + 2⁻²⁰) covers float64 rounding in
-steps 1–3 (relative errors of a few ε₆₄ on values up to N·Q·Δ, so below 10⁻⁸ of the bound): fedlora hands
+steps 1–3 (relative errors of a few ε₆₄·Q ≤ 2⁻²¹ of the bound, since Q < M ≤ 2³²): fedlora hands
 Flower float64 arrays — in float32, (y + c)/Δ at Q = 2²² would lose half a grid step.
 
 **Choosing max_weight.** Σ_k q_k ≈ Q · Σ_k n_k / W, so the bound grows linearly in W: the smallest
 W that keeps every ratio n_k/W ≤ 1 (Flower warns of overflow above 1) is W = max_k n_k
 (``choose_max_weight``); with equal data sizes the bound is then (2c + X)/Q ≈ 3.8·10⁻⁶ at Flower's
-defaults c = 8, Q = 2²² — LoRA factors (|x| ~ 10⁻²) keep ~4 significant digits. Flower's default W = 1000
-with 3 clients of 20 examples each makes Σq 17× smaller and the bound 17× larger. A smaller c tightens the
-bound proportionally, but every weighted value must fit it.
+defaults c = 8, Q = 2²² — a relative error of ~4·10⁻⁴ on a LoRA factor of size 10⁻². Flower's default W = 1000
+with 3 clients of 20 examples each makes Σq 50× smaller and the bound 50× larger. A smaller c tightens the
+rounding term 2cN/Σq, but every weighted value must fit it.
 
 **No silent clip.** Flower clips y_k to [−c, c] without a word; fedlora checks first
 (``SecAggQuantisation.check_values``) and refuses an upload with a value outside in one line.
