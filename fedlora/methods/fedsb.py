@@ -85,7 +85,8 @@ class FedSB(FactorLoRA):
     option asking to train A or B (they are not options: ``build`` names the allowed ones)."""
 
     name = "fedsb"
-    sample_dp_refusal = "its initialisation round uploads full-weight gradients of the client's data (not a DP-SGD step) and its R step is its own"
+    #: sample-level DP: its own steps take private gradients (``_weight_gradients``, ``_r_gradients``)
+    sample_dp_refusal = None
     client_dp_refusal = ("not implemented yet: its first round uploads gradients (LoRA-SB's init), not an update of what was downloaded")
     fixed_lora_scale = ("Fed-SB fixes s = 1 (α = r): LoRA-SB's initialisation sets the update's scale and removes "
                         "the scale hyper-parameter (LoRA-SB §4; the authors' scripts set lora_alpha = lora_r)")
@@ -182,7 +183,7 @@ class FedSB(FactorLoRA):
         if self._init_round:  # accumulate G_k; nothing is trained
             if not self._grad_steps:  # η of the approximated first step, under the run's schedule (f at that step)
                 self._init_eta = self.init_lr * self.lr_factor
-            for b, g in self.full_weight_gradients(objective, sample()).items():
+            for b, g in self._weight_gradients(objective, sample()).items():
                 self._grads[b] = g if b not in self._grads else self._grads[b] + g
             self._grad_steps += 1
             return
@@ -190,13 +191,43 @@ class FedSB(FactorLoRA):
         P = dict(self.params)
         for j, b in enumerate(self.b_names):
             P[b] = fedsb_fold(self.frozen_B[b], self.R[:, j])  # differentiable in R; B frozen
-        loss = objective(P, sample()).sum()
         trained = [self.R] + [self.params[n] for n in self.heads]
-        for t, g in zip(trained, torch.autograd.grad(loss, trained)):
+        for t, g in zip(trained, self._r_gradients(objective, P, sample(), trained)):
             t.grad = g
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self._fold()
+
+    def _weight_gradients(self, objective: Objective, batch: Any) -> dict[str, torch.Tensor]:
+        """The initialisation round's ∂L/∂W per module (by B name): ``full_weight_gradients``, or with sample-level DP
+        (``set_sample_dp``) DP-SGD's release of it — per-example Σ_t g_tᵀ x_t clipped jointly over the modules, summed,
+        noised, / q·n_k (``fedlora.privacy.dpsgd.private_weight_gradients``): the client's data reach the server's
+        SVD only through that release."""
+        if self.sample_dp is None:
+            return self.full_weight_gradients(objective, batch)
+        from ..privacy.dpsgd import private_weight_gradients
+
+        modules = [a[: -len("lora_A")].rstrip(".") for a in self.a_names]
+        grads = private_weight_gradients(self.sample_dp, self.model, lambda: objective(self.params, batch), modules,
+                                         self.replica_clients)
+        return {b: grads[m] for m, b in zip(modules, self.b_names)}
+
+    def _r_gradients(self, objective: Objective, P: Mapping[str, torch.Tensor], batch: Any,
+                     trained: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+        """∂L/∂(R, head) of a training round; with sample-level DP, DP-SGD's: per-example gradients of the folded up
+        factor B·R (``per_sample_lora_grads``) taken to R by the chain rule, dRᵢ = Bᵀ d(BR)ᵢ, then clipped jointly
+        with a trained head's, summed, noised, / q·n_k (``fedlora.privacy.dpsgd.private_gradients``)."""
+        if self.sample_dp is None:
+            return torch.autograd.grad(objective(P, batch).sum(), trained)
+        from ..privacy.dpsgd import private_gradients
+
+        def to_r(per: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            d_r = torch.stack([torch.einsum("sor,snoq->snrq", self.frozen_B[b], per.pop(b)) for b in self.b_names], 2)
+            return {"R": d_r, **per}
+
+        grads = private_gradients(self.sample_dp, self.model, lambda: objective(P, batch), self.b_names + self.heads,
+                                  self.replica_clients, transform=to_r)
+        return [grads["R"]] + [grads[n] for n in self.heads]
 
     # communication ------------------------------------------------------------------------------
     def _prefix(self, a: str) -> str:

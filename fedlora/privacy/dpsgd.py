@@ -38,7 +38,8 @@ from fedlora.seeds import DP_SAMPLE, seed_of
 
 from .clipping import check_clip_norm, clip_per_sample, gaussian_noise_like, per_sample_lora_grads
 
-__all__ = ["SampleDP", "Capture", "capture", "per_sample_grads", "private_gradients", "DP_MASK"]
+__all__ = ["SampleDP", "Capture", "capture", "per_sample_grads", "privatise", "private_gradients",
+           "private_weight_gradients", "DP_MASK"]
 
 #: the batch entry (S·b,) of 1.0 for a real row and 0.0 for a padded one (the slot executor's Poisson batches)
 DP_MASK = "dp_mask"
@@ -242,22 +243,10 @@ def per_sample_grads(records: Sequence[Capture], grads_out: Sequence[torch.Tenso
     return out
 
 
-def private_gradients(sdp: SampleDP, model: nn.Module, losses_fn: Callable[[], torch.Tensor],
-                      names: Sequence[str], clients: Sequence[int]) -> dict[str, torch.Tensor]:
-    """One DP-SGD gradient of every slot: name → (S, *shape) = (Σᵢ clip_C(gᵢ) + N(0, σ²C²)) / (q·n_k).
-
-    Args:
-        sdp: the settings and streams (positioned with ``at``, sizes set).
-        model: the model whose adapter layers ``losses_fn`` runs through.
-        losses_fn: runs the forward and returns (S,) per slot the SUM of its real examples' losses (padded rows
-            contribute exactly 0, e.g. through ``torch.where``: their per-sample gradients are then 0 and, clipped
-            or not, add nothing).
-        names: the trained parameters (stacked (S, …)).
-        clients: the client in each slot (its noise stream and n_k).
-    Returns:
-        the private gradients, in the parameters' dtypes.
-    """
-    slots = len(clients)
+def _output_grads(model: nn.Module, losses_fn: Callable[[], torch.Tensor], slots: int
+                  ) -> tuple[list[Capture], Sequence[torch.Tensor | None]]:
+    """Run ``losses_fn`` with the layers recording (``capture``); the captures whose output is in the graph and the
+    gradient of the summed losses with respect to each output."""
     with capture(model) as records:
         losses = losses_fn()
     if losses.shape != (slots,):
@@ -265,7 +254,14 @@ def private_gradients(sdp: SampleDP, model: nn.Module, losses_fn: Callable[[], t
                           f"{tuple(losses.shape)}")
     live = [r for r in records if r.y.requires_grad]
     outs = torch.autograd.grad(losses.sum(), [r.y for r in live], allow_unused=True) if live else []
-    per = per_sample_grads(live, outs, names, model, slots)
+    return live, outs
+
+
+def privatise(sdp: SampleDP, per: Mapping[str, torch.Tensor], clients: Sequence[int]) -> dict[str, torch.Tensor]:
+    """DP-SGD's release from per-example gradients ``per`` (name → (S, n, *shape), slot p holding client
+    ``clients[p]``): per slot, each example clipped to C over all names jointly, summed, N(0, σ²C²) from the client's
+    "noise" stream added, divided by q·n_k. Returns name → (S, *shape)."""
+    names = list(per)
     result: dict[str, list[torch.Tensor]] = {n: [] for n in names}
     for p, k in enumerate(clients):
         if per[names[0]].shape[1]:
@@ -277,3 +273,51 @@ def private_gradients(sdp: SampleDP, model: nn.Module, losses_fn: Callable[[], t
         for n in names:
             result[n].append((clipped[n] + noise[n]) / denom)
     return {n: torch.stack(v) for n, v in result.items()}
+
+
+def private_gradients(sdp: SampleDP, model: nn.Module, losses_fn: Callable[[], torch.Tensor],
+                      names: Sequence[str], clients: Sequence[int],
+                      transform: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
+                      ) -> dict[str, torch.Tensor]:
+    """One DP-SGD gradient of every slot: name → (S, *shape) = (Σᵢ clip_C(gᵢ) + N(0, σ²C²)) / (q·n_k).
+
+    Args:
+        sdp: the settings and streams (positioned with ``at``, sizes set).
+        model: the model whose adapter layers ``losses_fn`` runs through.
+        losses_fn: runs the forward and returns (S,) per slot the SUM of its real examples' losses (padded rows
+            contribute exactly 0, e.g. through ``torch.where``: their per-sample gradients are then 0 and, clipped
+            or not, add nothing).
+        names: the parameters whose per-sample gradients are taken (stacked (S, …)).
+        clients: the client in each slot (its noise stream and n_k).
+        transform: per-example gradients of ``names`` → those of the tensors actually trained, by the chain rule
+            (Fed-SB: R from its up factor B·R); clipping, noise and the result are then over its output's names.
+    Returns:
+        the private gradients, in the parameters' dtypes.
+    """
+    live, outs = _output_grads(model, losses_fn, len(clients))
+    per = per_sample_grads(live, outs, names, model, len(clients))
+    return privatise(sdp, transform(per) if transform is not None else per, clients)
+
+
+def private_weight_gradients(sdp: SampleDP, model: nn.Module, losses_fn: Callable[[], torch.Tensor],
+                             modules: Sequence[str], clients: Sequence[int]) -> dict[str, torch.Tensor]:
+    """DP-SGD's release of the full-weight gradient ∂ℓ/∂W (d_out, d_in) of the adapted layers named ``modules``: per
+    example Σ_t g_tᵀ x_t (the weight's gradient is the layer's input times its output gradient, whatever adapter it
+    carries), clipped jointly over the modules, summed, noised, / q·n_k (``privatise``). Returns module name →
+    (S, d_out, d_in). Fed-SB's initialisation round under sample-level DP."""
+    slots = len(clients)
+    live, outs = _output_grads(model, losses_fn, slots)
+    names = {id(m): n for n, m in model.named_modules()}
+    wanted = set(modules)
+    per: dict[str, torch.Tensor] = {}
+    for rec, g in zip(live, outs):
+        name = names.get(id(rec.module))
+        if name not in wanted or rec.A is None:
+            continue
+        g = torch.zeros_like(rec.y) if g is None else g
+        w = torch.einsum("snto,sntd->snod", rec.per_example(g, slots), rec.per_example(rec.x.detach(), slots))
+        per[name] = w if name not in per else per[name] + w
+    missing = [m for m in modules if m not in per]
+    if missing:
+        raise ConfigError(f"sample-level DP: no adapted layer {missing[0]!r} took part in the forward")
+    return privatise(sdp, {m: per[m] for m in modules}, clients)
