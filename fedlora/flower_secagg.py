@@ -184,7 +184,7 @@ def _strategy(rounds: Sequence[SecAggRound], n_clients: int, quant: SecAggQuanti
 
     class _MeanOnly(Strategy):
         """Sends every client the round's provider; keeps the aggregate SecAgg+ hands it (the same in every
-        FitRes) and refuses a round that lost a client (a dropped upload would bias the mean silently)."""
+        FitRes) and refuses a round that lost a client (Flower would hand on the mean of the clients left, silently)."""
 
         def initialize_parameters(self, client_manager):
             return Parameters(tensors=[], tensor_type="numpy.ndarray")  # never ask a client for its arrays
