@@ -94,6 +94,39 @@ def test_per_sample_grads_equal_a_loop_float64():
     assert all(getattr(m, "dp_capture", None) is None for m in model.modules())  # capture is off afterwards
 
 
+def test_per_sample_grads_of_a_stacked_testbed_layer_equal_a_loop():
+    """The synthetic testbed's layout: a ``LoRALinear`` with G replicas, x (G, N, d_in), one example per row."""
+    from fedlora.adapter import LoRALinear
+
+    G, N, d_in, d_out, r = 2, 5, 4, 3, 2
+    g = torch.Generator().manual_seed(4)
+    layer = LoRALinear(d_in, d_out, r, alpha=5.0, stack=G, dtype=F64,
+                       base_weight=torch.randn(d_out, d_in, generator=g, dtype=F64))
+    with torch.no_grad():
+        layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=g, dtype=F64))
+    x, target = torch.randn(G, N, d_in, generator=g, dtype=F64), torch.randn(G, N, d_out, generator=g, dtype=F64)
+    with capture(layer) as recs:
+        losses = ((torch.sin(layer(x)) - target) ** 2).sum((1, 2))
+    assert len(recs) == 1 and recs[0].layout == "stack"
+    per = per_sample_grads(recs, torch.autograd.grad(losses.sum(), [recs[0].y]), ["lora_A", "lora_B"], layer, G)
+    for p in range(G):
+        for i in range(N):
+            loss = ((torch.sin(layer(x)) - target) ** 2)[p, i].sum()
+            da, db = torch.autograd.grad(loss, [layer.lora_A, layer.lora_B])
+            torch.testing.assert_close(per["lora_A"][p, i], da[p], rtol=1e-6, atol=1e-9)
+            torch.testing.assert_close(per["lora_B"][p, i], db[p], rtol=1e-6, atol=1e-9)
+    plain = LoRALinear(d_in, d_out, r, dtype=F64)  # an ordinary layer: (N, T, d_in) is N examples of T tokens
+    with torch.no_grad():
+        plain.lora_B.copy_(torch.randn(plain.lora_B.shape, generator=g, dtype=F64))
+    xs = torch.randn(N, 3, d_in, generator=g, dtype=F64)
+    with capture(plain) as recs:
+        losses = torch.sin(plain(xs)).sum((1, 2)).reshape(1, N).sum(1)
+    per = per_sample_grads(recs, torch.autograd.grad(losses.sum(), [recs[0].y]), ["lora_B"], plain, 1)
+    for i in range(N):
+        (db,) = torch.autograd.grad(torch.sin(plain(xs))[i].sum(), [plain.lora_B])
+        torch.testing.assert_close(per["lora_B"][0, i], db, rtol=1e-6, atol=1e-9)
+
+
 def _by_hand(ref, names, mask, S, b, sdp, clients):
     """The DP-SGD gradient from per-example gradients: joint clip, Σ over real rows, + the client's noise, / q·n_k."""
     out = {n: [] for n in names}

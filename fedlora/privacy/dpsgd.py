@@ -151,7 +151,8 @@ class Capture:
     """One forward of one layer inside ``capture``: the module, its input ``x`` and output ``y`` (the tensor the
     model uses downstream: its gradient is g) as the module saw them, the factors it used (``A``, ``B``: the
     tensors a functional call substituted, for a LoRA layer) and ``layout``: "slot" — x (S·b, …, d), slot-major —
-    or "stack" — x (G, N, d), one example per row of each replica."""
+    or "stack" — x (G, N, [T,] d) of a layer with G replicas (the testbed's: one example per row), (N, [T,] d) of an
+    ordinary layer."""
 
     __slots__ = ("module", "x", "y", "A", "B", "layout")
 
@@ -163,9 +164,9 @@ class Capture:
         """``t`` (x or g) as (S, n, T, d): S slots of n examples of T positions."""
         if self.layout == "slot":
             return t.reshape(slots, t.shape[0] // slots, -1, t.shape[-1])
-        if t.dim() == 2:  # an unstacked layer: (N, d)
-            return t.reshape(1, t.shape[0], 1, t.shape[-1])
-        return t.reshape(t.shape[0], t.shape[1], -1, t.shape[-1])
+        if getattr(self.module, "stack", None) is None:  # an ordinary layer: one replica, (N, [T,] d)
+            return t.reshape(1, t.shape[0], -1, t.shape[-1])
+        return t.reshape(t.shape[0], t.shape[1], -1, t.shape[-1])  # (G, N, [T,] d)
 
 
 def _capturing(model: nn.Module) -> list[nn.Module]:
