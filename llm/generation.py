@@ -257,6 +257,12 @@ class GenerationTask(Task):
         ce = F.cross_entropy(lg.reshape(-1, lg.shape[-1]), y.clamp_min(0).reshape(-1), reduction="none").view(y.shape)
         return ce * mask, mask
 
+    def example_losses(self, logits: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """(S·b,) each row's mean cross-entropy over its own target tokens (0 for a row without any): one example's
+        loss for sample-level DP-SGD, which sums a slot's real rows (``fedlora.llm.slots``)."""
+        ce, mask = self._token_losses(logits, batch["labels"])
+        return ce.sum(1) / mask.sum(1).clamp_min(1)
+
     def loss(self, logits: torch.Tensor, batch: Mapping[str, torch.Tensor], slots: int) -> torch.Tensor:
         """(S,): each slot's mean cross-entropy over all its target tokens."""
         ce, mask = self._token_losses(logits, batch["labels"])

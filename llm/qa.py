@@ -244,6 +244,11 @@ class QATask(Task):
         return (F.cross_entropy(logits[..., 0], batch["start_positions"], reduction="none")
                 + F.cross_entropy(logits[..., 1], batch["end_positions"], reduction="none")) / 2
 
+    def example_losses(self, logits: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """(S·b,) each feature's (CE(start) + CE(end)) / 2: one example's loss for sample-level DP-SGD (a feature is
+        the unit a client's rows are drawn in, ``train_rows``)."""
+        return self._feature_losses(logits, batch)
+
     def loss(self, logits: torch.Tensor, batch: Mapping[str, torch.Tensor], slots: int) -> torch.Tensor:
         """(S,): each slot's mean over its features of (CE(start) + CE(end)) / 2."""
         return self._feature_losses(logits, batch).view(slots, -1).mean(1)

@@ -146,7 +146,11 @@ class SlotExecutor:
                 raise ConfigError(f"sample_dp must be a fedlora.privacy.dpsgd.SampleDP, got {type(sample_dp).__name__}")
             if not callable(getattr(self.task, "example_losses", None)):
                 raise ConfigError(f"sample-level DP needs each example's loss; the {self.task.kind!r} task does not "
-                                  "give them (classification does)")
+                                  "give them (classification, generation and extractive QA do)")
+            if self.task.kind == "qa" and self.cfg.data.doc_stride is not None:
+                raise ConfigError("sample-level DP with data.doc_stride: a question read in several windows would be "
+                                  "several records (features), so one question would not be protected; leave "
+                                  "data.doc_stride unset")
             if self.dropout.enabled and self.P > 1:
                 raise ConfigError("sample-level DP with model.dropout: a client's dropout masks would depend on its "
                                   "pass-mates' batch sizes (Poisson batches are padded per pass); set "

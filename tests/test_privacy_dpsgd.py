@@ -533,3 +533,68 @@ def test_fedsb_trains_r_privately_after_its_private_initialisation():
         downloaded = ex.method  # the R each client received is the server's R₀; its own R moved from it
         r0 = torch.stack([state[a[: -len("lora_A")] + "lora_R"] for a in downloaded.a_names])
         assert not torch.allclose(after[k]["extra:R"], r0)
+
+
+def test_example_losses_are_each_rows_own_loss():
+    """What DP-SGD sums per slot is each row's own loss: a row's value is the task's loss of that row alone
+    (classification: cross-entropy; generation: the mean over the row's own target tokens; QA: a feature's
+    (CE(start) + CE(end)) / 2) — so a row's gradient does not depend on the other rows of its batch."""
+    from fedlora.llm.classification import ClassificationTask
+    from fedlora.llm.generation import GenerationTask
+    from fedlora.llm.qa import QATask
+
+    g = torch.Generator().manual_seed(0)
+    n, L, V = 4, 6, 7
+    cases = [
+        (ClassificationTask.__new__(ClassificationTask), torch.randn(n, 3, generator=g, dtype=F64),
+         {"labels": torch.randint(0, 3, (n,), generator=g)}),
+        (GenerationTask.__new__(GenerationTask), torch.randn(n, L, V, generator=g, dtype=F64),
+         {"labels": torch.tensor([[-100, -100, 1, 2, 3, -100], [-100, 4, 5, -100, -100, -100],
+                                  [-100, -100, -100, -100, 6, 0], [-100, 1, 1, 1, 1, 1]])}),
+        (QATask.__new__(QATask), torch.randn(n, L, 2, generator=g, dtype=F64),
+         {"start_positions": torch.tensor([0, 2, 5, 1]), "end_positions": torch.tensor([1, 3, 5, 4])}),
+    ]
+    for task, logits, batch in cases:
+        per = task.example_losses(logits, batch)
+        assert per.shape == (n,)
+        for i in range(n):
+            alone = task.loss(logits[i:i + 1], {k: v[i:i + 1] for k, v in batch.items()}, 1)
+            torch.testing.assert_close(per[i], alone[0], rtol=1e-12, atol=0, msg=type(task).__name__)
+    lens = (cases[1][2]["labels"][:, 1:] != -100).sum(1)
+    assert len(set(lens.tolist())) > 1  # rows with different target lengths: a per-row mean, not the slot's token mean
+
+
+def _tiny_task_run(config, *sets):
+    from fedlora.llm.config import load_config
+    from fedlora.llm.runtime import FederatedRun
+
+    cfg = load_config(config, ["method.name=fedavg", "method.options={}", "method.lr=null", "tiny=true",
+                               "federation.clients=2", "data.max_train_samples=40", "data.max_test_samples=8",
+                               "train.local_steps=2", "federation.partition=iid", "data.client_column=null", *sets])
+    return FederatedRun(cfg, write=False).prepare().slots
+
+
+@pytest.mark.parametrize("config,sets", [("e2e-pf2lora", []), ("squad-pf2lora", ["data.task=squad"])])
+def test_generation_and_qa_train_privately(config, sets):
+    """σ = 0: two private steps move every LoRA factor of both clients (the clipped gradients alone)."""
+    ex = _tiny_task_run(config, *sets)
+    before = _records(ex)
+    sdp = SampleDP(1.0, 0.0, 0.5, seed=0)
+    ex.set_sample_dp(sdp)
+    for step in (0, 1):
+        sdp.at(0, step)
+        assert all(len(sdp.poisson_rows(k, ex.sizes[k])) for k in (0, 1))
+    _train(ex, 0, (0, 1))
+    after = _records(ex)
+    lora = [n for n in before[0] if n.startswith("param:") and "lora_" in n]
+    assert lora
+    for k in (0, 1):
+        for n in lora:
+            assert not torch.equal(before[k][n], after[k][n]), (k, n)
+
+
+def test_qa_read_in_windows_is_refused():
+    ex = _tiny_task_run("squad-pf2lora", "data.task=squad", "data.doc_stride=16")
+    with pytest.raises(ConfigError, match=r"^sample-level DP with data.doc_stride: a question read in several") as e:
+        ex.set_sample_dp(SampleDP(1.0, 1.0, 0.1))
+    assert "\n" not in str(e.value)
