@@ -455,7 +455,7 @@ def check_privacy(cfg: RunConfig, method_cls) -> None:
             raise ConfigError(f"federation.min_clients: must be 1 under client-level DP (clients are drawn by Poisson "
                               f"sampling, so a round's number of clients is random), got {cfg.federation.min_clients}")
     else:
-        why = getattr(method_cls, "sample_dp_refusal", "sample-level DP is not built yet")
+        why = method_cls.sample_dp_refusal
         if why is not None:
             raise ConfigError(f"privacy.level: sample-level DP does not apply to {name}: {why}")
 

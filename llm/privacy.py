@@ -14,18 +14,25 @@ from fedlora.privacy.plan import PrivacyPlan
 
 from .config import RunConfig
 
-__all__ = ["privacy_plan", "client_references", "describe_plan"]
+__all__ = ["privacy_plan", "sample_dp_of", "client_references", "describe_plan"]
 
 
-def privacy_plan(cfg: RunConfig, n_clients: int) -> PrivacyPlan | None:
-    """The plan of a run of ``n_clients`` federated clients (None: privacy off). Client level: q =
-    ``federation.sample_fraction``, one Poisson-subsampled Gaussian step per round; σ given or derived from
-    ``target_epsilon`` over ``train.rounds`` rounds (``noise_multiplier_for``); δ = 1/(2K) when auto."""
+def privacy_plan(cfg: RunConfig, n_clients: int, sizes: Sequence[int] | None = None,
+                 steps: Sequence[int] | None = None) -> PrivacyPlan | None:
+    """The plan of a run of ``n_clients`` federated clients (None: privacy off).
+
+    Client level: q = ``federation.sample_fraction``, one Poisson-subsampled Gaussian step per round; σ given or
+    derived from ``target_epsilon`` over ``train.rounds`` rounds (``noise_multiplier_for``); δ = 1/(2K) when auto.
+
+    Sample level (``sizes``: each client's training rows n_k, ``steps``: its local steps per round): client k's
+    batches are Poisson samples at q_k = min(1, b/n_k) (b = ``train.batch_size``, the expected batch size), each
+    round composing its steps; δ = 1/(2·min n_k) when auto; σ given, or the smallest σ with which EVERY client
+    ends the planned rounds within ``target_epsilon`` were it drawn in every round (the worst client's σ)."""
     p = cfg.privacy
     if p.level == "none":
         return None
-    if p.level != "client":
-        raise ConfigError(f"privacy.level: {p.level} is not wired into fedlora run yet")
+    if p.level == "sample":
+        return _sample_plan(cfg, sizes, steps)
     q = float(cfg.federation.sample_fraction)
     delta = delta_from_data_size(n_clients) if p.delta == "auto" else float(p.delta)
     if p.noise_multiplier is not None:
@@ -36,13 +43,49 @@ def privacy_plan(cfg: RunConfig, n_clients: int) -> PrivacyPlan | None:
     plan = PrivacyPlan(level="client", delta=delta, max_epsilon=None if budget is None else float(budget),
                        noise_multiplier=sigma,
                        client=ClientDP(float(p.clip_norm), sigma, q, seed=int(cfg.seed)))
-    if plan.max_epsilon is not None:
-        first = PrivacyAccountant().epsilon_after(plan.participation([], n_clients), delta)
-        if first > plan.max_epsilon * (1 + 1e-9):
-            raise ConfigError(f"privacy.max_epsilon: the first round alone spends ε = {first:.4g} at δ = {delta:g} "
-                              f"(σ = {sigma:g}, q = {q:g}), above the budget {plan.max_epsilon:g}; raise the budget "
-                              f"or privacy.noise_multiplier")
+    _check_first_round(plan, [], n_clients)
     return plan
+
+
+def _sample_plan(cfg: RunConfig, sizes, steps) -> PrivacyPlan:
+    p = cfg.privacy
+    if sizes is None or steps is None:
+        raise ConfigError("privacy.level: sample-level DP's plan needs each client's data size and local steps")
+    b = int(cfg.train.batch_size)
+    rates = [min(1.0, b / int(n)) for n in sizes]
+    delta = delta_from_data_size(min(int(n) for n in sizes)) if p.delta == "auto" else float(p.delta)
+    rounds = int(cfg.train.rounds)
+    if p.noise_multiplier is not None:
+        sigma = float(p.noise_multiplier)
+    else:  # each distinct (q_k, steps_k) once: the library's calibration takes ~0.1 s per try
+        sigma = max(noise_multiplier_for(float(p.target_epsilon), delta, q, int(t) * rounds)
+                    for q, t in sorted(set(zip(rates, steps))) if int(t) > 0)
+    budget = p.max_epsilon if p.max_epsilon is not None else p.target_epsilon
+    plan = PrivacyPlan(level="sample", delta=delta, max_epsilon=None if budget is None else float(budget),
+                       noise_multiplier=sigma, sample_rates=tuple(rates), sample_steps=tuple(int(t) for t in steps),
+                       clip_norm=float(p.clip_norm))
+    _check_first_round(plan, list(range(len(sizes))), len(sizes))
+    return plan
+
+
+def _check_first_round(plan: PrivacyPlan, participants: Sequence[int], n_clients: int) -> None:
+    """A budget the first round alone exceeds (every client drawn): one line, before training."""
+    if plan.max_epsilon is None:
+        return
+    first = PrivacyAccountant().epsilon_after(plan.participation(participants, n_clients), plan.delta)
+    if first > plan.max_epsilon * (1 + 1e-9):
+        raise ConfigError(f"privacy.max_epsilon: the first round alone spends ε = {first:.4g} at δ = {plan.delta:g} "
+                          f"(σ = {plan.noise_multiplier:g}), above the budget {plan.max_epsilon:g}; raise the budget "
+                          f"or privacy.noise_multiplier")
+
+
+def sample_dp_of(cfg: RunConfig, plan: PrivacyPlan | None):
+    """The slot executor's DP-SGD settings (``fedlora.privacy.dpsgd.SampleDP``) of a sample-level plan, else None."""
+    if plan is None or plan.level != "sample":
+        return None
+    from fedlora.privacy.dpsgd import SampleDP
+
+    return SampleDP(float(cfg.privacy.clip_norm), plan.noise_multiplier, list(plan.sample_rates), seed=int(cfg.seed))
 
 
 def client_references(record: Mapping[str, torch.Tensor], names: Sequence[str]) -> dict[str, torch.Tensor]:
@@ -61,4 +104,7 @@ def describe_plan(plan: PrivacyPlan | None) -> dict[str, Any] | None:
         out.update(clip_norm=plan.client.clip_norm, client_sampling_rate=plan.client.sampling_rate,
                    client_sampling="poisson", weights="equal (data-size weights dropped)",
                    denominator="expected participants q·K")
+    else:
+        out.update(clip_norm=plan.clip_norm, batch_sampling="poisson", batch_rates=list(plan.sample_rates),
+                   local_steps=list(plan.sample_steps), denominator="expected batch size q_k·n_k")
     return out

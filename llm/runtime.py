@@ -37,7 +37,7 @@ from .runfolder import data_label
 from .tasks import get_task
 from .dropout import install_client_dropout
 from .manifest import data_files, environment, file_hashes, split_indices
-from .privacy import client_references, describe_plan, privacy_plan
+from .privacy import client_references, describe_plan, privacy_plan, sample_dp_of
 from .inject import head_linear_names, inject_adapters, make_head_trainable, match_targets
 
 __all__ = ["FederatedRun", "slot_executor"]
@@ -186,6 +186,7 @@ class FederatedRun:
         self.train_sets = [self.task.train_rows(self.enc_train, np.sort(t)) for t in train_sets]  # QA: features
         self.sizes = [len(t) for t in self.train_sets]
         self.steps = self._local_steps()
+        self.privacy_plan = privacy_plan(cfg, self.K_train, self.sizes, self.steps)  # None: privacy off
         self.federation = Federation(n_groups=1, n_clients=self.K_train, client_weights=self.sizes,
                                      sample_fraction=1.0 if self.centralized else fc.sample_fraction,
                                      sample_seed=cfg.seed)
@@ -195,7 +196,7 @@ class FederatedRun:
         self.slots = self.local = SlotExecutor(cfg, self.method, self.model, self.tokenizer, self.device, data,
                                                self.store, self.dropout, P=self.P, centralized=self.centralized,
                                                head_mode=self.head_mode, head_linear=self.head_linear,
-                                               targets=self.targets)
+                                               targets=self.targets, sample_dp=sample_dp_of(cfg, self.privacy_plan))
         # what the method is told of where it runs, in one call before it is bound: one base model shared by every
         # client (FLoRA merges into it server-side), the head policy, the logits (H²Tune's eq. 7), L_g (hetero)
         self.method.use_runtime(RuntimeFacts(shared_base=True, head_mode=self.head_mode,
@@ -203,8 +204,8 @@ class FederatedRun:
         initial = self.slots.init_records()
         self.initial_record = self.slots.initial_record
         spec = UploadSpec.of(self.method)
-        self.privacy_plan = privacy_plan(cfg, self.K_train)  # None: privacy off
-        refs = [client_references(self.initial_record, list(spec.tensors))] if self.privacy_plan else None
+        refs = [client_references(self.initial_record, list(spec.tensors))] \
+            if self.privacy_plan is not None and self.privacy_plan.client is not None else None
         self.server = Server(self.method, self.federation, [initial], cfg.train.rounds,
                              min_clients=1 if self.centralized else fc.min_clients,
                              spec=spec, privacy=self.privacy_plan, dp_references=refs)
@@ -327,7 +328,9 @@ def dry_run(run: "FederatedRun") -> dict[str, Any]:
     resolved (the head policy, the targets)."""
 
     run._settings(machine=False)
-    plan = describe_plan(privacy_plan(run.cfg, run.cfg.federation.clients))  # σ derived, δ resolved, budget checked
+    # σ derived, δ resolved, the budget checked; sample level: when the run has each client's data size
+    plan = describe_plan(privacy_plan(run.cfg, run.cfg.federation.clients)) if run.cfg.privacy.level == "client" \
+        else None
     private = {"privacy": plan} if plan is not None else {}
     data = run.check_data()
     if not data["checked"]:

@@ -47,6 +47,7 @@ class PrivacyPlan:
     client: ClientDP | None = None
     sample_rates: Sequence[float] = field(default_factory=tuple)
     sample_steps: Sequence[int] = field(default_factory=tuple)
+    clip_norm: float | None = None  # C (sample level; client level: ``client.clip_norm``)
 
     def __post_init__(self) -> None:
         if self.level not in LEVELS[1:]:
@@ -73,9 +74,12 @@ class PrivacyPlan:
         return out
 
     def record(self, accountant: PrivacyAccountant, eps: float | None = None) -> dict[str, Any]:
-        """What a round record says of privacy after the round: the level, ε so far (the largest over units) at δ."""
+        """What a round record says of privacy after the round: the level, ε so far (the largest over units) at δ,
+        and at sample level each client's ε (clients never drawn have none)."""
         e = accountant.epsilon(self.delta) if eps is None else eps
         out: dict[str, Any] = {"level": self.level, "epsilon": e, "delta": self.delta}
+        if self.level == "sample":  # each client's own ε (its examples are the records); "epsilon" is the largest
+            out["epsilon_by_client"] = accountant.epsilons(self.delta)
         if self.max_epsilon is not None:
             out["max_epsilon"] = self.max_epsilon
         return out

@@ -1,0 +1,124 @@
+"""Sample-level DP-SGD as a run's switch (`privacy.level: sample`, issue 29 items 2–3): the plan a run resolves
+(Poisson batch rates b/n_k, δ from the data size, σ for a target ε), each client's ε from its REALISED
+participation, resume with the same ε, the Flower runtime equal to the embedded one, the one-line refusals.
+The mechanism itself (per-sample gradients, clipping, noise streams) is tested in tests/test_privacy_dpsgd.py."""
+import json
+
+import pytest
+
+from fedlora.errors import ConfigError
+from fedlora.methods import available_methods, get_method
+
+REFUSED = [m for m in available_methods() if get_method(m).sample_dp_refusal is not None]
+DP = ["method.name=ffa", "privacy.level=sample", "privacy.noise_multiplier=1.1", "privacy.clip_norm=0.5",
+      "privacy.delta=1e-5", "train.rounds=3"]
+
+
+def _lines(out):
+    return [{k: v for k, v in json.loads(line).items() if k != "wall_s"}
+            for line in (out / "rounds.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def sample_run(tmp_path_factory):
+    from _run_helpers import tiny_run
+
+    return tiny_run(tmp_path_factory.mktemp("sample_dp") / "run", *DP)
+
+
+def test_each_clients_epsilon_is_the_librarys_for_the_rounds_it_trained_in(sample_run):
+    import dp_accounting
+
+    resolved = json.loads((sample_run / "config.json").read_text())
+    plan, cfg = resolved["resolved"]["privacy"], resolved["config"]
+    sizes = resolved["resolved"]["train_sizes"]
+    b = cfg["train"]["batch_size"]
+    assert plan["batch_rates"] == [min(1.0, b / n) for n in sizes]  # Poisson at the expected batch size b
+    assert plan["local_steps"] == resolved["resolved"]["local_steps"]
+    drawn = {str(k): 0 for k in range(len(sizes))}
+    lines = _lines(sample_run)[1:]
+    for rec in lines:
+        for k in rec["participants"]:
+            drawn[str(k)] += 1
+        by_client = rec["privacy"]["epsilon_by_client"]
+        assert set(by_client) == {k for k, n in drawn.items() if n}  # never drawn: nothing spent
+        for k, eps in by_client.items():
+            acc = dp_accounting.rdp.RdpAccountant()
+            q, steps = plan["batch_rates"][int(k)], plan["local_steps"][int(k)]
+            acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(1.1)), steps * drawn[k])
+            assert eps == pytest.approx(acc.get_epsilon(1e-5), rel=1e-9), (rec["round"], k)
+        assert rec["privacy"]["epsilon"] == max(by_client.values())
+    assert len(set(drawn.values())) > 1  # client sampling on: the clients' ε differ by their participation
+
+
+def test_a_sample_level_run_resumed_equals_the_uninterrupted_one(sample_run, tmp_path):
+    from _run_helpers import interrupted_run
+    from fedlora.llm.runs import resume
+
+    stopped = interrupted_run(tmp_path / "d", rounds=3, stop_before=2, overrides=DP[:-1])
+    resume(stopped, progress=False).run()
+    assert _lines(stopped) == _lines(sample_run)
+    assert json.loads((stopped / "summary.json").read_text())["privacy"] == \
+        json.loads((sample_run / "summary.json").read_text())["privacy"]
+
+
+def test_a_sample_level_run_trains_and_a_different_seed_gives_other_numbers(sample_run, tmp_path):
+    from _run_helpers import tiny_run
+
+    lines = _lines(sample_run)
+    assert all(r["train_loss"] for r in lines[1:])
+    other = _lines(tiny_run(tmp_path / "seed1", *DP, "seed=1"))
+    assert [r["train_loss"] for r in other[1:]] != [r["train_loss"] for r in lines[1:]]
+
+
+@pytest.mark.xdist_group("flower")
+def test_sample_level_dp_over_flower_gives_the_embedded_runs_records(sample_run, tmp_path, monkeypatch, capsys):
+    """Each node builds its clients' DP-SGD from the run's config (the same streams per client, round and step),
+    so a Flower deployment trains the same private steps and the server records the same ε."""
+    pytest.importorskip("flwr")
+    from _flower_inprocess import OneProcessGrid, run_as_serverapp
+    from _run_compare import adapters, assert_close, assert_same_adapters, records
+    from _run_helpers import FAST
+    from fedlora import flower
+    from fedlora.cli import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(flower, "simulate", lambda main_, n: run_as_serverapp(main_, OneProcessGrid(n)))
+    sets = [a for kv in [*FAST, *DP] for a in ("--set", kv)]
+    out = tmp_path / "flower"
+    assert main(["run", "tiny-smoke", *sets, "--no-progress", "--runtime", "flower", "--out", str(out)]) == 0, \
+        capsys.readouterr().err
+    assert_close(records(sample_run), records(out))
+    assert_same_adapters(adapters(sample_run), adapters(out))
+
+
+@pytest.mark.parametrize("method", REFUSED)
+def test_a_method_without_a_private_local_step_is_refused_in_one_line(method):
+    from fedlora.llm.config import RunConfig
+
+    with pytest.raises(ConfigError) as e:
+        RunConfig.from_dict({"method": {"name": method}, "privacy": {"level": "sample", "noise_multiplier": 1.0}})
+    assert "\n" not in str(e.value) and method in str(e.value)
+    assert get_method(method).sample_dp_refusal in str(e.value)
+
+
+def test_the_plan_derives_sigma_for_the_worst_client_and_refuses_a_budget_the_first_round_exceeds():
+    from fedlora.llm.config import RunConfig
+    from fedlora.llm.privacy import privacy_plan
+    from fedlora.privacy.accounting import PrivacyAccountant
+
+    cfg = RunConfig.from_dict({"train": {"rounds": 5, "batch_size": 8},
+                               "privacy": {"level": "sample", "target_epsilon": 3.0, "delta": "auto"}})
+    sizes, steps = [40, 200, 80], [10, 10, 4]
+    plan = privacy_plan(cfg, 3, sizes, steps)
+    assert plan.delta == 1 / (2 * 40) and list(plan.sample_rates) == [8 / 40, 8 / 200, 8 / 80]
+    eps = []
+    for q, t in zip(plan.sample_rates, steps):
+        acc = PrivacyAccountant()
+        acc.record("k", q, plan.noise_multiplier, t * 5)
+        eps.append(acc.epsilon(plan.delta))
+    assert max(eps) <= 3.0 and max(eps) == pytest.approx(3.0, rel=1e-3) and eps[0] == max(eps)  # client 0 binds
+    bad = RunConfig.from_dict({"privacy": {"level": "sample", "noise_multiplier": 0.2, "max_epsilon": 1.0}})
+    with pytest.raises(ConfigError, match="the first round alone spends") as e:
+        privacy_plan(bad, 3, sizes, steps)
+    assert "\n" not in str(e.value)
