@@ -598,3 +598,15 @@ def test_qa_read_in_windows_is_refused():
     with pytest.raises(ConfigError, match=r"^sample-level DP with data.doc_stride: a question read in several") as e:
         ex.set_sample_dp(SampleDP(1.0, 1.0, 0.1))
     assert "\n" not in str(e.value)
+
+
+def test_dropout_with_pass_mates_is_refused_and_alone_allowed():
+    """With model.dropout a client's masks are drawn for its slot's rows: under Poisson batches padded per pass they
+    would depend on its pass-mates, so that is refused; one client per pass is allowed and trains."""
+    ex = _prepared("fedavg", "model.dropout=true", "federation.clients_per_pass=3")
+    with pytest.raises(ConfigError, match=r"^sample-level DP with model.dropout: a client's dropout masks") as e:
+        ex.set_sample_dp(SampleDP(1.0, 1.0, 0.3))
+    assert "\n" not in str(e.value) and ex.sample_dp is None and ex.method.sample_dp is None
+    alone = _prepared("fedavg", "model.dropout=true", "federation.clients_per_pass=1")
+    alone.set_sample_dp(SampleDP(1.0, 1.0, 0.3))
+    _train(alone, 0)
