@@ -156,7 +156,8 @@ class H2Tune(Method):
 
     name = "h2tune"
     sample_dp_refusal = 'its TriLoRA middle matrix and its two steps on each batch (its own step) have no per-sample gradients here'
-    client_dp_refusal = ("not implemented yet: its server aligns each client's R across layers and models before summing")
+    client_dp_refusal = ("not implemented yet: its upload is each client's R mapped onto the global layers, and the "
+                         "server holds no R before the first round to take a first update from")
     personalised = True  # the private A_k, B_k
     default_head = "personal"  # task-specific knowledge (clients may even have different label sets)
     head_modes = ("frozen", "personal")
