@@ -19,6 +19,10 @@ A client's numbers do not depend on its slot (bit for bit); who shares its pass 
 the floating-point rounding of batched GEMMs (the pass's padded length and row count), as any change
 of batch size does in PyTorch.
 
+With sample-level DP-SGD (``set_sample_dp``, ``fedlora.privacy.dpsgd``) each client's batch of a step is Poisson-drawn
+from its own stream, the pass's slots padded to the largest draw with masked rows, and the method takes per-sample
+clipped, noised gradients: a client's numbers still do not depend on its pass-mates beyond rounding.
+
 Evaluation loads every client (read-only: nothing is stored back), applies what the server sent it
 (``Server.evaluation_downloads``) and scores its personalised model on its own test and validation
 split; ``evaluate_global`` scores the server's state (methods with a global model) on the whole test
@@ -261,7 +265,7 @@ class SlotExecutor:
     def _private_objective(self, params: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """(S,): Σ over slot p's real rows of the task's per-example loss (``example_losses``), padded rows exactly 0
         (``torch.where``: their gradient is 0 too) — the summed loss whose per-example gradients DP-SGD clips. The
-        training loss recorded is the mean over the round's real rows."""
+        training loss recorded is the mean over the round's real rows (0.0 for a client that drew none all round)."""
         mask = batch[DP_MASK].view(self._slots, -1) > 0
         batch = {k: v for k, v in batch.items() if k != DP_MASK}
         per = self.task.example_losses(self._forward(params, batch), batch).view(self._slots, -1)
