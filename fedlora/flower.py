@@ -240,19 +240,34 @@ def _client_query(msg, context):
     _load_state(node, k, context)
     if op == "get-record":  # a client that never trained here: its initial record
         return _reply(msg, record=tensors_to_record(node.executor.records()[k]))
-    sent = node.executor.deliver(int(conf["round"]), {k: _download(msg.content)})
+    rnd = int(conf["round"])
+    sent = node.executor.deliver(rnd, {k: _download(msg.content)})
     _save_state(node, k, context)
-    return _reply(msg, result=app.ConfigRecord({"bytes-down": int(sent[k])}))
+    result = {"bytes-down": int(sent[k])}
+    kept = {"record": context.state[node.state_key]} if conf.get("with-record", False) else {}
+    if conf.get("then-evaluate", False):  # the evaluation the server makes next (FlowerExecutor.evaluate_with_deliver)
+        _load_state(node, k, context)  # from the record just stored, as the evaluation's own process would
+        ev = {} if conf["then-evaluate"] == "live" else {k: Download({}, False, None)}
+        scores = node.executor.evaluate(rnd, [k], ev)[k]
+        result["scores"] = json.dumps(scores, allow_nan=True)
+    return _reply(msg, result=app.ConfigRecord(result), **kept)
 
 
 def _client_evaluate(msg, context):
+    """Score the node's client; with ``with-record`` (the run's final evaluation, ``FlowerExecutor``'s
+    ``final_round``) the reply also carries the record the node keeps — what ``get-record`` would answer next,
+    taken before the evaluation (which stores nothing) — so that the run's end needs no message wave of its own."""
     app = _flwr()
     conf = msg.content["config"]
     node = _local_run(conf)
     k = _partition(context, node)
     _load_state(node, k, context)
+    kept = {}
+    if conf.get("with-record", False):  # as flower_client's get-record: the stored record, else the initial one
+        kept["record"] = (context.state[node.state_key] if node.state_key in context.state
+                          else tensors_to_record(node.executor.records()[k]))
     scores = node.executor.evaluate(int(conf["round"]), [k], _downloads(k, msg.content))[k]
-    return _reply(msg, result=app.ConfigRecord({"scores": json.dumps(scores, allow_nan=True)}))
+    return _reply(msg, result=app.ConfigRecord({"scores": json.dumps(scores, allow_nan=True)}), **kept)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -260,22 +275,45 @@ def _client_evaluate(msg, context):
 class FlowerExecutor:
     """``fedlora.server.ClientExecutor`` over a Flower ``Grid``: client k's round goes to the node of
     partition k. ``timeout``: seconds a round waits for replies (a client that does not answer is a
-    ``timeout`` failure). ``poll``: seconds between pulls (flwr's own deployment grid sleeps 3 s)."""
+    ``timeout`` failure). ``poll``: seconds between the first pulls of a wave's replies, growing ×2 up to
+    ``max_poll`` while none comes (flwr's own deployment grid sleeps 3 s; on a deployment each pull is a request
+    the SuperLink serves, on the cores the ClientApps need)."""
 
     shared_base = False  # every client has its own base model (FLoRA is refused: check_flower_method)
 
     def __init__(self, grid, config: Mapping[str, Any], n_clients: int, *, node: str, timeout: float = 600.0,
-                 poll: float = 0.05, node_wait: float = 120.0, live: bool = False) -> None:
+                 poll: float = 0.05, max_poll: float = 0.5, node_wait: float = 120.0, live: bool = False,
+                 final_round: int | None = None, evaluate_with_deliver: bool = False, connect: bool = True) -> None:
         """``config``: what the nodes rebuild the run from (JSON-able; every message carries it);
         ``n_clients``: the run's clients, one node each; ``node``: the registered node kind the nodes build
         (``register_node``). ``live``: the server sends every client the round's changes at the end of each
         round (``deliver``), as the testbed's executor does, instead of each client's download with its next
-        round's message (``fedlora run``)."""
-        self.grid, self.n_clients, self.timeout, self.poll = grid, int(n_clients), float(timeout), float(poll)
+        round's message (``fedlora run``). ``final_round``: the round whose evaluation of every client is the
+        run's last message before ``records()`` (the final adapters, a last checkpoint): its replies carry each
+        node's record, which ``records()`` then gives without asking again — unless a message since could
+        have changed one (``train``, ``deliver``, ``restore``). ``evaluate_with_deliver``: the server evaluates
+        every client right after a ``deliver`` to every client (the testbed's live rounds; ``fedlora run``'s final
+        broadcast): each node evaluates in the deliver message, on what it then holds — with no download
+        (``live``) or with the empty one the server sends a synchronised client — and ``evaluate`` gives those
+        scores when it is asked exactly that, without a message wave (the final round's deliver also brings the
+        records back). ``connect=False``: the nodes are asked which
+        partition they hold (``hello``) but the answers are read by ``connect()`` — the caller builds its
+        run meanwhile (a deployment's ServerApp: seconds of imports and model, while each node starts a process)."""
+        self.grid, self.n_clients, self.timeout = grid, int(n_clients), float(timeout)
+        self.poll, self.max_poll = float(poll), max(float(poll), float(max_poll))
         self.live = bool(live)
+        self.final_round = None if final_round is None else int(final_round)
         self.node = {"fedlora-node": str(node), "fedlora-node-module": _node_kind(str(node)).module}
         self.config_json = json.dumps(dict(config), sort_keys=True)
-        self.node_of = self._map_partitions(node_wait)
+        #: every node's record from the final evaluation's replies (``final_round``), until a message changes one
+        self._kept: dict[int, Any] | None = None
+        self.evaluate_with_deliver = bool(evaluate_with_deliver)
+        #: (round, client → scores) of the evaluation made with the last deliver, until a message changes a record
+        self._scores: tuple[int, dict[int, Any]] | None = None
+        self._node_of: dict[int, int] | None = None
+        self._hello = self._say_hello(node_wait)
+        if connect:
+            self.connect()
         #: what Flower carried for training and synchronisation: array bytes (the tensors) and config bytes
         #: (the run's config travels in every message, so that a node needs nothing but its data)
         self.wire_bytes = {"arrays_down": 0, "arrays_up": 0, "config_down": 0, "messages": 0}
@@ -300,9 +338,12 @@ class FlowerExecutor:
 
     def _exchange(self, msgs, timeout: float) -> dict[int, Any]:
         """Send ``msgs``; the replies by source node (a node that does not answer in time is absent)."""
-        ids = {i for i in self.grid.push_messages(msgs) if i}
-        deadline = time.monotonic() + timeout
+        return self._collect({i for i in self.grid.push_messages(msgs) if i}, time.monotonic() + timeout)
+
+    def _collect(self, ids: set, deadline: float) -> dict[int, Any]:
+        """The replies to the messages ``ids`` by source node, pulled until ``deadline`` (time.monotonic)."""
         out = {}
+        wait = self.poll
         while ids:
             got = list(self.grid.pull_messages(ids))
             for m in got:
@@ -310,10 +351,20 @@ class FlowerExecutor:
             ids.difference_update(m.metadata.reply_to_message_id for m in got)
             if not ids or time.monotonic() >= deadline:
                 break
-            time.sleep(self.poll)
+            if got:  # a reply came: the others are near
+                wait = self.poll
+            time.sleep(min(wait, max(0.0, deadline - time.monotonic())))
+            wait = min(2 * wait, self.max_poll)
         return out
 
-    def _map_partitions(self, node_wait: float) -> dict[int, int]:
+    @property
+    def node_of(self) -> dict[int, int]:
+        """Client → the node id holding its partition (``connect`` reads the nodes' answers, once)."""
+        return self._node_of if self._node_of is not None else self.connect()
+
+    def _say_hello(self, node_wait: float):
+        """Wait (at most ``node_wait`` s) for the run's SuperNodes to connect and ask each its partition;
+        what ``connect`` needs to read the answers."""
         K = self.n_clients
         deadline = time.monotonic() + node_wait
         while True:
@@ -324,7 +375,16 @@ class FlowerExecutor:
                 raise ConfigError(f"flower: {len(nodes)} SuperNode(s) connected after {node_wait:.0f} s, the run "
                                   f"has {K} clients (one SuperNode per client)")
             time.sleep(0.2)
-        replies = self._exchange([self._message("query", -1, -1, op="hello", node=n) for n in nodes], node_wait)
+        msgs = [self._message("query", -1, -1, op="hello", node=n) for n in nodes]
+        return nodes, {i for i in self.grid.push_messages(msgs) if i}, node_wait
+
+    def connect(self) -> dict[int, int]:
+        """The nodes' answers to ``hello``: client → node id (``node_of``). ``ConfigError`` (one line) when a
+        node does not answer within the wait, holds no partition or the same as another, or a partition has no node."""
+        if self._node_of is not None:
+            return self._node_of
+        nodes, ids, node_wait = self._hello
+        replies = self._collect(ids, time.monotonic() + node_wait)
         node_of: dict[int, int] = {}
         for n in nodes:
             rep = replies.get(n)
@@ -336,13 +396,15 @@ class FlowerExecutor:
             if k in node_of:
                 raise ConfigError(f"flower: SuperNodes {node_of[k]} and {n} both hold partition {k}")
             node_of[k] = n
-        missing = [k for k in range(K) if k not in node_of]
+        missing = [k for k in range(self.n_clients) if k not in node_of]
         if missing:
             raise ConfigError(f"flower: no SuperNode holds partition(s) {missing}")
+        self._node_of = node_of
         return node_of
 
     # -- the executor ----------------------------------------------------------------------------------
     def train(self, rnd: int, clients: Sequence[int], downloads: Mapping[int, Download]):
+        self._kept = self._scores = None  # the nodes' records change
         msgs = [self._message("train", k, rnd, None if self.live else downloads.get(k, Download())) for k in clients]
         self._count(msgs)
         replies = self._exchange(msgs, self.timeout)
@@ -366,10 +428,31 @@ class FlowerExecutor:
         return out
 
     def deliver(self, rnd: int, downloads: Mapping[int, Download]) -> dict[int, int]:
-        msgs = [self._message("query", k, rnd, d, op="deliver") for k, d in downloads.items()]
+        self._kept = self._scores = None
+        everyone = set(downloads) == set(self.node_of)
+        extra = {}
+        if self.evaluate_with_deliver and everyone:
+            extra["then-evaluate"] = "live" if self.live else "synced"
+            if rnd == self.final_round:
+                extra["with-record"] = True
+        msgs = [self._message("query", k, rnd, d, op="deliver", **extra) for k, d in downloads.items()]
         self._count(msgs)
         replies = self._required(msgs, list(downloads), "did not take the final global state")
+        if extra:
+            self._scores = (rnd, {k: rep.content["result"]["scores"] for k, rep in replies.items()})
+        if "with-record" in extra:
+            self._kept = {k: rep.content["record"] for k, rep in replies.items()}
         return {k: int(rep.content["result"]["bytes-down"]) for k, rep in replies.items()}
+
+    def _evaluated_with_deliver(self, rnd: int, clients: Sequence[int], downloads: Mapping[int, Download]):
+        """The scores of round ``rnd``'s deliver when this evaluation is the one each node made then: the same
+        round, every client, what the server sends each one — nothing (live) or an empty uncounted download."""
+        if self._scores is None or self._scores[0] != rnd or set(clients) != set(self._scores[1]):
+            return None
+        if not self.live and not all(k in downloads and not downloads[k].state and not downloads[k].counted
+                                     and downloads[k].nbytes is None for k in clients):
+            return None
+        return {k: json.loads(str(self._scores[1][k])) for k in clients}
 
     def _required(self, msgs, clients: Sequence[int], what: str) -> dict[int, Any]:
         """Send ``msgs``; every one of ``clients`` must answer without error (else ``RuntimeError``
@@ -390,11 +473,16 @@ class FlowerExecutor:
         return self._required(msgs, sorted(self.node_of), f"did not answer {op}")
 
     def records(self) -> dict[int, dict[str, torch.Tensor]]:
-        """Every client's state record, as its node keeps it (what a checkpoint holds)."""
-        return {k: record_to_tensors(rep.content["record"]) for k, rep in self._ask_all("get-record").items()}
+        """Every client's state record, as its node keeps it (what a checkpoint holds): from the final
+        evaluation's replies when no message has changed a node's record since (``final_round``), else asked."""
+        kept = self._kept if self._kept is not None and set(self._kept) == set(self.node_of) else None
+        if kept is None:
+            kept = {k: rep.content["record"] for k, rep in self._ask_all("get-record").items()}
+        return {k: record_to_tensors(kept[k]) for k in sorted(kept)}
 
     def restore(self, records: Mapping[int, Mapping[str, torch.Tensor]]) -> None:
         """Give every node the record of a checkpoint (a resumed run)."""
+        self._kept = self._scores = None
         self._ask_all("put-record", records)
 
     def _count(self, msgs) -> None:
@@ -406,9 +494,17 @@ class FlowerExecutor:
         raise NotImplementedError
 
     def evaluate(self, rnd: int, clients: Sequence[int], downloads: Mapping[int, Download]) -> dict[int, dict]:
-        """Each client scores its own model on its own rows on its node, with what the server sent it."""
-        msgs = [self._message("evaluate", k, rnd, None if self.live else downloads.get(k)) for k in clients]
+        """Each client scores its own model on its own rows on its node, with what the server sent it; the
+        evaluation of ``final_round`` also brings every node's record back (``records``)."""
+        done = self._evaluated_with_deliver(rnd, clients, downloads)
+        if done is not None:
+            return done
+        final = rnd == self.final_round and set(clients) == set(self.node_of) and self._kept is None
+        extra = {"with-record": True} if final else {}
+        msgs = [self._message("evaluate", k, rnd, None if self.live else downloads.get(k), **extra) for k in clients]
         replies = self._required(msgs, list(clients), "could not be evaluated")
+        if final:
+            self._kept = {k: rep.content["record"] for k, rep in replies.items()}
         return {k: json.loads(str(rep.content["result"]["scores"])) for k, rep in replies.items()}
 
 

@@ -114,6 +114,15 @@ def _refuse_existing(paths: Sequence[Path], overwrite: bool) -> None:
         raise ConfigError(f"certs: {', '.join(have)} already exist{'s' if len(have) == 1 else ''}: key material is "
                           f"never replaced unless asked (overwrite=True; the command line's --overwrite)")
 
+#: flwr 1.42's SuperExec (one beside the SuperLink, one beside each SuperNode) asks its parent for a new app
+#: task every ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` seconds (1 s by default): each ask is an HTTP request,
+#: ≈ 6 ms of CPU on loopback (an idle 3-node deployment: 0.28 of a core at 0.1 s, 0.05 at 1 s, measured).
+TASK_POLL_ENV = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"
+#: a ``LocalDeployment``'s SuperNodes ask every half second: ≤ 0.5 s (0.25 s on average) on a message wave,
+#: whose SuperNode poll is 3 s and whose ClientApp is a new Python process, for ≈ 0.01 of a core per node
+#: (at a tenth of a second, the CPU those requests take is taken from the ClientApps on a small machine)
+NODE_TASK_POLL_S = 0.5
+
 #: where flwr's programs live: the SuperLink and SuperNodes start ``flower-superexec``, ``flwr-serverapp`` and
 #: ``flwr-clientapp`` by name, so this folder must be on their PATH too (``flower_env``)
 BIN = Path(sys.executable).parent
@@ -351,11 +360,10 @@ class LocalDeployment:
         self.nodes, self.tls, self.auth = int(nodes), bool(tls), bool(auth)
         self.start_timeout, self.node_wait_s = float(start_timeout), float(node_wait_s)
         self.home = self.work / "flwr-home"
-        self.env = flower_env(self.home)
-        # each SuperNode's SuperExec asks for new app tasks every second by default (flwr 1.42's
-        # FLWR_SUPEREXEC_TASK_POLL_INTERVAL): on loopback a tenth of that costs nothing and takes up to a second
-        # off every message wave; a value the user set is kept
-        self.env.setdefault("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.1")
+        self.env = flower_env(self.home)  # the SuperLink's and flwr's (its SuperExec: flwr's 1 s poll, or the user's)
+        #: the SuperNodes' environment: their SuperExecs ask for a message's task every NODE_TASK_POLL_S
+        #: (``TASK_POLL_ENV``; a value the user set is kept)
+        self.node_env = {TASK_POLL_ENV: f"{NODE_TASK_POLL_S:g}", **self.env}
         self.port = _free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.certs: dict[str, Path] | None = None
@@ -367,11 +375,11 @@ class LocalDeployment:
         self.app, self.app_dir = str(app), self.work / "app"
 
     # -- processes ---------------------------------------------------------------------------------------
-    def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, cmd: list[str], env: Mapping[str, str] | None = None) -> subprocess.Popen:
         log = open(self.work / f"{name}.log", "wb")
         try:
-            p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.work,
-                                 start_new_session=True)
+            p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(self.env if env is None else env),
+                                 cwd=self.work, start_new_session=True)
         finally:
             log.close()
         self.procs[name] = p
@@ -398,22 +406,40 @@ class LocalDeployment:
             check_reachable(self.address, self.certs["ca"] if self.certs else None, self.start_timeout)
         except ConfigError as e:
             raise ConfigError(f"{e}; its log: {self.work / 'superlink.log'}") from None
-        for k in range(self.nodes):
-            key = None
-            if self.auth:
-                key, pub = make_node_key(self.work / f"supernode{k}.key")
-                r = self.flwr("supernode", "register", str(pub), "local", "--name", f"partition-{k}")
+        keys: dict[int, Path | None] = dict.fromkeys(range(self.nodes))
+        if self.auth:  # every node's key registered before its node starts: the registrations side by side
+            keys = {k: make_node_key(self.work / f"supernode{k}.key") for k in range(self.nodes)}
+            done = self.flwr_all([["supernode", "register", str(pub), "local", "--name", f"partition-{k}"]
+                                  for k, (_, pub) in keys.items()])
+            for k, r in enumerate(done):
                 if r.returncode != 0:
                     raise ConfigError(f"flwr supernode register (partition {k}) failed: {_last_line(r.stderr or r.stdout)}")
+            keys = {k: priv for k, (priv, _) in keys.items()}
+        for k in range(self.nodes):
             self._spawn(f"supernode{k}", supernode_command(
                 self.address, k, self.nodes, ca=self.certs["ca"] if self.certs else None, port=_free_port(),
-                auth_key=key, max_wait_s=self.node_wait_s))
+                auth_key=keys[k], max_wait_s=self.node_wait_s), env=self.node_env)
         return self
 
     def flwr(self, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
         """Run the ``flwr`` command line against this deployment (connection name ``local``)."""
         return subprocess.run([str(BIN / "flwr"), *args], env=self.env, cwd=self.work, capture_output=True,
                               text=True, timeout=timeout)
+
+    def flwr_all(self, calls: Sequence[Sequence[str]], timeout: float = 120.0) -> list[subprocess.CompletedProcess]:
+        """``flwr`` once per argument list of ``calls``, the processes side by side (each is seconds of Python
+        start-up); their results in order. One still running after ``timeout`` s is killed (status -9)."""
+        procs = [subprocess.Popen([str(BIN / "flwr"), *args], env=self.env, cwd=self.work, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for args in calls]
+        deadline, out = time.monotonic() + timeout, []
+        for args, p in zip(calls, procs):
+            try:
+                so, se = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                so, se = p.communicate()
+            out.append(subprocess.CompletedProcess(p.args, p.returncode, so, se))
+        return out
 
     def stop(self) -> list[int]:
         """Stop every process this deployment started (SIGTERM, SIGKILL after 10 s); the pids that had to be

@@ -59,10 +59,15 @@ def _clients(config: Mapping[str, Any]) -> int:
 flower.register_node(NODE, _node, clients=_clients)
 
 
-def executor_over(grid, cfg) -> FlowerExecutor:
+def executor_over(grid, cfg, *, connect: bool = True) -> FlowerExecutor:
     """The executor of a run (``RunConfig`` ``cfg``) whose clients are the nodes of the Flower ``grid``: a
-    ``FlowerExecutor`` waiting for each round's replies as long as the run's ``federation.timeout_s``."""
-    return FlowerExecutor(grid, cfg.to_dict(), cfg.federation.clients, node=NODE, timeout=cfg.federation.timeout_s)
+    ``FlowerExecutor`` waiting for each round's replies as long as the run's ``federation.timeout_s``. The
+    last round's final broadcast (``deliver``) is also the evaluation the driver always makes next and brings
+    back the nodes' records, which the run's adapters are saved from (``final_round``, ``evaluate_with_deliver``:
+    one message wave for the three). ``connect=False``: the nodes' answers to ``hello`` are read by
+    ``FlowerExecutor.connect`` (or the first message)."""
+    return FlowerExecutor(grid, cfg.to_dict(), cfg.federation.clients, node=NODE, timeout=cfg.federation.timeout_s,
+                          final_round=cfg.train.rounds - 1, evaluate_with_deliver=True, connect=connect)
 
 
 def run_simulation(run) -> dict[str, Any]:
@@ -96,8 +101,13 @@ def _deployment_main(grid, context) -> None:
     if str(rc.get("out", "")):
         cfg = RunConfig.from_dict({**cfg.to_dict(), "output_dir": str(rc["out"])})
     check_flower_config(cfg)
+    # the nodes are asked which partition they hold first: each answers from a new process (seconds of
+    # SuperNode poll and start-up) while this one builds the run (seconds of imports and model); a node's
+    # bad answer is raised before the run claims its folder
+    executor = executor_over(grid, cfg, connect=False)
     run = FederatedRun(cfg, runtime="flower", overwrite=bool(rc.get("overwrite", False)))
-    run.run(executor=executor_over(grid, cfg))
+    executor.connect()
+    run.run(executor=executor)
 
 
 client_app = flower.client_app

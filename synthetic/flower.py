@@ -121,24 +121,29 @@ class SyntheticNode:
 def serve(grid, spec: Mapping[str, Any], *, timeout: float = 600.0) -> list[dict[str, Any]]:
     """The server of ``spec``'s run over a Flower ``grid``: ``run_rounds``' records (per replica lists of
     ``bytes_up``, ``bytes_down``, ``train_loss`` after each round's deliveries; ``participants``: the ids drawn)."""
-    return _serve(grid, spec, timeout)[0]
+    return _serve(grid, spec, timeout, records=False)[0]
 
 
 def serve_with_records(grid, spec: Mapping[str, Any], *,
                        timeout: float = 600.0) -> tuple[list[dict[str, Any]], dict[int, dict[str, torch.Tensor]]]:
     """``serve``, and every client's final state record as its node keeps it (``Method.replica_state``:
     adapter, optimizer moments, method state) — what ``run_embedded(spec, records=True)`` gives embedded."""
-    history, executor = _serve(grid, spec, timeout)
+    history, executor = _serve(grid, spec, timeout, records=True)
     return history, executor.records()
 
 
-def _serve(grid, spec: Mapping[str, Any], timeout: float):
+def _serve(grid, spec: Mapping[str, Any], timeout: float, *, records: bool):
+    """``serve``'s rounds and its executor; ``records``: the last round's evaluation brings the nodes'
+    records back (``FlowerExecutor``'s ``final_round``), which ``executor.records()`` then gives."""
     run = build_spec_run(spec)  # the server's half of the method (aggregation, server_update, upload checks)
     cfg = _config(spec)
     fed, m = run.federation, run.method
     weighted = dataclasses.replace(fed, client_weights=fed.weights.tolist())  # as run_rounds
     server = Server(m, weighted, [m.initial_server_state(0)], cfg.rounds)
-    executor = FlowerExecutor(grid, spec, int(spec["clients"]), node=TASK, timeout=timeout, live=True)
+    # every round ends with the changes delivered to every client (live), whom the server then evaluates:
+    # one message wave for both (evaluate_with_deliver), the last one bringing the records back when asked
+    executor = FlowerExecutor(grid, spec, int(spec["clients"]), node=TASK, timeout=timeout, live=True,
+                              final_round=cfg.rounds - 1 if records else None, evaluate_with_deliver=True)
     history, t0 = [], time.perf_counter()
     everyone = list(range(fed.n_replicas))
     for rnd in range(cfg.rounds):

@@ -11,7 +11,9 @@ processes, TLS, authentication and the command line of a deployment are tested b
 (tests/test_flower_deploy.py, tests/test_flower_synthetic.py)."""
 from __future__ import annotations
 
+import json
 import uuid
+from pathlib import Path
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.common.constant import SUPERLINK_NODE_ID
@@ -75,6 +77,18 @@ class OneProcessGrid:
                                                reason=f"{type(ex)}:<'{ex}'>"), reply_to=msg))
         self.state[node] = context_to_proto(context).SerializeToString()
         return _through_wire(reply)
+
+
+def expected_messages(run_dir, clients: int = 3) -> dict[int, int]:
+    """The messages each client's node answers in a `fedlora run` on Flower that wrote ``run_dir``: ``hello``,
+    every evaluation but the last, a ``train`` per round it was drawn for (rounds.jsonl), a ``get-record`` per
+    checkpoint before the last round (``train.checkpoint_every``), the final ``deliver`` — which is also the
+    last evaluation and brings the final records (the adapters, a last checkpoint) back: no message of their own."""
+    rounds = [json.loads(line) for line in (Path(run_dir) / "rounds.jsonl").read_text().splitlines()]
+    every = json.loads((Path(run_dir) / "config.json").read_text())["config"]["train"]["checkpoint_every"]
+    evals = sum("eval" in r for r in rounds)
+    checkpoints = sum(1 for r in range(1, len(rounds) - 1) if every and r % every == 0)
+    return {k: 1 + evals + checkpoints + sum(k in r["participants"] for r in rounds[1:]) for k in range(clients)}
 
 
 def simulate_in_one_process(main, n_clients: int):

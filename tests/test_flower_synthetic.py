@@ -81,9 +81,11 @@ def test_simulation_gives_the_embedded_records_for_every_config_on_shared_nodes(
         assert not any(torch.equal(got[a], got[b]) for a, b in ((0, 1), (0, 2), (1, 2))), (name, got)
 
 
-def _one_process_records(specs, **grid):
-    return run_as_serverapp(lambda g: {name: serve_with_records(g, spec, timeout=120) for name, spec in specs.items()},
-                            OneProcessGrid(3, **grid))
+def _one_process_records(specs, grids=None, **grid):
+    g = OneProcessGrid(3, **grid)
+    if grids is not None:
+        grids.append(g)
+    return run_as_serverapp(lambda gr: {name: serve_with_records(gr, spec, timeout=120) for name, spec in specs.items()}, g)
 
 
 def test_a_deployment_in_one_process_gives_the_embedded_records_for_every_config():
@@ -93,11 +95,16 @@ def test_a_deployment_in_one_process_gives_the_embedded_records_for_every_config
     specs = {m: _spec(m) for m in METHODS}
     specs["h2tune-classification"] = _spec("h2tune", task="classification")
     specs["hetlora"] = _spec("hetlora")
-    flw = _one_process_records(specs)
+    grids = []
+    flw = _one_process_records(specs, grids)
     for name, spec in specs.items():
         emb = run_embedded(spec, records=True)
         assert_same_history(emb[0], flw[name][0], name)
         assert_same_records(emb[1], flw[name][1], name)
+    # per config and node: hello, a train per round its client was drawn for, a deliver per round — which is
+    # also the round's evaluation (and, the last one, brings the final records back): no message of their own
+    assert grids[0].messages == {k: sum(1 + len(h) + sum(k in r["participants"] for r in h) for h, _ in flw.values())
+                                 for k in range(3)}
     # RoLoRA trains one factor per round, so there a client that sat out a factor's rounds has none of its
     # optimizer state in a deployment and zeros of it embedded: the same fresh state (assert_same_records)
     assert any("optim:opt:lora_B:exp_avg" not in flw["rolora"][1][k] for k in range(3))
