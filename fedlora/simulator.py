@@ -32,10 +32,14 @@ class StackedExecutor:
     shared_base = False
 
     def __init__(self, method: Method, federation: Federation, objective: Objective, sample: Sampler,
-                 local_steps: int, on_payload: Callable[[str, int, Payload], None] | None = None) -> None:
+                 local_steps: int, on_payload: Callable[[str, int, Payload], None] | None = None,
+                 sample_dp: Any = None) -> None:
         self.method, self.federation = method, federation
         self.objective, self.sample, self.local_steps = objective, sample, local_steps
         self.on_payload = on_payload
+        #: sample-level DP-SGD (``fedlora.privacy.dpsgd.SampleDP``, also given to the method): positioned at
+        #: (round, step) before every local step, so each step's Poisson batch and noise have their own streams
+        self.sample_dp = sample_dp
 
     def _seen(self, direction: str, replica: int, payload: Payload) -> Payload:
         if self.on_payload is not None:
@@ -50,7 +54,9 @@ class StackedExecutor:
             self._seen("down", i, m.download(i, d.state))
         snap = m.snapshot() if idle else None
         m.begin_round(round_idx)
-        for _ in range(self.local_steps):
+        for step in range(self.local_steps):
+            if self.sample_dp is not None:
+                self.sample_dp.at(round_idx, step)
             m.local_step(self.objective, self.sample)
         m.end_round(round_idx)
         if idle:  # sampled-out clients did not train: the stacked step is undone for them
@@ -88,6 +94,8 @@ def run_rounds(
     local_steps: int,
     evaluate: Callable[[int], dict[str, Any]] | None = None,
     on_payload: Callable[[str, int, Payload], None] | None = None,
+    sample_dp: Any = None,
+    dp_delta: float | None = None,
 ) -> list[dict[str, Any]]:
     """Run ``rounds`` rounds of the server's protocol with the stacked executor; one record per round.
 
@@ -102,6 +110,12 @@ def run_rounds(
     increment (``method.incremental_download``: FLoRA's stack to merge) goes to every client, every
     round, counted, as each must apply every increment to stay current. ``on_payload``: see
     ``StackedExecutor``.
+
+    ``sample_dp`` (a ``fedlora.privacy.dpsgd.SampleDP`` already given to the method with ``set_sample_dp``, with
+    ``objective``/``sample`` giving per-replica SUMS over Poisson batches: ``synthetic.privacy``): every local
+    step is DP-SGD's, and a ``PrivacyAccountant`` composes, per round, (q_k, σ, local_steps) for each replica
+    that took part (unit ``"g:k"``: client k of federation g, its own data set); the record then has
+    ``privacy: {epsilon, epsilon_by_client, delta}`` at ``dp_delta`` (ε the largest unit's).
     """
     if rounds < 1 or local_steps < 1:
         raise ConfigError(f"rounds and local_steps must be ≥ 1, got {rounds}, {local_steps}")
@@ -109,12 +123,26 @@ def run_rounds(
     weighted = dataclasses.replace(federation, client_weights=federation.weights.tolist())
     server = Server(method, weighted, [method.initial_server_state(federation.replicas_of(g)[0])
                                        for g in range(federation.n_groups)], rounds)
-    executor = StackedExecutor(method, federation, objective, sample, local_steps, on_payload)
+    if sample_dp is not None:
+        from .privacy.accounting import PrivacyAccountant, check_delta
+
+        if method.sample_dp is not sample_dp:
+            raise ConfigError("run_rounds: sample_dp must be the one the method trains with (method.set_sample_dp)")
+        delta = check_delta(dp_delta)
+        accountant = PrivacyAccountant()
+    executor = StackedExecutor(method, federation, objective, sample, local_steps, on_payload, sample_dp)
     history: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     n = federation.n_replicas
+    K = federation.n_clients
     for rnd in range(rounds):
-        record = round_record(server.run_round(executor, rnd), rnd, local_steps, n, t0)
+        rec = server.run_round(executor, rnd)
+        record = round_record(rec, rnd, local_steps, n, t0)
+        if sample_dp is not None:  # realised participation: a replica sampled out composes nothing
+            accountant.record_round({f"{i // K}:{i % K}": (sample_dp.rate(i % K), sample_dp.noise_multiplier,
+                                                           local_steps) for i in rec["participants"]})
+            record["privacy"] = {"epsilon": accountant.epsilon(delta), "epsilon_by_client": accountant.epsilons(delta),
+                                 "delta": delta}
         if evaluate is not None:
             record.update(evaluate(rnd))
         history.append(record)

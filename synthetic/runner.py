@@ -245,7 +245,7 @@ def run_method(name: str, data: StackedData, *, lr: float, rounds: int, local_st
                options: Mapping[str, Any] | None = None, adapter: Mapping[str, Any] | None = None,
                lr_arg: str = "lr", client_weights: Sequence[float] | None = None,
                rank_tol: float = 0.02, record_payloads: bool = False, sample_fraction: float = 1.0,
-               sample_seed: int = 0, keep_records: bool = False) -> RunResult:
+               sample_seed: int = 0, keep_records: bool = False, privacy: Any = None) -> RunResult:
     """Train ``name`` on every federation of ``data`` at once; evaluate each client's final model.
 
     ``adapter``: ``LoRALinear`` keyword arguments; default ``method.adapter_kwargs()``.
@@ -257,12 +257,25 @@ def run_method(name: str, data: StackedData, *, lr: float, rounds: int, local_st
     ``sample_fraction``, ``sample_seed``: client sampling per round (``fedlora.server.Federation``).
     ``keep_records``: also keep every replica's final client state record (``RunResult.records``: adapter,
     optimizer moments, method state), e.g. to compare with the records a Flower run's nodes keep.
+    ``privacy``: a ``synthetic.privacy.TestbedPrivacy`` — sample-level DP-SGD in every local step (Poisson batches,
+    per-example clipping, noise per federation, client, round and step); each round record then has ``privacy``
+    (ε per client from the rounds it took part in). Evaluation is unchanged (every replica's full splits).
     """
     run = build_run(name, data, lr=lr, options=options, adapter=adapter, lr_arg=lr_arg,
                     client_weights=client_weights, sample_fraction=sample_fraction, sample_seed=sample_seed)
     method, fed, layer, objective, batch, metrics = run.method, run.federation, run.layer, run.objective, run.batch, run.metrics
     G = fed.n_replicas
     sample = run.sample
+    sample_dp = None
+    train_objective, train_sample = objective, sample
+    if privacy is not None:
+        from .privacy import dp_objective, dp_sampler, make_sample_dp
+
+        if method.sample_dp_refusal is not None:  # before σ's calibration (seconds)
+            method.set_sample_dp(privacy)  # raises the method's one-line refusal
+        sample_dp = make_sample_dp(privacy, data.client_sizes, data.group_seeds, rounds, local_steps)
+        method.set_sample_dp(sample_dp)
+        train_objective, train_sample = dp_objective(layer, data.task, data.d_out), dp_sampler(data, sample_dp)
 
     payloads: dict[str, list[tuple[int, Payload]]] = {"up": [], "down": []}
 
@@ -278,8 +291,9 @@ def run_method(name: str, data: StackedData, *, lr: float, rounds: int, local_st
         with warnings.catch_warnings():
             if data.task == "regression":  # expected: H²Tune's output KL is for classifiers (docs/methods/h2tune.md)
                 warnings.filterwarnings("ignore", message="h2tune: no output_fn")
-            history = run_rounds(method, fed, objective, sample, rounds, local_steps, evaluate,
-                                 on_payload=keep if record_payloads else None)
+            history = run_rounds(method, fed, train_objective, train_sample, rounds, local_steps, evaluate,
+                                 on_payload=keep if record_payloads else None, sample_dp=sample_dp,
+                                 dp_delta=None if privacy is None else privacy.delta)
     except (RuntimeError, ValueError, ArithmeticError) as e:
         diverged = not all(torch.isfinite(p).all() for p in layer.parameters())
         if isinstance(e, ConfigError) and not diverged:

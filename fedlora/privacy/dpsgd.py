@@ -78,6 +78,9 @@ class SampleDP:
         self.round: int | None = None
         self.step: int | None = None
         self.client_sizes: dict[int, int] = {}
+        #: the synthetic testbed's stacked federations: the seed of each slot's (replica's) federation, which then
+        #: keys that slot's streams instead of ``seed`` (``set_slot_seeds``); None: every slot uses ``seed``
+        self.slot_seeds: list[int] | None = None
 
     def __repr__(self) -> str:
         return (f"SampleDP(clip_norm={self.clip_norm!r}, noise_multiplier={self.noise_multiplier!r}, "
@@ -101,6 +104,26 @@ class SampleDP:
             out[int(k)] = n
         self.client_sizes = out
 
+    def set_slot_seeds(self, seeds: Sequence[int] | None) -> None:
+        """Several federations stacked in one model (the synthetic testbed, ``fedlora.simulator``): slot p's streams
+        are ``seed_of(seeds[p], DP_SAMPLE, kind, client, round, step)`` — keyed by its federation's seed, so replicas
+        of the same client in different federations draw independent batches and noise, and a federation draws the
+        same numbers whichever others share the stack. None: every slot uses ``seed``."""
+        if seeds is not None:
+            seeds = list(seeds)
+            for v in seeds:
+                if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                    raise ConfigError(f"sample-level DP: a federation's seed must be an integer ≥ 0, got {v!r}")
+        self.slot_seeds = seeds
+
+    def slot_seed(self, slot: int) -> int:
+        """The seed that keys slot ``slot``'s streams (``set_slot_seeds``; ``seed`` by default)."""
+        if self.slot_seeds is None:
+            return self.seed
+        if not 0 <= slot < len(self.slot_seeds):
+            raise ConfigError(f"sample-level DP: slot {slot} has no federation seed ({len(self.slot_seeds)} given)")
+        return self.slot_seeds[slot]
+
     def rate(self, client: int) -> float:
         """q of ``client``."""
         if isinstance(self.sampling_rate, dict):
@@ -117,28 +140,32 @@ class SampleDP:
         return self.rate(client) * self.client_sizes[client]
 
     # streams -------------------------------------------------------------------------------------------
-    def generator(self, kind: str, client: int, device: torch.device | str = "cpu") -> torch.Generator:
-        """Client ``client``'s generator of ``kind`` ("batch" or "noise") at the current (round, step)."""
+    def generator(self, kind: str, client: int, device: torch.device | str = "cpu",
+                  seed: int | None = None) -> torch.Generator:
+        """Client ``client``'s generator of ``kind`` ("batch" or "noise") at the current (round, step); ``seed``:
+        its federation's (``slot_seed``), default the run's."""
         if kind not in ("batch", "noise"):
             raise ConfigError(f"sample-level DP: a stream is 'batch' or 'noise', got {kind!r}")
         if self.round is None:
             raise ConfigError("sample-level DP: no local step is positioned (the runtime calls at(round, step) "
                               "before each step)")
         return torch.Generator(device=device).manual_seed(
-            seed_of(self.seed, DP_SAMPLE, kind, int(client), self.round, self.step))
+            seed_of(self.seed if seed is None else seed, DP_SAMPLE, kind, int(client), self.round, self.step))
 
-    def poisson_rows(self, client: int, n: int) -> torch.Tensor:
+    def poisson_rows(self, client: int, n: int, seed: int | None = None) -> torch.Tensor:
         """The positions (sorted, int64) in 0..n−1 of the rows in client ``client``'s batch at the current step:
-        each independently with probability q (one uniform per row from the client's "batch" stream)."""
-        u = torch.rand(n, generator=self.generator("batch", client), dtype=torch.float64)
+        each independently with probability q (one uniform per row from the client's "batch" stream; ``seed`` as
+        ``generator``)."""
+        u = torch.rand(n, generator=self.generator("batch", client, seed=seed), dtype=torch.float64)
         return torch.nonzero(u < self.rate(client)).reshape(-1)
 
-    def noise_like(self, tensors: Mapping[str, torch.Tensor], client: int) -> dict[str, torch.Tensor]:
+    def noise_like(self, tensors: Mapping[str, torch.Tensor], client: int,
+                   seed: int | None = None) -> dict[str, torch.Tensor]:
         """N(0, σ²C²) shaped like ``tensors`` from client ``client``'s "noise" stream at the current step (names in
         sorted order, ``gaussian_noise_like``); zeros when σ = 0."""
         some = next(iter(tensors.values()))
         return gaussian_noise_like(tensors, self.noise_multiplier * self.clip_norm,
-                                   self.generator("noise", client, some.device))
+                                   self.generator("noise", client, some.device, seed))
 
 
 def _check_rate(q) -> float:
@@ -261,7 +288,8 @@ def _output_grads(model: nn.Module, losses_fn: Callable[[], torch.Tensor], slots
 def privatise(sdp: SampleDP, per: Mapping[str, torch.Tensor], clients: Sequence[int]) -> dict[str, torch.Tensor]:
     """DP-SGD's release from per-example gradients ``per`` (name → (S, n, *shape), slot p holding client
     ``clients[p]``): per slot, each example clipped to C over all names jointly, summed, N(0, σ²C²) from the client's
-    "noise" stream added, divided by q·n_k. Returns name → (S, *shape)."""
+    "noise" stream added (its federation's, ``slot_seed(p)``, where slot seeds are set), divided by q·n_k. Returns
+    name → (S, *shape)."""
     names = list(per)
     result: dict[str, list[torch.Tensor]] = {n: [] for n in names}
     for p, k in enumerate(clients):
@@ -269,7 +297,7 @@ def privatise(sdp: SampleDP, per: Mapping[str, torch.Tensor], clients: Sequence[
             clipped = clip_per_sample({n: per[n][p] for n in names}, sdp.clip_norm)
         else:  # no example at all: the noise alone
             clipped = {n: per[n].new_zeros(per[n].shape[2:]) for n in names}
-        noise = sdp.noise_like(clipped, k)
+        noise = sdp.noise_like(clipped, k, None if sdp.slot_seeds is None else sdp.slot_seed(p))
         denom = sdp.expected_batch_size(k)
         for n in names:
             result[n].append((clipped[n] + noise[n]) / denom)
