@@ -146,3 +146,25 @@ def test_sweep_selects_on_validation_never_test():
     ffa = next(r for r in res["rows"] if r["method"] == "ffa")
     assert sorted(ffa["grid"]) == [0.1, 1.0, 5.0]  # FFA-LoRA's grid is 10× the others'
     assert res["rows"][1]["eps_spent"] <= 2.0 and res["rows"][0]["sigma"] == 0.0
+
+
+def test_noise_is_keyed_by_the_federation_of_each_slot():
+    """Two slots holding the same client in two federations get independent noise; each slot's noise is what a
+    SampleDP of its federation's seed alone would draw."""
+    from fedlora.privacy.dpsgd import SampleDP, privatise
+
+    def sdp(seed, slot_seeds=None):
+        s = SampleDP(1.0, 1.0, 0.5, seed=seed)
+        s.set_client_sizes([10])
+        s.set_slot_seeds(slot_seeds)
+        s.at(1, 2)
+        return s
+
+    per = {"lora_B": torch.zeros(2, 3, 4, 2, dtype=torch.float64)}  # 2 slots, 3 examples: the noise alone
+    both = privatise(sdp(0, [5, 9]), per, [0, 0])["lora_B"]
+    assert not torch.allclose(both[0], both[1])
+    for p, seed in enumerate((5, 9)):
+        torch.testing.assert_close(both[p], privatise(sdp(seed), {"lora_B": per["lora_B"][:1]}, [0])["lora_B"][0],
+                                   rtol=0, atol=0)
+    with pytest.raises(ConfigError, match="federation's seed"):
+        sdp(0, [-1])
