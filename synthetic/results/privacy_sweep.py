@@ -1,7 +1,7 @@
 """The privacy–utility sweep of sample-level DP-SGD on the synthetic testbed (docs/concepts/privacy.md, "On the
 synthetic testbed"). Run from the repository root:
 
-    python synthetic/results/privacy_sweep.py [--out-dir synthetic/results] [--clip-norm 1] [--rounds 10]
+    python synthetic/results/privacy_sweep.py [--out-dir synthetic/results] [--clip-norm 1] [--rounds 20]
 
 FedAvg-LoRA, FFA-LoRA, RoLoRA, FedSVD and Fed-SB at ε ∈ {∞, 6, 3, 1}, δ = 1e-5, 2 seeds stacked in each run, the
 step size chosen per (method, ε) on validation loss (``fedlora.synthetic.privacy.sweep``). Writes
@@ -22,9 +22,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out-dir", default="synthetic/results")
     ap.add_argument("--clip-norm", type=float, default=1.0)
     ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=10)
-    ap.add_argument("--local-steps", type=int, default=4)
-    ap.add_argument("--lr-grid", default="0.03,0.1,0.3,1", help="comma-separated; FFA-LoRA's is 10× this")
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--local-steps", type=int, default=5)
+    ap.add_argument("--lr-grid", default="0.1,0.3,1,3", help="comma-separated; FFA-LoRA's is 10× this")
     ap.add_argument("--task", default="classification", choices=("classification", "regression"))
     args = ap.parse_args(argv)
     result = sweep(clip_norm=args.clip_norm, batch_size=args.batch_size, rounds=args.rounds,
