@@ -464,6 +464,7 @@ class Server:
         self.accountant = None
         self._dp_refs: list[dict[str, torch.Tensor]] = [{} for _ in self.states]
         self._dp_names: list[list[str]] = [[] for _ in self.states]  # the tensors of a federation's last release
+        self._dp_clip: list[float] = []  # each federation's current C (adaptive clipping moves it every round)
         if privacy is None:
             return
         from .privacy.accounting import PrivacyAccountant
@@ -474,6 +475,7 @@ class Server:
                 raise ConfigError("client-level DP: the server needs each federation's initial adapter "
                                   "(dp_references) to take the first round's updates from")
             self._dp_refs = [{k: v.detach().cpu() for k, v in r.items()} for r in references]
+            self._dp_clip = [privacy.client.clip_norm for _ in self.states]
 
     def _private_aggregate(self, g: int, ok: list[int], accepted: Mapping[int, "ClientUpdate"], rnd: int,
                            log: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -483,11 +485,15 @@ class Server:
         reference = {**self._dp_refs[g], **self.states[g]}
         aggregated, info = self.privacy.client.aggregate(
             self.method, [accepted[i].upload for i in ok], reference, self.federation.n_clients, rnd, g,
-            noise_names=self._dp_names[g])
+            noise_names=self._dp_names[g], clip=self._dp_clip[g])
         if ok:
             self._dp_names[g] = sorted(accepted[ok[0]].upload.tensors)
         log.setdefault("update_norm", {}).update({str(i): n for i, n in zip(ok, info["update_norms"])})
         log["clipped"] = log.get("clipped", 0) + info["clipped"]
+        log.setdefault("clip_norm", []).append(info["clip"])  # per federation, the C this round clipped at
+        if "next_clip" in info:  # adaptive clipping (Andrew et al.): the released b̃ and the next round's C
+            log.setdefault("unclipped_fraction", []).append(info["unclipped_fraction"])
+            self._dp_clip[g] = info["next_clip"]
         if info["noise_only"]:
             log.setdefault("noise_only", []).append(g)
         return aggregated
@@ -526,7 +532,8 @@ class Server:
                 "ledgers": [lg.state_dict() for lg in self.ledgers],
                 "increments": [{str(r): n for r, n in inc.items()} for inc in self.increments]}
         if self.privacy is not None:
-            meta["privacy"] = {"accountant": self.accountant.state_dict(), "dp_names": self._dp_names}
+            meta["privacy"] = {"accountant": self.accountant.state_dict(), "dp_names": self._dp_names,
+                               "clip": self._dp_clip}
         return {"tensors": tensors, "meta": meta}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -544,6 +551,7 @@ class Server:
                                   "privacy on (resume it with the config it was started with)")
             self.accountant.load_state_dict(meta["privacy"]["accountant"])
             self._dp_names = [list(n) for n in meta["privacy"]["dp_names"]]
+            self._dp_clip = [float(c) for c in meta["privacy"]["clip"]]
         elif "privacy" in meta:
             raise ConfigError("server checkpoint: it was written with differential privacy on; this run has it off "
                               "(resume it with the config it was started with)")

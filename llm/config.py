@@ -222,7 +222,12 @@ class PrivacyConfig:
     exactly one. ``delta``: the δ every ε is reported at; ``auto`` (default) = 1/(2n), n = the number of clients
     (client level) or the smallest client's training rows (sample level). ``max_epsilon``: the budget — the run
     stops cleanly, its checkpoint kept, before a round that would take ε above it (default: ``target_epsilon``;
-    none with ``noise_multiplier``). ε so far is in every round record and in summary.json."""
+    none with ``noise_multiplier``). ε so far is in every round record and in summary.json.
+    ``clip_quantile`` γ (client level): adaptive clipping (Andrew et al., NeurIPS 2021) — ``clip_norm`` is then the
+    first round's C, and each round moves C by exp(−``clip_lr``·(b̃ − γ)), b̃ the noised fraction of unclipped
+    updates (its noise std ``clip_count_stddev``, default qK/20 — the paper's — or σ if larger, so that the update's
+    noise is at most 1.155σ), so C follows the γ-quantile of the update
+    norms; the accountant's σ is the total, the update's own noise (σ⁻² − (2σ_b)⁻²)^(−1/2)."""
 
     level: str = "none"
     clip_norm: float = 1.0
@@ -230,6 +235,9 @@ class PrivacyConfig:
     target_epsilon: float | None = None
     delta: float | str = "auto"
     max_epsilon: float | None = None
+    clip_quantile: float | None = None
+    clip_lr: float = 0.2
+    clip_count_stddev: float | None = None
 
 
 @dataclass
@@ -422,6 +430,11 @@ def check_privacy(cfg: RunConfig, method_cls) -> None:
     sizes at sample level)."""
     p = cfg.privacy
     _choice(p.level, "privacy.level", PRIVACY_LEVELS)
+    if p.level != "client":
+        adaptive = [f"privacy.{n}" for n in ("clip_quantile", "clip_count_stddev") if getattr(p, n) is not None]
+        if adaptive:
+            raise ConfigError(f"{adaptive[0]}: adaptive clipping is client-level DP's (privacy.level: client); "
+                              f"privacy.level is {p.level}")
     if p.level == "none":
         given = [f"privacy.{n}" for n in ("noise_multiplier", "target_epsilon", "max_epsilon")
                  if getattr(p, n) is not None]
@@ -443,6 +456,13 @@ def check_privacy(cfg: RunConfig, method_cls) -> None:
             raise ConfigError(f"privacy.delta: must be in (0, 1) or auto, got {p.delta!r}")
     if p.max_epsilon is not None:
         _num(p.max_epsilon, "privacy.max_epsilon", 0.0, strict=True)
+    if p.clip_quantile is not None:
+        _num(p.clip_quantile, "privacy.clip_quantile", 0.0, strict=True)
+        if p.clip_quantile >= 1:
+            raise ConfigError(f"privacy.clip_quantile: must be in (0, 1), got {p.clip_quantile!r}")
+        _num(p.clip_lr, "privacy.clip_lr", 0.0, strict=True)
+        if p.clip_count_stddev is not None:
+            _num(p.clip_count_stddev, "privacy.clip_count_stddev", 0.0, strict=True)
     name = cfg.method.name
     if cfg.federation.client_models is not None:
         raise ConfigError("privacy: differential privacy with heterogeneous client models "

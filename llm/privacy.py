@@ -42,7 +42,12 @@ def privacy_plan(cfg: RunConfig, n_clients: int, sizes: Sequence[int] | None = N
     budget = p.max_epsilon if p.max_epsilon is not None else p.target_epsilon
     plan = PrivacyPlan(level="client", delta=delta, max_epsilon=None if budget is None else float(budget),
                        noise_multiplier=sigma,
-                       client=ClientDP(float(p.clip_norm), sigma, q, seed=int(cfg.seed)))
+                       client=ClientDP(float(p.clip_norm), sigma, q, seed=int(cfg.seed),
+                                       target_quantile=None if p.clip_quantile is None else float(p.clip_quantile),
+                                       clip_lr=float(p.clip_lr),
+                                       count_stddev=None if p.clip_quantile is None else
+                                       float(p.clip_count_stddev) if p.clip_count_stddev is not None
+                                       else max(q * n_clients / 20, sigma)))
     _check_first_round(plan, [], n_clients)
     return plan
 
@@ -104,6 +109,10 @@ def describe_plan(plan: PrivacyPlan | None) -> dict[str, Any] | None:
         out.update(clip_norm=plan.client.clip_norm, client_sampling_rate=plan.client.sampling_rate,
                    client_sampling="poisson", weights="equal (data-size weights dropped)",
                    denominator="expected participants q·K")
+        if plan.client.adaptive:
+            out.update(clipping="adaptive", clip_quantile=plan.client.target_quantile, clip_lr=plan.client.clip_lr,
+                       clip_count_stddev=plan.client.count_stddev,
+                       update_noise_multiplier=plan.client.update_noise_multiplier)
     else:
         out.update(clip_norm=plan.clip_norm, batch_sampling="poisson", batch_rates=list(plan.sample_rates),
                    local_steps=list(plan.sample_steps), denominator="expected batch size q_k·n_k")

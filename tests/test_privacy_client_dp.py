@@ -377,3 +377,86 @@ def test_a_dry_run_shows_the_derived_sigma_and_refuses_a_budget_the_first_round_
     with pytest.raises(ConfigError, match="the first round alone spends"):
         FederatedRun(bad).check()
     assert not (tmp_path / "bad").exists()
+
+
+# -- adaptive clipping (Andrew et al., NeurIPS 2021) ---------------------------------------------------------------
+def _adaptive(**kw):
+    base = dict(clip_norm=0.5, noise_multiplier=0.8, sampling_rate=1.0, seed=5, target_quantile=0.5, clip_lr=0.2,
+                count_stddev=1.0)
+    return ClientDP(**{**base, **kw})
+
+
+def test_adaptive_clipping_releases_the_noised_unclipped_fraction_and_moves_c_geometrically():
+    dp = _adaptive()
+    ref = _reference()
+    ex = GivenUploads(ref, scales=[0.01, 0.05, 2.0, 3.0])  # two updates under C = 0.5, two over it
+    server = _server(dp, q=1.0)
+    rec = server.run_round(ex, 0)
+    z_delta = (0.8 ** -2 - 2.0 ** -2) ** -0.5
+    assert dp.update_noise_multiplier == pytest.approx(z_delta, rel=1e-12)
+    want = _by_hand(ref, [ex.upload(k, 0) for k in range(4)], 0.5, z_delta, 4.0, 5, 0)
+    for n in NAMES:
+        assert torch.allclose(server.states[0][n].double(), want[n], atol=1e-6), n
+    g = torch.Generator().manual_seed(seed_of(5, DP_CLIENT_NOISE, 0, 0))
+    for n in sorted(ref):  # the update's noise comes first from the round's stream, then the count's
+        torch.randn(ref[n].shape, generator=g)
+    norms = rec["privacy"]["update_norm"]
+    unclipped = sum(1 for v in norms.values() if v + 1e-6 <= 0.5)
+    assert unclipped == 2
+    b = (unclipped + float(torch.randn((), generator=g, dtype=torch.float64)) * 1.0) / 4.0
+    assert rec["privacy"]["unclipped_fraction"] == [pytest.approx(b, rel=1e-12)]
+    assert rec["privacy"]["clip_norm"] == [0.5]
+    nxt = 0.5 * math.exp(-0.2 * (b - 0.5))
+    assert server._dp_clip == [pytest.approx(nxt, rel=1e-12)]
+    assert server.run_round(ex, 1)["privacy"]["clip_norm"] == [pytest.approx(nxt, rel=1e-12)]  # the next round's C
+
+
+def test_adaptive_clipping_tracks_the_target_quantile_of_the_update_norms():
+    K = 100
+    scales = [0.02 + 0.02 * k for k in range(K)]  # norms spread over ~10×
+    for gamma in (0.3, 0.7):
+        dp = _adaptive(clip_norm=0.3, noise_multiplier=0.0, target_quantile=gamma, clip_lr=0.5, count_stddev=K / 20)
+        server, ex = _server(dp, rounds=100, K=K, q=1.0), GivenUploads(_reference(), scales)
+        for r in range(100):
+            rec = server.run_round(ex, r)
+        norms = sorted(rec["privacy"]["update_norm"].values())
+        quantile = norms[int(gamma * K)]
+        assert abs(server._dp_clip[0] - quantile) / quantile < 0.2, (gamma, server._dp_clip[0], quantile)
+
+
+def test_the_adaptive_clip_norm_is_part_of_the_servers_checkpoint():
+    dp = _adaptive()
+    server, ex = _server(dp, q=1.0), GivenUploads(_reference(), [0.01, 0.05, 2.0, 3.0])
+    server.run_round(ex, 0)
+    again = _server(dp, q=1.0)
+    again.load_state_dict(json.loads(json.dumps({"meta": server.state_dict()["meta"]})) |
+                          {"tensors": server.state_dict()["tensors"]})
+    assert again._dp_clip == server._dp_clip != [0.5]
+    assert again.run_round(ex, 1) | {"wall_s": 0} == server.run_round(ex, 1) | {"wall_s": 0}
+
+
+@pytest.mark.parametrize("privacy, match", [
+    ({"level": "client", "noise_multiplier": 1.0, "clip_quantile": 1.0}, "privacy.clip_quantile"),
+    ({"level": "client", "noise_multiplier": 1.0, "clip_quantile": 0}, "privacy.clip_quantile"),
+    ({"level": "client", "noise_multiplier": 1.0, "clip_quantile": 0.5, "clip_lr": 0}, "privacy.clip_lr"),
+    ({"level": "client", "noise_multiplier": 1.0, "clip_quantile": 0.5, "clip_count_stddev": -1},
+     "privacy.clip_count_stddev"),
+    ({"level": "sample", "method": "ffa", "noise_multiplier": 1.0, "clip_quantile": 0.5}, "client-level DP's"),
+])
+def test_bad_adaptive_clipping_settings_are_one_line_errors(privacy, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        _config(**privacy)
+    assert "\n" not in str(e.value)
+
+
+def test_adaptive_clipping_needs_a_count_noise_above_half_sigma():
+    with pytest.raises(ConfigError, match="2·σ_b > σ"):
+        _adaptive(noise_multiplier=2.0, count_stddev=1.0)
+    from fedlora.llm.config import RunConfig
+    from fedlora.llm.privacy import privacy_plan
+
+    cfg = RunConfig.from_dict({"privacy": {"level": "client", "noise_multiplier": 1.5, "clip_quantile": 0.5,
+                                           "delta": 1e-3}})
+    plan = privacy_plan(cfg, 4)  # the default σ_b = max(qK/20, σ): never below σ, so z_Δ ≤ 2/√3·σ
+    assert plan.client.count_stddev == 1.5
+    assert plan.client.update_noise_multiplier == pytest.approx(1.5 * 2 / math.sqrt(3), rel=1e-12)

@@ -25,6 +25,7 @@ docs/concepts/privacy.md).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -35,7 +36,7 @@ from fedlora.payload import Payload
 from fedlora.seeds import DP_CLIENT_NOISE, DP_PARTICIPANTS, seed_of
 
 from .accounting import check_noise_multiplier, check_sampling_rate
-from .clipping import check_clip_norm, clip_update, gaussian_noise_like, private_mean
+from .clipping import CLIP_EPS, check_clip_norm, clip_update, gaussian_noise_like, private_mean
 
 __all__ = ["ClientDP", "poisson_participants", "CLIENT_UNIT"]
 
@@ -55,7 +56,15 @@ def poisson_participants(seed: int, round_idx: int, group: int, n_clients: int, 
 
 @dataclass(frozen=True)
 class ClientDP:
-    """DP-FedAvg's server-side mechanism: clip norm C, noise multiplier σ, client sampling rate q, noise seed.
+    """DP-FedAvg's server-side mechanism: clip norm C (the initial one with adaptive clipping), noise multiplier σ
+    (z), client sampling rate q, noise seed; with ``target_quantile`` γ, adaptive clipping.
+
+    Adaptive clipping — Andrew, Thakkar, McMahan, Ramaswamy, "Differentially Private Learning with Adaptive
+    Clipping" (NeurIPS 2021), Algorithm 1 with the geometric update: each round also releases the noised fraction
+    of updates that were NOT clipped, b̃ = (Σ_k 1[‖Δ_k‖ ≤ C] + N(0, σ_b²)) / (qK), and the next round clips at
+    C · exp(−η_C (b̃ − γ)), so C tracks the γ-quantile of the update norms. Releasing both is one Gaussian
+    mechanism of noise multiplier z when the update's noise is z_Δ = (z⁻² − (2σ_b)⁻²)^(−1/2) (their Theorem 1):
+    the accountant composes z, the update gets z_Δ·C. σ_b defaults to qK/20, η_C to 0.2 (the paper's).
 
     ``aggregate`` is pure given its arguments (the round and federation select the noise stream)."""
 
@@ -63,12 +72,51 @@ class ClientDP:
     noise_multiplier: float
     sampling_rate: float
     seed: int = 0
+    target_quantile: float | None = None
+    clip_lr: float = 0.2
+    count_stddev: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "clip_norm", check_clip_norm(self.clip_norm, "privacy.clip_norm"))
         object.__setattr__(self, "noise_multiplier",
                            check_noise_multiplier(self.noise_multiplier, "privacy.noise_multiplier"))
         object.__setattr__(self, "sampling_rate", check_sampling_rate(self.sampling_rate, "privacy sampling rate"))
+        if self.target_quantile is None:
+            return
+        g = self.target_quantile
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 < g < 1:
+            raise ConfigError(f"privacy.clip_quantile: must be in (0, 1), got {g!r}")
+        lr = self.clip_lr
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
+            raise ConfigError(f"privacy.clip_lr: must be a finite number > 0, got {lr!r}")
+        sb = self.count_stddev
+        if isinstance(sb, bool) or not isinstance(sb, (int, float)) or not math.isfinite(sb) or sb <= 0:
+            raise ConfigError(f"privacy.clip_count_stddev: must be a finite number > 0, got {sb!r}")
+        z = self.noise_multiplier
+        if z > 0 and not 2 * sb > z:
+            raise ConfigError(f"privacy.clip_count_stddev: adaptive clipping needs 2·σ_b > σ (σ_b = {sb:g}, σ = {z:g}): "
+                              f"the update's noise z_Δ = (σ⁻² − (2σ_b)⁻²)^(−1/2) is otherwise undefined; raise it")
+
+    @property
+    def adaptive(self) -> bool:
+        return self.target_quantile is not None
+
+    @property
+    def update_noise_multiplier(self) -> float:
+        """The noise multiplier of the update's sum: z, or z_Δ = (z⁻² − (2σ_b)⁻²)^(−1/2) with adaptive clipping."""
+        z = self.noise_multiplier
+        if not self.adaptive or z == 0:
+            return z
+        return (z ** -2 - (2 * self.count_stddev) ** -2) ** -0.5
+
+    def next_clip(self, clip: float, norms: Sequence[float], n_clients: int, generator: torch.Generator
+                  ) -> tuple[float, float]:
+        """(C of the next round, b̃): Andrew et al.'s geometric step from this round's norms before clipping, with
+        the count's noise drawn from ``generator`` (after the update's noise)."""
+        unclipped = sum(1 for v in norms if v + CLIP_EPS <= clip)  # as clip_update: these came back unchanged
+        noise = float(torch.randn((), generator=generator, dtype=torch.float64)) * self.count_stddev
+        b = (unclipped + noise) / self.expected_participants(n_clients)
+        return clip * math.exp(-self.clip_lr * (b - self.target_quantile)), b
 
     def participants(self, round_idx: int, group: int, n_clients: int) -> list[int]:
         return poisson_participants(self.seed, round_idx, group, n_clients, self.sampling_rate)
@@ -81,7 +129,8 @@ class ClientDP:
         return torch.Generator().manual_seed(seed_of(self.seed, DP_CLIENT_NOISE, round_idx, group))
 
     def aggregate(self, method, uploads: Sequence[Payload], reference: Mapping[str, torch.Tensor], n_clients: int,
-                  round_idx: int, group: int, noise_names: Sequence[str] = ()) -> tuple[dict[str, torch.Tensor], dict]:
+                  round_idx: int, group: int, noise_names: Sequence[str] = (), clip: float | None = None
+                  ) -> tuple[dict[str, torch.Tensor], dict]:
         """The private aggregate of one federation's round and what the server may log about it.
 
         Args:
@@ -91,32 +140,42 @@ class ClientDP:
                 initial adapter), for every uploaded name.
             n_clients: K of the federation; the denominator is qK.
             noise_names: with no upload, the names the noise-only release covers (the previous round's).
+            clip: this round's C (adaptive clipping: the server's current one); default ``clip_norm``.
         Returns:
             (the method's aggregate, {"update_norms": [‖Δ_k‖ before clipping, in upload order], "clipped": how
-            many were clipped, "noise_only": no upload this round}).
+            many were clipped, "noise_only": no upload this round, "clip": the C used, and with adaptive clipping
+            "next_clip": the next round's C and "unclipped_fraction": the released b̃}).
         """
         qk = self.expected_participants(n_clients)
         gen = self.generator(round_idx, group)
+        c = self.clip_norm if clip is None else check_clip_norm(clip, "the round's clip norm")
+        z = self.update_noise_multiplier
         if not uploads:
             names = [n for n in noise_names if n in reference]
             if not names:
-                return {}, {"update_norms": [], "clipped": 0, "noise_only": True}
-            noise = gaussian_noise_like({n: reference[n] for n in names}, self.noise_multiplier * self.clip_norm, gen)
+                return {}, self._info([], 0, True, c, n_clients, gen)
+            noise = gaussian_noise_like({n: reference[n] for n in names}, z * c, gen)
             private = {n: reference[n] + noise[n] / qk for n in names}
-            return method.aggregate([Payload(private)], torch.ones(1, dtype=torch.float64)), \
-                {"update_norms": [], "clipped": 0, "noise_only": True}
+            info = self._info([], 0, True, c, n_clients, gen)  # the count's noise after the update's
+            return method.aggregate([Payload(private)], torch.ones(1, dtype=torch.float64)), info
         deltas, norms = [], []
         for u in uploads:
             missing = [n for n in u.tensors if n not in reference]
             if missing:
                 raise ConfigError(f"client-level DP: the uploaded {missing[0]!r} has no value on the server to take "
                                   f"the update from")
-            d, norm = clip_update(u.tensors, reference, self.clip_norm)
+            d, norm = clip_update(u.tensors, reference, c)
             deltas.append(d)
             norms.append(norm)
-        mean = private_mean(deltas, self.noise_multiplier, self.clip_norm, qk, gen)
+        mean = private_mean(deltas, z, c, qk, gen)
         private = {n: (reference[n].to(mean[n].dtype) + mean[n]) for n in mean}
-        clipped = sum(1 for v in norms if v + 1e-6 > self.clip_norm)
+        clipped = sum(1 for v in norms if v + 1e-6 > c)
         return method.aggregate([Payload(private)], torch.ones(1, dtype=torch.float64)), \
-            {"update_norms": norms, "clipped": clipped, "noise_only": False}
+            self._info(norms, clipped, False, c, n_clients, gen)
+
+    def _info(self, norms, clipped, noise_only, clip, n_clients, gen) -> dict:
+        info = {"update_norms": norms, "clipped": clipped, "noise_only": noise_only, "clip": clip}
+        if self.adaptive:
+            info["next_clip"], info["unclipped_fraction"] = self.next_clip(clip, norms, n_clients, gen)
+        return info
 
