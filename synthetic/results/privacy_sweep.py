@@ -1,11 +1,12 @@
 """The privacy–utility sweep of sample-level DP-SGD on the synthetic testbed (docs/concepts/privacy.md, "On the
 synthetic testbed"). Run from the repository root:
 
-    python synthetic/results/privacy_sweep.py [--out-dir synthetic/results] [--clip-norm 1] [--rounds 20]
+    python synthetic/results/privacy_sweep.py [--out-dir runs/privacy-sweep] [--clip-norm 1] [--rounds 20]
 
 FedAvg-LoRA, FFA-LoRA, RoLoRA, FedSVD and Fed-SB at ε ∈ {∞, 6, 3, 1}, δ = 1e-5, 2 seeds stacked in each run, the
 step size chosen per (method, ε) on validation loss (``fedlora.synthetic.privacy.sweep``). Writes
-privacy_sweep.md (the table), privacy_sweep.json (every step size's validation loss) and privacy_sweep.png.
+privacy_sweep.md (the table), privacy_sweep.json (every step size's validation loss) and privacy_sweep.png into
+--out-dir (not synthetic/results: a .md there would become a docs page; the committed json and figure are copies).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from fedlora.synthetic.privacy import plot_sweep, sweep, sweep_markdown
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out-dir", default="synthetic/results")
+    ap.add_argument("--out-dir", default="runs/privacy-sweep")
     ap.add_argument("--clip-norm", type=float, default=1.0)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=20)
