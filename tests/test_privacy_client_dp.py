@@ -460,3 +460,20 @@ def test_adaptive_clipping_needs_a_count_noise_above_half_sigma():
     plan = privacy_plan(cfg, 4)  # the default σ_b = max(qK/20, σ): never below σ, so z_Δ ≤ 2/√3·σ
     assert plan.client.count_stddev == 1.5
     assert plan.client.update_noise_multiplier == pytest.approx(1.5 * 2 / math.sqrt(3), rel=1e-12)
+
+
+def test_frlora_updates_are_taken_from_the_initial_adapter_its_clients_restart_from_every_round():
+    """FRLoRA's clients restart each round from (B0, A0): the clipped update is U_k − (B0, A0), not U_k − the
+    previous round's average (which would clip the wrong vector)."""
+    from fedlora.methods.frlora import FRLoRA
+
+    dp = ClientDP(clip_norm=0.3, noise_multiplier=0.0, sampling_rate=1.0, seed=0)
+    ref = _reference()
+    plan = PrivacyPlan(level="client", delta=1e-3, client=dp)
+    server = Server(FRLoRA(rank=2), Federation(1, 4), [{}], 3, privacy=plan, dp_references=[ref])
+    ex = GivenUploads(ref, scales=[0.5, 0.7, 0.9, 1.1])
+    for rnd in range(2):
+        server.run_round(ex, rnd)
+        want = _by_hand(ref, [ex.upload(k, rnd) for k in range(4)], 0.3, 0.0, 4.0, 0, rnd)
+        for n in NAMES:
+            assert torch.allclose(server.states[0][n].double(), want[n], atol=1e-6), (rnd, n)

@@ -391,6 +391,14 @@ class Method(abc.ABC):
         client that synchronised before this round must download (``fedlora.simulator.DownloadLedger``)."""
         return {**state, **aggregated}
 
+    def client_dp_reference(self, state: Mapping[str, torch.Tensor], initial: Mapping[str, torch.Tensor]
+                            ) -> dict[str, torch.Tensor]:
+        """Pure: what a client starts a round from, per tensor — the tensor its client-level DP update is taken
+        against (``fedlora.privacy.client_dp``). Default: the server's ``state`` where it holds the tensor (the
+        client downloaded it), else ``initial``, the broadcast initial adapter. A method whose clients restart
+        from elsewhere overrides it (FRLoRA: from (B0, A0) every round)."""
+        return {**initial, **state}
+
     def describe_replica(self, replica: int) -> dict[str, Any]:
         """What a run records about replica ``replica`` each round: its ranks (per-client ranks of
         HetLoRA/FlexLoRA/FLoRA, LoRA-A²'s selected ranks, PF2LoRA's r and r̃)."""

@@ -61,7 +61,7 @@ class FRLoRA(BaseMergingLoRA):
     B̄A0 = Σ p_k B_k A0)."""
 
     name = "frlora"
-    client_dp_refusal = ('not implemented yet: its server merges into the base and restarts the factors each round; no private variant is wired')
+    client_dp_refusal = None
     incremental_download = True  # every client merges every round's update
 
     def __init__(self, rank: int = 8, lr: float = 5e-4, optimizer: str = "adamw", weight_decay: float = 0.0,
@@ -152,6 +152,13 @@ class FRLoRA(BaseMergingLoRA):
                 out[b] = weighted_average([p.tensors[b] for p in payloads], weights)
         out.update(Method.aggregate_head(payloads, weights))
         return out
+
+    def client_dp_reference(self, state: Mapping[str, torch.Tensor], initial: Mapping[str, torch.Tensor]
+                            ) -> dict[str, torch.Tensor]:
+        """Every round a client restarts its factors from (B0, A0), the initial adapter (its update is the round's
+        training alone); a shared head it takes from the server's state."""
+        head = {n: v for n, v in state.items() if n.endswith(("head_weight", "head_bias"))}
+        return {**initial, **head}
 
     @torch.no_grad()
     def apply_to_base(self, state: Mapping[str, torch.Tensor]) -> None:
