@@ -168,3 +168,25 @@ def test_noise_is_keyed_by_the_federation_of_each_slot():
                                    rtol=0, atol=0)
     with pytest.raises(ConfigError, match="federation's seed"):
         sdp(0, [-1])
+
+
+def test_dp_off_records_nothing_and_run_rounds_refuses_a_mismatched_plan():
+    """Without ``privacy`` the run takes the testbed's own full-batch path: no SampleDP on the method, no privacy in
+    the records (the goldens of the DP-off testbed are pinned by the synthetic and protocol tests). A SampleDP the
+    method does not train with, or a bad δ, is refused in one line."""
+    from fedlora.privacy.dpsgd import SampleDP
+    from fedlora.simulator import run_rounds
+    from fedlora.synthetic.runner import build_run
+
+    data = _data(seeds=(0,))
+    res = _run("fedavg", data)
+    assert all("privacy" not in rec for rec in res.history)
+    run = build_run("fedavg", data, lr=0.1, options={"rank": 2})
+    assert run.method.sample_dp is None and run.layer.dp_capture is None
+    with pytest.raises(ConfigError, match="the one the method trains with"):
+        run_rounds(run.method, run.federation, run.objective, run.sample, 1, 1, sample_dp=SampleDP(1.0, 1.0, 0.5),
+                   dp_delta=1e-5)
+    sdp = SampleDP(1.0, 1.0, 0.5)
+    run.method.set_sample_dp(sdp)
+    with pytest.raises(ConfigError, match="delta"):
+        run_rounds(run.method, run.federation, run.objective, run.sample, 1, 1, sample_dp=sdp, dp_delta=2.0)
