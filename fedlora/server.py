@@ -482,7 +482,8 @@ class Server:
         """DP-FedAvg over federation ``g``'s accepted uploads (``fedlora.privacy.client_dp.ClientDP.aggregate``):
         clipped updates against what each client started from, the noised fixed-denominator mean, the method's
         ``aggregate`` of it as one upload. ``log`` gets each client's update norm before clipping."""
-        reference = self.method.client_dp_reference(self.states[g], self._dp_refs[g])  # what each client started from
+        some = accepted[ok[0]].upload.tensors if ok else {}
+        reference = self.method.client_dp_reference(self.states[g], self._dp_refs[g], some)  # what clients started from
         aggregated, info = self.privacy.client.aggregate(
             self.method, [accepted[i].upload for i in ok], reference, self.federation.n_clients, rnd, g,
             noise_names=self._dp_names[g], clip=self._dp_clip[g])

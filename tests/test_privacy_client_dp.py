@@ -203,13 +203,16 @@ def test_after_a_private_round_the_global_adapter_has_trained(method, tiny_dp_ru
     """opacus issue 820's failure at client level: every factor the clients upload has moved away from the
     broadcast initial adapter (B from zero too), and ε was spent."""
     fr, summary, out = tiny_dp_run(method)
-    refs = fr.server._dp_refs[0]
-    released = [n for n in fr.server.states[0] if n in refs]  # every uploaded tensor some round released
+    refs, spec = fr.server._dp_refs[0], fr.method.upload_spec()
+    released = [n for n in fr.server.states[0] if n in spec]  # every uploaded tensor some round released
     factors = {n.rsplit(".", 1)[-1] for n in released} - {"head_weight", "head_bias"}  # a shared head: checked too
-    assert factors == ({"lora_A"} if method == "fedsa" else {"lora_B"} if method == "ffa"
-                       else {"lora_A", "lora_B"}), factors
+    assert factors == ({"lora_A"} if method == "fedsa" else {"lora_B"} if method == "ffa" else {"lora_R"}
+                       if method == "fedsb" else {"lora_A", "lora_B"}), factors
     for n in released:
-        assert not torch.equal(fr.server.states[0][n], refs[n]), n
+        if n in refs:
+            assert not torch.equal(fr.server.states[0][n], refs[n]), n
+        else:  # Fed-SB's R is born on the server, from the private initialisation round's gradients
+            assert bool(torch.isfinite(fr.server.states[0][n]).all()) and bool(fr.server.states[0][n].abs().sum() > 0), n
     rounds = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()][1:]
     assert all(r["privacy"]["level"] == "client" and r["privacy"]["epsilon"] > 0 for r in rounds)
     assert summary["privacy"]["epsilon"] == rounds[-1]["privacy"]["epsilon"]
@@ -477,3 +480,27 @@ def test_frlora_updates_are_taken_from_the_initial_adapter_its_clients_restart_f
         want = _by_hand(ref, [ex.upload(k, rnd) for k in range(4)], 0.3, 0.0, 4.0, 0, rnd)
         for n in NAMES:
             assert torch.allclose(server.states[0][n].double(), want[n], atol=1e-6), (rnd, n)
+
+
+def test_fedsb_initialisation_gradients_are_their_own_update_and_carry_their_metadata():
+    """Fed-SB's first round uploads full-weight gradients (with the rank and η the server's LoRA-SB SVD needs): the
+    private release clips each gradient itself (taken against zero) and hands the method's aggregate the noised
+    mean with that metadata, so LoRA-SB's initialisation is computed from the private release only."""
+    from fedlora.methods.fedsb import GRAD, FedSB, _META_LR, _META_RANK
+
+    K, name = 4, "layer." + GRAD
+    meta = {_META_RANK: "2", _META_LR: "0.1"}
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(6, 5, generator=g) * s for s in (0.05, 0.1, 5.0, 9.0)]
+    dp = ClientDP(clip_norm=1.0, noise_multiplier=0.0, sampling_rate=1.0, seed=0)
+    fedsb = FedSB(rank=2)
+    out, info = dp.aggregate(fedsb, [Payload({name: t}, meta) for t in grads], fedsb.client_dp_reference(
+        {}, {}, {name: grads[0]}), K, 0, 0)
+    clipped = [t * min(1.0, 1.0 / (float(t.norm()) + 1e-6)) for t in grads]
+    want = FedSB.aggregate([Payload({name: sum(clipped) / K}, meta)], torch.ones(1, dtype=torch.float64))
+    assert info["clipped"] == 2 and set(out) == set(want)
+    for n in want:
+        assert torch.allclose(out[n], want[n], atol=1e-5), n
+    with pytest.raises(ConfigError, match="different metadata"):
+        dp.aggregate(fedsb, [Payload({name: grads[0]}, meta), Payload({name: grads[1]}, {**meta, _META_LR: "0.2"})],
+                     {name: torch.zeros(6, 5)}, K, 0, 0)

@@ -391,12 +391,13 @@ class Method(abc.ABC):
         client that synchronised before this round must download (``fedlora.simulator.DownloadLedger``)."""
         return {**state, **aggregated}
 
-    def client_dp_reference(self, state: Mapping[str, torch.Tensor], initial: Mapping[str, torch.Tensor]
-                            ) -> dict[str, torch.Tensor]:
-        """Pure: what a client starts a round from, per tensor — the tensor its client-level DP update is taken
-        against (``fedlora.privacy.client_dp``). Default: the server's ``state`` where it holds the tensor (the
-        client downloaded it), else ``initial``, the broadcast initial adapter. A method whose clients restart
-        from elsewhere overrides it (FRLoRA: from (B0, A0) every round)."""
+    def client_dp_reference(self, state: Mapping[str, torch.Tensor], initial: Mapping[str, torch.Tensor],
+                            upload: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Pure: what a client started the round from, for each tensor of ``upload`` (one of the round's uploads) —
+        what its client-level DP update is taken against (``fedlora.privacy.client_dp``). Default: the server's
+        ``state`` where it holds the tensor (the client downloaded it), else ``initial``, the broadcast initial
+        adapter. A method whose clients start elsewhere overrides it (FRLoRA: (B0, A0) every round; Fed-SB: an
+        uploaded gradient is its own update)."""
         return {**initial, **state}
 
     def describe_replica(self, replica: int) -> dict[str, Any]:

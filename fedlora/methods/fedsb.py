@@ -87,7 +87,7 @@ class FedSB(FactorLoRA):
     name = "fedsb"
     #: sample-level DP: its own steps take private gradients (``_weight_gradients``, ``_r_gradients``)
     sample_dp_refusal = None
-    client_dp_refusal = ("not implemented yet: its first round uploads gradients (LoRA-SB's init), not an update of what was downloaded")
+    client_dp_refusal = None  # R's weighted mean; the initialisation round's gradients are their own update
     fixed_lora_scale = ("Fed-SB fixes s = 1 (α = r): LoRA-SB's initialisation sets the update's scale and removes "
                         "the scale hyper-parameter (LoRA-SB §4; the authors' scripts set lora_alpha = lora_r)")
     #: the initialisation round's gradient accumulator is not part of a client's record, so a client may
@@ -254,6 +254,13 @@ class FedSB(FactorLoRA):
             return Payload(tensors, {_META_RANK: str(self.rank), _META_LR: repr(self._init_eta)})
         tensors = {self._prefix(a) + R_NAME: self.R[replica, j].detach().clone() for j, a in enumerate(self.a_names)}
         return Payload({**tensors, **self.upload_head(replica)})
+
+    def client_dp_reference(self, state: Mapping[str, torch.Tensor], initial: Mapping[str, torch.Tensor],
+                            upload: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The initialisation round's gradients are their own update (taken against zero); R against the server's
+        R, which every client downloaded (and a shared head against the server's)."""
+        zeros = {n: torch.zeros_like(v) for n, v in upload.items() if n.endswith(GRAD)}
+        return {**initial, **state, **zeros}
 
     @staticmethod
     def aggregate(payloads: Sequence[Payload], weights: torch.Tensor) -> dict[str, torch.Tensor]:

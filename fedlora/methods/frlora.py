@@ -153,8 +153,8 @@ class FRLoRA(BaseMergingLoRA):
         out.update(Method.aggregate_head(payloads, weights))
         return out
 
-    def client_dp_reference(self, state: Mapping[str, torch.Tensor], initial: Mapping[str, torch.Tensor]
-                            ) -> dict[str, torch.Tensor]:
+    def client_dp_reference(self, state: Mapping[str, torch.Tensor], initial: Mapping[str, torch.Tensor],
+                            upload: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Every round a client restarts its factors from (B0, A0), the initial adapter (its update is the round's
         training alone); a shared head it takes from the server's state."""
         head = {n: v for n, v in state.items() if n.endswith(("head_weight", "head_bias"))}

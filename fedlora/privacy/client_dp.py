@@ -169,8 +169,12 @@ class ClientDP:
             norms.append(norm)
         mean = private_mean(deltas, z, c, qk, gen)
         private = {n: (reference[n].to(mean[n].dtype) + mean[n]) for n in mean}
+        metas = [dict(u.meta) for u in uploads]  # public settings a method's server reads (Fed-SB's rank and η)
+        if any(m != metas[0] for m in metas):
+            raise ConfigError(f"client-level DP: the round's uploads carry different metadata ({metas[0]} and "
+                              f"{next(m for m in metas if m != metas[0])}); one release carries one")
         clipped = sum(1 for v in norms if v + 1e-6 > c)
-        return method.aggregate([Payload(private)], torch.ones(1, dtype=torch.float64)), \
+        return method.aggregate([Payload(private, metas[0])], torch.ones(1, dtype=torch.float64)), \
             self._info(norms, clipped, False, c, n_clients, gen)
 
     def _info(self, norms, clipped, noise_only, clip, n_clients, gen) -> dict:
