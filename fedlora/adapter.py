@@ -27,7 +27,7 @@ from fedlora.kernels import fold_adapters  # noqa: F401  (the layers fold adapte
 
 from .errors import ConfigError
 
-__all__ = ["LoRALinear", "lora_scale", "unit_alpha", "refuse_rslora", "set_row_gates"]
+__all__ = ["LoRALinear", "Capture", "lora_scale", "unit_alpha", "refuse_rslora", "set_row_gates"]
 
 
 def lora_scale(alpha: float | None, rank: int, rslora: bool = False) -> float:
@@ -55,6 +55,29 @@ def refuse_rslora(method: str, reason: str | None, where: str = "rslora") -> Non
     if reason is not None:
         raise ConfigError(f"{where}: rsLoRA (s = α/√r) cannot be used with method {method!r}: its paper fixes the "
                           f"LoRA scale ({reason}); leave rsLoRA off for it")
+
+
+class Capture:
+    """One forward of one layer inside ``fedlora.privacy.dpsgd.capture`` (sample-level DP-SGD's per-example
+    gradients; it lives here, with the layers that record it, so the privacy package depends on the layers): the module, its input ``x`` and output ``y`` (the tensor the
+    model uses downstream: its gradient is g) as the module saw them, the factors it used (``A``, ``B``: the
+    tensors a functional call substituted, for a LoRA layer) and ``layout``: "slot" — x (S·b, …, d), slot-major —
+    or "stack" — x (G, N, [T,] d) of a layer with G replicas (the testbed's: one example per row), (N, [T,] d) of an
+    ordinary layer."""
+
+    __slots__ = ("module", "x", "y", "A", "B", "layout")
+
+    def __init__(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor, layout: str,
+                 A: torch.Tensor | None = None, B: torch.Tensor | None = None) -> None:
+        self.module, self.x, self.y, self.layout, self.A, self.B = module, x, y, layout, A, B
+
+    def per_example(self, t: torch.Tensor, slots: int) -> torch.Tensor:
+        """``t`` (x or g) as (S, n, T, d): S slots of n examples of T positions."""
+        if self.layout == "slot":
+            return t.reshape(slots, t.shape[0] // slots, -1, t.shape[-1])
+        if getattr(self.module, "stack", None) is None:  # an ordinary layer: one replica, (N, [T,] d)
+            return t.reshape(1, t.shape[0], -1, t.shape[-1])
+        return t.reshape(t.shape[0], t.shape[1], -1, t.shape[-1])  # (G, N, [T,] d)
 
 
 class LoRALinear(nn.Module):
@@ -215,8 +238,6 @@ class LoRALinear(nn.Module):
     def _captured(self, x: torch.Tensor, y: torch.Tensor, layout: str) -> torch.Tensor:
         """Record this forward in ``dp_capture`` (x, y and the factors it used: a functional call's substitutes);
         returns ``y``."""
-        from fedlora.privacy.dpsgd import Capture  # here: the privacy package imports this module
-
         self.dp_capture.append(Capture(self, x, y, layout, self.lora_A, self.lora_B))
         return y
 

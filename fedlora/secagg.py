@@ -56,6 +56,7 @@ import numpy as np
 import torch
 
 from .errors import ConfigError
+from .methods.base import Method
 from .payload import Payload
 
 __all__ = ["SUM_METHODS", "REFUSED", "secagg_refusal", "secagg_weighting", "check_secagg", "SecAggQuantisation",
@@ -95,7 +96,8 @@ REFUSED: dict[str, str] = {
 
 
 def _name(method) -> str:
-    name = method if isinstance(method, str) else getattr(method, "name", None)
+    name = method if isinstance(method, str) else method.name if isinstance(method, type) and \
+        issubclass(method, Method) else None
     if not isinstance(name, str):
         raise ConfigError(f"secagg: expected a method name or Method class, got {method!r}")
     return name

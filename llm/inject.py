@@ -26,7 +26,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-from fedlora.adapter import LoRALinear
+from fedlora.adapter import Capture, LoRALinear
 from fedlora.errors import ConfigError
 
 __all__ = ["SlotLoRALinear", "SlotHead", "linear_module_names", "match_targets", "layer_index",
@@ -244,8 +244,6 @@ class SlotHead(nn.Module):
             y = y + self.head_bias.unsqueeze(1)
         y = y.reshape(*x.shape[:-1], self.out_features)
         if self.dp_capture is not None:  # sample-level DP: per-sample gradients x⊗g (fedlora.privacy.dpsgd)
-            from fedlora.privacy.dpsgd import Capture
-
             self.dp_capture.append(Capture(self, x, y, "slot"))
         return y
 

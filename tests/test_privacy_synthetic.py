@@ -1,4 +1,5 @@
-"""Sample-level DP-SGD in the synthetic testbed (fedlora.synthetic.privacy, fedlora.simulator) and its sweep."""
+"""Sample-level DP-SGD in the synthetic testbed (fedlora.synthetic.privacy, fedlora.simulator) and its sweep
+(fedlora.synthetic.privacy_sweep)."""
 import math
 
 import pytest
@@ -8,7 +9,8 @@ from fedlora.errors import ConfigError
 from fedlora.privacy.accounting import PrivacyAccountant
 from fedlora.synthetic.compare import method_spec
 from fedlora.synthetic.data import make_heterogeneous_clients
-from fedlora.synthetic.privacy import SWEEP_METHODS, TestbedPrivacy, select_step_size, sweep
+from fedlora.synthetic.privacy import TestbedPrivacy
+from fedlora.synthetic.privacy_sweep import SWEEP_METHODS, select_step_size, sweep
 from fedlora.synthetic.runner import run_method, stack_federations
 
 K = 3

@@ -157,8 +157,8 @@ class FRLoRA(BaseMergingLoRA):
                             upload: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Every round a client restarts its factors from (B0, A0), the initial adapter (its update is the round's
         training alone); a shared head it takes from the server's state."""
-        head = {n: v for n, v in state.items() if n.endswith(("head_weight", "head_bias"))}
-        return {**initial, **head}
+        restart = {n: v for n, v in initial.items() if n.endswith(("lora_A", "lora_B"))}
+        return {**initial, **state, **restart}
 
     @torch.no_grad()
     def apply_to_base(self, state: Mapping[str, torch.Tensor]) -> None:

@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
+from fedlora.adapter import Capture, LoRALinear  # Capture: what a layer records of its forward (re-exported here)
 from fedlora.errors import ConfigError
 from fedlora.seeds import DP_SAMPLE, seed_of
 
@@ -174,31 +175,7 @@ def _check_rate(q) -> float:
     return float(q)
 
 
-class Capture:
-    """One forward of one layer inside ``capture``: the module, its input ``x`` and output ``y`` (the tensor the
-    model uses downstream: its gradient is g) as the module saw them, the factors it used (``A``, ``B``: the
-    tensors a functional call substituted, for a LoRA layer) and ``layout``: "slot" — x (S·b, …, d), slot-major —
-    or "stack" — x (G, N, [T,] d) of a layer with G replicas (the testbed's: one example per row), (N, [T,] d) of an
-    ordinary layer."""
-
-    __slots__ = ("module", "x", "y", "A", "B", "layout")
-
-    def __init__(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor, layout: str,
-                 A: torch.Tensor | None = None, B: torch.Tensor | None = None) -> None:
-        self.module, self.x, self.y, self.layout, self.A, self.B = module, x, y, layout, A, B
-
-    def per_example(self, t: torch.Tensor, slots: int) -> torch.Tensor:
-        """``t`` (x or g) as (S, n, T, d): S slots of n examples of T positions."""
-        if self.layout == "slot":
-            return t.reshape(slots, t.shape[0] // slots, -1, t.shape[-1])
-        if getattr(self.module, "stack", None) is None:  # an ordinary layer: one replica, (N, [T,] d)
-            return t.reshape(1, t.shape[0], -1, t.shape[-1])
-        return t.reshape(t.shape[0], t.shape[1], -1, t.shape[-1])  # (G, N, [T,] d)
-
-
 def _capturing(model: nn.Module) -> list[nn.Module]:
-    from fedlora.adapter import LoRALinear
-
     out = [m for m in model.modules() if isinstance(m, LoRALinear) or hasattr(m, "head_weight")]
     return out
 

@@ -4,7 +4,7 @@ synthetic testbed"). Run from the repository root:
     python synthetic/results/privacy_sweep.py [--out-dir runs/privacy-sweep] [--clip-norm 1] [--rounds 20]
 
 FedAvg-LoRA, FFA-LoRA, RoLoRA, FedSVD and Fed-SB at ε ∈ {∞, 6, 3, 1}, δ = 1e-5, 2 seeds stacked in each run, the
-step size chosen per (method, ε) on validation loss (``fedlora.synthetic.privacy.sweep``). Writes
+step size chosen per (method, ε) on validation loss (``fedlora.synthetic.privacy_sweep.sweep``). Writes
 privacy_sweep.md (the table), privacy_sweep.json (every step size's validation loss) and privacy_sweep.png into
 --out-dir (not synthetic/results: a .md there would become a docs page; the committed json and figure are copies).
 """
@@ -15,7 +15,7 @@ import json
 import math
 from pathlib import Path
 
-from fedlora.synthetic.privacy import plot_sweep, sweep, sweep_markdown
+from fedlora.synthetic.privacy_sweep import plot_sweep, sweep, sweep_markdown
 
 
 def main(argv=None) -> int:
