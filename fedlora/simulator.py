@@ -113,36 +113,36 @@ def run_rounds(
 
     ``sample_dp`` (a ``fedlora.privacy.dpsgd.SampleDP`` already given to the method with ``set_sample_dp``, with
     ``objective``/``sample`` giving per-replica SUMS over Poisson batches: ``synthetic.privacy``): every local
-    step is DP-SGD's, and a ``PrivacyAccountant`` composes, per round, (q_k, σ, local_steps) for each replica
-    that took part (unit ``"g:k"``: client k of federation g, its own data set); the record then has
-    ``privacy: {epsilon, epsilon_by_client, delta}`` at ``dp_delta`` (ε the largest unit's).
+    step is DP-SGD's, and the server's accountant (a sample-level ``PrivacyPlan``) composes, per round,
+    (q_k, σ, local_steps) for each replica that took part (its unit: its id g·K + k, client k of federation g);
+    the record then has the server's ``privacy: {level, epsilon, epsilon_by_client, delta}`` at ``dp_delta``.
     """
     if rounds < 1 or local_steps < 1:
         raise ConfigError(f"rounds and local_steps must be ≥ 1, got {rounds}, {local_steps}")
     # the testbed's weights are the normalised w_k (docs/design.md §3), renormalised over each round's clients
     weighted = dataclasses.replace(federation, client_weights=federation.weights.tolist())
-    server = Server(method, weighted, [method.initial_server_state(federation.replicas_of(g)[0])
-                                       for g in range(federation.n_groups)], rounds)
+    K = federation.n_clients
+    plan = None
     if sample_dp is not None:
-        from .privacy.accounting import PrivacyAccountant, check_delta
+        from .privacy.accounting import check_delta
+        from .privacy.plan import PrivacyPlan
 
         if method.sample_dp is not sample_dp:
             raise ConfigError("run_rounds: sample_dp must be the one the method trains with (method.set_sample_dp)")
-        delta = check_delta(dp_delta)
-        accountant = PrivacyAccountant()
+        plan = PrivacyPlan(level="sample", delta=check_delta(dp_delta), noise_multiplier=sample_dp.noise_multiplier,
+                           sample_rates=[sample_dp.rate(k) for k in range(K)], sample_steps=[local_steps] * K,
+                           clip_norm=sample_dp.clip_norm)
+    server = Server(method, weighted, [method.initial_server_state(federation.replicas_of(g)[0])
+                                       for g in range(federation.n_groups)], rounds, privacy=plan)
     executor = StackedExecutor(method, federation, objective, sample, local_steps, on_payload, sample_dp)
     history: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     n = federation.n_replicas
-    K = federation.n_clients
     for rnd in range(rounds):
         rec = server.run_round(executor, rnd)
         record = round_record(rec, rnd, local_steps, n, t0)
-        if sample_dp is not None:  # realised participation: a replica sampled out composes nothing
-            accountant.record_round({f"{i // K}:{i % K}": (sample_dp.rate(i % K), sample_dp.noise_multiplier,
-                                                           local_steps) for i in rec["participants"]})
-            record["privacy"] = {"epsilon": accountant.epsilon(delta), "epsilon_by_client": accountant.epsilons(delta),
-                                 "delta": delta}
+        if "privacy" in rec:  # realised participation: a replica sampled out composed nothing
+            record["privacy"] = rec["privacy"]
         if evaluate is not None:
             record.update(evaluate(rnd))
         history.append(record)

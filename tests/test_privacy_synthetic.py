@@ -88,7 +88,7 @@ def test_epsilon_is_the_accountants_for_the_steps_taken():
         acc = PrivacyAccountant()
         for i, n in drawn.items():
             if n:
-                acc.record(f"{i // K}:{i % K}", min(1.0, 8 / sizes[i % K]), sigma, 2 * n)
+                acc.record(str(i), min(1.0, 8 / sizes[i % K]), sigma, 2 * n)  # unit: the replica, g·K + k
         assert rec["privacy"]["epsilon_by_client"] == acc.epsilons(1e-5)
         assert rec["privacy"]["epsilon"] == acc.epsilon(1e-5)
     assert min(drawn.values()) < 2  # the check covers clients that sat rounds out

@@ -62,15 +62,16 @@ class PrivacyPlan:
             raise ConfigError("privacy: sample-level DP needs a batch rate and a step count per client")
 
     def participation(self, participants: Sequence[int], n_clients: int) -> dict[str, tuple[float, float, int]]:
-        """What one round spends: {unit: (q, σ, steps)}. ``participants``: replica ids g·K + k of the clients that
-        train this round (sample level; the client level spends one step for everyone)."""
+        """What one round spends: {unit: (q, σ, steps)}. ``participants``: the client ids g·K + k (client k of
+        federation g) that train this round; at sample level each is its own unit (its data set: in a run of one
+        federation, the client's index), at client level every client is one unit that spends one step."""
         if self.level == "client":
             return {CLIENT_UNIT: (self.client.sampling_rate, self.client.noise_multiplier, 1)}
         out = {}
         for i in participants:
             k = i % n_clients
             if self.sample_steps[k] > 0:
-                out[str(k)] = (float(self.sample_rates[k]), float(self.noise_multiplier), int(self.sample_steps[k]))
+                out[str(i)] = (float(self.sample_rates[k]), float(self.noise_multiplier), int(self.sample_steps[k]))
         return out
 
     def record(self, accountant: PrivacyAccountant, eps: float | None = None) -> dict[str, Any]:
