@@ -56,6 +56,11 @@ Round (App. A, Algorithm 1; our reading where it is silent):
   which "assigns a personalized parameter R_k for each client". ``receive="replace"`` also sets
   R_k[:L_k] ← R_{g→k} (FedAvg-like reading of §4.3's "further personalized").
 
+Client-level DP (DP-FedAvg, McMahan et al., ICLR 2018, Algorithm 1, over App. A's mean): a client's update is
+R_{k→g} − R_g (eq. 4's upload minus the server's last R_g, its KL target of eq. 6), clipped over all module types;
+before the first round R_g⁰ (``initial_global_R``: the mean of the K clients' initial uploads, from the seed alone)
+— ``client_dp_reference``; docs/concepts/privacy.md.
+
 Initialisation. LoRALinear starts at R = 0, Φ = 1 (ΔW = s·BA). ``setup`` draws R_init ~
 N(0, r_init_std²) per (module type, layer) from a generator seeded with ``federation_seed(f)``
 (``seed[f]``, or ``seed + f`` for an integer seed) for federation f, identical on every replica of the federation (docs/design.md §4.10); layers
@@ -156,8 +161,7 @@ class H2Tune(Method):
 
     name = "h2tune"
     sample_dp_refusal = 'its TriLoRA middle matrix and its two steps on each batch (its own step) have no per-sample gradients here'
-    client_dp_refusal = ("not implemented yet: its upload is each client's R mapped onto the global layers, and the "
-                         "server holds no R before the first round to take a first update from")
+    client_dp_refusal = None  # R_{k→g}'s mean; the first round's updates are taken from R_g⁰ (client_dp_reference)
     personalised = True  # the private A_k, B_k
     default_head = "personal"  # task-specific knowledge (clients may even have different label sets)
     head_modes = ("frozen", "personal")
@@ -270,14 +274,7 @@ class H2Tune(Method):
         # Ω_k padded to (L, L_g); rows l ≥ L_k stay 0 and get no gradient
         om = torch.zeros(G, L, L_g, dtype=dtype)
         for i, Lk in enumerate(self.layers):
-            if self.omega_init == "random":  # per client, not per slot: the same Ω_k whichever slot it trains in
-                f, k = i // self.n_clients, self.replica_clients[i]
-                gen = torch.Generator().manual_seed(seed_of(self.federation_seed(f), H2TUNE_OMEGA, k))
-                om[i, :Lk] = ((torch.rand(Lk, L_g, generator=gen, dtype=torch.float64) * 2 - 1) / math.sqrt(Lk)).to(dtype)
-                continue
-            for l in range(Lk):
-                j = l if self.omega_init == "identity" else (round(l * (L_g - 1) / (Lk - 1)) if Lk > 1 else 0)
-                om[i, l, j] = 1.0
+            om[i, :Lk] = self._initial_omega(i // self.n_clients, self.replica_clients[i], Lk).to(dtype)
         self.omega = nn.Parameter(om.to(device))
         # the KL target R_g each replica received last (filled by init_state / download / a record)
         self.global_R = {t: torch.zeros(G, L_g, r, r, dtype=dtype, device=device) for t in self.types}
@@ -288,6 +285,61 @@ class H2Tune(Method):
             return make_optimizer(self.optimizer, ps, lr)
         self.opt_shared = make(shared, self.shared_lr)
         self.opt_specific = make(specific, self.lr)
+
+    def _initial_omega(self, federation: int, client: int, Lk: int) -> torch.Tensor:
+        """Client ``client``'s initial Ω_k (L_k, L_g) in federation ``federation`` (float64; ``omega_init``)."""
+        L_g = self.L_g
+        if self.omega_init == "random":  # per client, not per slot: the same Ω_k whichever slot it trains in
+            gen = torch.Generator().manual_seed(seed_of(self.federation_seed(federation), H2TUNE_OMEGA, client))
+            return (torch.rand(Lk, L_g, generator=gen, dtype=torch.float64) * 2 - 1) / math.sqrt(Lk)
+        om = torch.zeros(Lk, L_g, dtype=torch.float64)
+        for l in range(Lk):
+            om[l, l if self.omega_init == "identity" else (round(l * (L_g - 1) / (Lk - 1)) if Lk > 1 else 0)] = 1.0
+        return om
+
+    def _initial_R(self, federation: int) -> dict[str, list[torch.Tensor]]:
+        """R_init of federation ``federation`` per module type: the (r_g, r_g) float64 draw of each of its L layers."""
+        gen = torch.Generator().manual_seed(self.federation_seed(federation))
+        out: dict[str, list[torch.Tensor]] = {}
+        for t in sorted(self.types):
+            # max(L, L_g) draws per type, so R_init at (type, layer l) does not depend on this model's
+            # depth: clients of models of different depth (fedlora.llm.hetero) start from the same R
+            draws = [torch.randn(self.rank, self.rank, generator=gen, dtype=torch.float64) * self.r_init_std
+                     for _ in range(max(len(self.types[t]), self.L_g))]
+            out[t] = draws[: len(self.types[t])]
+        return out
+
+    def initial_global_R(self, federation: int = 0) -> dict[str, torch.Tensor]:
+        """R_g⁰ of federation ``federation``: the server mean of ALL its K clients' initial uploads
+        R_init[:L_k] ×_layer Ω_k⁰ (eq. 4, App. A's mean), per module type (L_g, r_g, r_g) — the KL target clients
+        start from ("what round −1 would send", ``init_state``), computed from the options and seeds alone (public),
+        so it is what client-level DP takes the first round's updates from."""
+        dtype = self.omega.dtype
+        layers = self.client_layers if self.client_layers is not None else [self.L] * self.n_clients
+        init = self._initial_R(federation)
+        out = {}
+        for t in self.types:
+            R = torch.stack(init[t]).to(dtype)  # (L, r, r): layers ≥ L_k are zero in client k's model
+            out[_pname(t, "lora_R")] = server_mean(
+                [to_global(R[:Lk], self._initial_omega(federation, k, Lk).to(dtype)) for k, Lk in enumerate(layers)])
+        return out
+
+    def client_dp_reference(self, state: Mapping[str, torch.Tensor], initial: Mapping[str, torch.Tensor],
+                            upload: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What a client's update R_{k→g} − R_g is taken against: the server's R_g, the KL target every client
+        downloaded (eq. 6; under ``receive="target"`` the client's own R_k is never reset, so R_g is the one public
+        point its aligned R is a deviation from). Before the first round, R_g⁰ (``initial_global_R``; ``initial``,
+        the server's per-federation references, where it holds it). A federation's R_g⁰ depends on its seed, so a
+        method bound to several federations needs ``initial``."""
+        out = {**initial, **state}
+        missing = [n for n in upload if n not in out]
+        if missing:
+            if len(self.groups) != 1:
+                raise ConfigError(f"h2tune client-level DP: {missing[0]!r} has no value to take the first round's "
+                                  f"update from; with {len(self.groups)} federations give the server each one's "
+                                  f"initial_global_R(f) as its dp_references")
+            out = {**self.initial_global_R(0), **out}
+        return out
 
     def init_state(self) -> None:
         super().init_state()
@@ -302,17 +354,10 @@ class H2Tune(Method):
 
     @torch.no_grad()
     def _seed_R(self) -> None:
-        r = self.rank
         for f, reps in enumerate(self.groups):
-            gen = torch.Generator().manual_seed(self.federation_seed(f))
-            for t in sorted(self.types):
-                prefixes = self.types[t]
-                # max(L, L_g) draws per type, so R_init at (type, layer l) does not depend on this model's
-                # depth: clients of models of different depth (fedlora.llm.hetero) start from the same R
-                for l in range(max(len(prefixes), self.L_g)):
-                    init = torch.randn(r, r, generator=gen, dtype=torch.float64) * self.r_init_std
-                    if l >= len(prefixes):
-                        continue
+            inits = self._initial_R(f)
+            for t, prefixes in self.types.items():
+                for l, init in enumerate(inits[t]):
                     R = self.params[_pname(prefixes[l], "lora_R")]
                     for i in reps:
                         R[i] = init.to(R.dtype) if l < self.layers[i] else 0.0

@@ -43,6 +43,13 @@ masked steps with the same objective and sampler (so a round costs 2× the local
 ``probe_steps=P`` instead runs P probe steps inside the round's first ``local_step`` call, after which
 every ``local_step`` call is one masked step.
 
+Client-level DP (DP-FedAvg, McMahan et al., ICLR 2018, Algorithm 1 with its fixed-denominator estimator;
+``fedlora.privacy.client_dp.DenseUpdates``): the clipped update is the client's dense masked delta ΔB_k ⊙ M_k over
+all modules, the Gaussian noise covers every coordinate of the round's factor at full rank r_G (noise only on the
+selected ranks would reveal them), the denominator is qK for every coordinate (per-coordinate counts of selecting
+clients depend on the data), and the release reaches ``aggregate`` as one upload that selected every rank
+(docs/concepts/privacy.md).
+
 Initial broadcast: Algorithm 1 initialises one ΔW = BA on the server; ``init_state`` (the
 ``Method`` default) copies each federation's first replica's A and B into its other replicas (not
 counted as traffic), since exactness needs the frozen factor to be identical on all clients.
@@ -55,10 +62,12 @@ import torch
 
 from ..aggmath.exact import trained_factor
 from ..aggmath.lora_a2 import (
+    SparseDelta,
     importance_scores,
     pack_upload,
     select_ranks,
     server_update,
+    unpack_delta,
     upload_from_tensors,
     upload_tensors,
 )
@@ -95,7 +104,7 @@ class LoRAA2(Method):
 
     name = "lora-a2"
     sample_dp_refusal = "its probe steps choose each client's ranks from gradient norms on its data, a data-dependent selection DP-SGD does not privatise"
-    client_dp_refusal = ('not implemented yet: its uploads are masked deltas with index sets (rank selection per client)')
+    client_dp_refusal = None  # its masked deltas, densified: fedlora.privacy.client_dp.DenseUpdates (below)
     rank_option = "client_rank"  # the tables' "rank r" is the client's budget; r_G stays 16
     equal_steps_per_pass = True  # end_round runs as many masked steps as the round's probe steps
     default_head = "frozen"  # App. B: "a frozen classifier is added upon the model" (Sun et al.)
@@ -325,6 +334,46 @@ class LoRAA2(Method):
         zero = {m: torch.zeros(s, dtype=torch.float64) for m, s in shapes.items()}
         delta = server_update(zero, uploads, weights, factor)  # 0 + Σ_k w_k ΔB_k, diluted
         return {m + _DELTA: d for m, d in delta.items()}
+
+    # client-level DP (fedlora.privacy.client_dp.DenseUpdates) --------------------------------
+    # DP-FedAvg (McMahan et al., ICLR 2018, Algorithm 1, the fixed-denominator estimator f̃_f) over Algorithm 1 of
+    # [LoRA-A²]'s server step B ← B_saved + Σ_k w_k ΔB_k: with w_k = 1/(qK) and ΔB_k clipped, the private release is
+    # B_saved + (Σ_k clip(ΔB_k ⊙ M_k) + N(0, σ²C² I)) / (qK), the noise on every coordinate of B at full rank r_G
+    # (docs/concepts/privacy.md, "LoRA-A²").
+    @staticmethod
+    def client_dp_space(reference: Mapping[str, torch.Tensor], round_idx: int) -> dict[str, torch.Tensor]:
+        """Every coordinate of round ``round_idx``'s trained factor (``trained_factor``: B on even rounds), every
+        module, full rank r_G: name → float64 zeros shaped like the server's factor ((d_out, r_G) / (r_G, d_in)).
+        The whole factor, not the ranks the clients selected: a release noised only there would reveal them."""
+        leaf = "lora_" + trained_factor(round_idx)
+        space = {n: torch.zeros(tuple(v.shape), dtype=torch.float64) for n, v in reference.items() if n.endswith(leaf)}
+        if not space:
+            raise ConfigError(f"lora-a2 client-level DP: the server holds no {leaf} factor to release round "
+                              f"{round_idx + 1}'s update over (its state has {sorted(reference)[:4]})")
+        return space
+
+    @staticmethod
+    def client_dp_update(upload: Payload, space: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The client's dense masked delta ΔB_k ⊙ M_k (eq. 6) over every factor of ``space`` (float64, zero off its
+        selected ranks and in the modules it selected none of)."""
+        factor = upload.meta.get("factor")
+        if factor is None or not all(n.endswith("lora_" + factor) for n in space):
+            raise ConfigError(f"lora-a2 client-level DP: an upload of factor {factor!r} in a round that releases "
+                              f"{sorted(space)[:2]}…; every upload of a round carries that round's factor")
+        dense = {n: z.clone() for n, z in space.items()}
+        for m, sd in upload_from_tensors(upload.tensors, {n: z.shape for n, z in space.items()}, factor).items():
+            dense[m] = unpack_delta(sd, dtype=torch.float64)
+        return dense
+
+    def client_dp_release(self, mean: Mapping[str, torch.Tensor], round_idx: int) -> Payload:
+        """The private mean update as one upload that selected every rank of every module (indices 0..r_G−1), so
+        ``aggregate([it], [1])`` returns it as the round's Σ_k w_k ΔB_k, which ``server_update`` adds to B_saved."""
+        factor = trained_factor(round_idx)
+        packed = {}
+        for n, v in mean.items():
+            r = int(v.shape[1] if factor == "B" else v.shape[0])
+            packed[n] = SparseDelta(v, torch.arange(r, dtype=torch.int64), factor, (int(v.shape[0]), int(v.shape[1])))
+        return Payload(upload_tensors(packed), {"factor": factor, "rank": str(self.rank)})
 
     # the server ------------------------------------------------------------------------------
     def initial_server_state(self, replica: int) -> dict[str, torch.Tensor]:

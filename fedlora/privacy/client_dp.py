@@ -17,17 +17,25 @@ The noise of round r in federation g comes from a generator seeded by (seed, r, 
 so a resumed run draws the same noise with nothing saved, and the embedded and Flower runtimes, which share
 ``fedlora.server.Server``, release the same numbers.
 
+A method whose upload is not the tensor the server updates declares the space of the update itself
+(``DenseUpdates``): LoRA-A²'s uploads are its clients' masked deltas with their index sets, so its update Δ_k is
+the dense delta (zero off the client's selected ranks), clipped over the whole payload, the noise covers EVERY
+coordinate of the round's trained factor at full rank r_G in every module (a release noised only where clients
+selected would reveal the selection), and the release, divided by the same qK (not by per-coordinate counts of
+selecting clients, which depend on the clients' data), goes to the method's ``aggregate`` as one full-rank upload.
+
 A round in which Poisson sampling draws nobody still releases noise (a release that skipped such rounds would
 tell an observer that the draw was empty, which the accounting does not cover): the noise alone, divided by qK,
 is added to the tensors the previous round's uploads carried. Before any round has been aggregated there are
 none; such a first round changes nothing (the one case the release does not cover, stated in
-docs/concepts/privacy.md).
+docs/concepts/privacy.md). A ``DenseUpdates`` method names its round's space itself, so its noise-only release
+covers that space, the first round included.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -38,7 +46,7 @@ from fedlora.seeds import DP_CLIENT_NOISE, DP_PARTICIPANTS, seed_of
 from .accounting import check_noise_multiplier, check_sampling_rate
 from .clipping import CLIP_EPS, check_clip_norm, clip_update, gaussian_noise_like, private_mean
 
-__all__ = ["ClientDP", "poisson_participants", "CLIENT_UNIT"]
+__all__ = ["ClientDP", "DenseUpdates", "poisson_participants", "CLIENT_UNIT"]
 
 #: the accountant's unit under client-level DP: every client is protected alike (one record for all)
 CLIENT_UNIT = "client"
@@ -52,6 +60,23 @@ def poisson_participants(seed: int, round_idx: int, group: int, n_clients: int, 
     g = torch.Generator().manual_seed(seed_of(seed, DP_PARTICIPANTS, round_idx, group))
     u = torch.rand(n_clients, generator=g, dtype=torch.float64)
     return [k for k in range(n_clients) if float(u[k]) < q]
+
+
+@runtime_checkable
+class DenseUpdates(Protocol):
+    """A method whose upload is not the tensor the server updates (LoRA-A²'s masked deltas with index sets):
+    it names the coordinates of the round's update, turns an upload into its dense update, and the private mean
+    back into one upload its ``aggregate`` takes. Pure functions of their arguments."""
+
+    def client_dp_space(self, reference: Mapping[str, torch.Tensor], round_idx: int) -> dict[str, torch.Tensor]:
+        """name → zeros shaped like every coordinate round ``round_idx``'s release covers (``reference``: the
+        server's state, what clients started from)."""
+
+    def client_dp_update(self, upload: Payload, space: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The upload's update Δ_k: for every name of ``space``, a tensor of its shape and dtype."""
+
+    def client_dp_release(self, mean: Mapping[str, torch.Tensor], round_idx: int) -> Payload:
+        """The private mean update (over ``space``) as one upload of the round, for ``aggregate([it], [1])``."""
 
 
 @dataclass(frozen=True)
@@ -150,6 +175,8 @@ class ClientDP:
         gen = self.generator(round_idx, group)
         c = self.clip_norm if clip is None else check_clip_norm(clip, "the round's clip norm")
         z = self.update_noise_multiplier
+        if isinstance(method, DenseUpdates):
+            return self._aggregate_dense(method, uploads, reference, n_clients, round_idx, qk, gen, c, z)
         if not uploads:
             names = [n for n in noise_names if n in reference]
             if not names:
@@ -176,6 +203,28 @@ class ClientDP:
         clipped = sum(1 for v in norms if v + 1e-6 > c)
         return method.aggregate([Payload(private, metas[0])], torch.ones(1, dtype=torch.float64)), \
             self._info(norms, clipped, False, c, n_clients, gen)
+
+    def _aggregate_dense(self, method: DenseUpdates, uploads: Sequence[Payload], reference, n_clients: int,
+                         round_idx: int, qk: float, gen: torch.Generator, c: float, z: float
+                         ) -> tuple[dict[str, torch.Tensor], dict]:
+        """``aggregate`` for a ``DenseUpdates`` method: Δ_k = ``client_dp_update`` (the reference is the space's
+        zeros: the upload is an update already), clipped to C over the whole payload; (Σ_k Δ_k + N(0, σ²C² I))/(qK)
+        over EVERY coordinate of ``client_dp_space`` (noise alone when nobody was drawn, the first round included),
+        handed to the method's ``aggregate`` as ``client_dp_release``."""
+        space = method.client_dp_space(reference, round_idx)
+        if not uploads:
+            noise = gaussian_noise_like(space, z * c, gen)
+            mean = {n: noise[n] / qk for n in space}
+            info = self._info([], 0, True, c, n_clients, gen)  # the count's noise after the update's
+        else:
+            deltas, norms = [], []
+            for u in uploads:
+                d, norm = clip_update(method.client_dp_update(u, space), space, c)
+                deltas.append(d)
+                norms.append(norm)
+            mean = private_mean(deltas, z, c, qk, gen)
+            info = self._info(norms, sum(1 for v in norms if v + 1e-6 > c), False, c, n_clients, gen)
+        return method.aggregate([method.client_dp_release(mean, round_idx)], torch.ones(1, dtype=torch.float64)), info
 
     def _info(self, norms, clipped, noise_only, clip, n_clients, gen) -> dict:
         info = {"update_norms": norms, "clipped": clipped, "noise_only": noise_only, "clip": clip}
