@@ -17,6 +17,7 @@ This module holds what those command lines need, in one place:
 * ``make_certs``: a CA and a server certificate for the SuperLink (TLS; SANs for the hosts it is reached at);
 * ``superlink_command`` / ``supernode_command``: the two command lines, with fedlora's settings
   (TLS, no runtime dependency installation — the code is the installed package —, bounded retries);
+  ``warm_command`` (``fedlora.flower_warm``): a SuperNode whose messages are forked from a warm process;
 * ``check_reachable``: a TLS handshake with the SuperLink within a bounded wait (one-line error otherwise);
 * ``write_run_config``: the run's resolved config as the TOML ``--run-config`` file (it travels with the run,
   so the SuperLink's machine needs no copy of it);
@@ -44,9 +45,10 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from fedlora.errors import ConfigError
+from fedlora.flower_warm import warm_command
 
-__all__ = ["write_app_dir", "make_certs", "superlink_command", "supernode_command", "check_reachable", "write_run_config",
-           "flower_env", "LocalDeployment", "FlowerRunFailed", "CERT_WRITES", "APP_WRITES", "APP_MINE",
+__all__ = ["write_app_dir", "make_certs", "superlink_command", "supernode_command", "warm_command", "check_reachable",
+           "write_run_config", "flower_env", "LocalDeployment", "FlowerRunFailed", "CERT_WRITES", "APP_WRITES", "APP_MINE",
            "WORK_WRITES", "claim_certs_dir", "claim_app_dir"]
 
 #: what ``fedlora flower certs`` writes into its --out (``make_certs``): key material, never replaced unasked
@@ -56,7 +58,7 @@ APP_WRITES = ("pyproject.toml", "run.toml")
 #: what a ``LocalDeployment`` writes into its work folder (``fedlora flower local --work``): the app, the
 #: certificates and node keys, flwr's home and state, the processes' logs, the command lines, run configs
 WORK_WRITES = ("app", "certs", "flwr-home", "state.db", "state.db-*", "commands.json", "superlink.log",
-               "supernode*.log", "supernode*.key", "supernode*.key.pub", "tmp*.toml")
+               "supernode*.log", "supernode*.key", "supernode*.key.pub", "supernode*.tasks.jsonl", "tmp*.toml")
 
 
 def _written_by_app(path: Path) -> bool:
@@ -346,15 +348,21 @@ class LocalDeployment:
     Use as a context manager: ``start`` on entry; on exit ``stop`` ends every process it started,
     SuperExec and app processes included. ``submit`` starts one run; ``wait`` waits for its run folder.
 
-    Flower's own pace: a SuperNode polls every 3 s and starts a new Python process per message, so a round
-    on a deployment takes seconds however small the model (bench/flower_overhead.py measures it).
+    Flower's own pace: a SuperNode polls every 3 s and runs every message in a new process, so a round on a
+    deployment takes seconds however small the model (bench/flower_overhead.py measures it). With ``warm``
+    (the default) each SuperNode's SuperExec is ``fedlora.flower_warm``: every message's process is forked
+    from one that imported ``preload``, ``app`` and fedlora's ClientApp once (``work/supernode<K>.tasks.jsonl``
+    lists them); ``warm=False``: flwr's own SuperExec, a new ``flwr-clientapp`` interpreter per message.
     """
 
     def __init__(self, work: str | os.PathLike, nodes: int, *, app: str, tls: bool = True, auth: bool = False,
-                 start_timeout: float = 60.0, node_wait_s: float = 60.0) -> None:
-        """``app``: the Flower app module the deployment runs (``write_app_dir``), e.g. ``fedlora.llm.flower``."""
+                 start_timeout: float = 60.0, node_wait_s: float = 60.0, warm: bool = True,
+                 preload: Sequence[str] = ()) -> None:
+        """``app``: the Flower app module the deployment runs (``write_app_dir``), e.g. ``fedlora.llm.flower``;
+        ``preload``: modules the warm SuperExecs import besides ``app`` (e.g. ``transformers``)."""
         if nodes < 1:
             raise ConfigError(f"nodes: must be ≥ 1, got {nodes}")
+        self.warm, self.preload = bool(warm), (*[str(m) for m in preload], str(app))
         self.work = Path(work).resolve()
         self.work.mkdir(parents=True, exist_ok=True)
         self.nodes, self.tls, self.auth = int(nodes), bool(tls), bool(auth)
@@ -416,9 +424,11 @@ class LocalDeployment:
                     raise ConfigError(f"flwr supernode register (partition {k}) failed: {_last_line(r.stderr or r.stdout)}")
             keys = {k: priv for k, (priv, _) in keys.items()}
         for k in range(self.nodes):
-            self._spawn(f"supernode{k}", supernode_command(
-                self.address, k, self.nodes, ca=self.certs["ca"] if self.certs else None, port=_free_port(),
-                auth_key=keys[k], max_wait_s=self.node_wait_s), env=self.node_env)
+            cmd = supernode_command(self.address, k, self.nodes, ca=self.certs["ca"] if self.certs else None,
+                                    port=_free_port(), auth_key=keys[k], max_wait_s=self.node_wait_s)
+            if self.warm:
+                cmd = warm_command(cmd, preload=self.preload, ledger=self.work / f"supernode{k}.tasks.jsonl")
+            self._spawn(f"supernode{k}", cmd, env=self.node_env)
         return self
 
     def flwr(self, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:

@@ -180,6 +180,8 @@ def register_flower(subparsers: argparse._SubParsersAction) -> None:
                          "(--work: a deployment's); anything else in it is refused, never removed")
     lo.add_argument("--insecure", action="store_true", help="no TLS (default: a CA and certificate made for the run)")
     lo.add_argument("--auth", action="store_true", help="SuperNode authentication: each node's key registered first")
+    lo.add_argument("--cold", action="store_true", help="flwr's own SuperExec: a new Python process per message "
+                    "(default: forked from a warm, pre-imported one, fedlora.flower_warm)")
     lo.add_argument("--timeout", type=float, default=3600.0, help="seconds the whole run may take (default 3600)")
     lo.add_argument("--work", default=None, metavar="DIR",
                     help="keep the deployment's certificates, state and process logs here (default: a temporary "
@@ -226,6 +228,8 @@ def register_flower(subparsers: argparse._SubParsersAction) -> None:
     sn.add_argument("--port", type=int, default=9094, help="local port for its ClientApps (one per SuperNode on a host)")
     sn.add_argument("--auth-key", default=None, metavar="FILE", help="its private key, when the SuperLink uses --auth")
     sn.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the SuperLink (default 60)")
+    sn.add_argument("--warm", action="store_true", help="serve its messages from a warm SuperExec: each ClientApp "
+                    "forked from a process that imported torch, transformers and fedlora once (fedlora.flower_warm)")
     fl.set_defaults(handler=_cmd_flower)
 
 
@@ -296,6 +300,8 @@ def _cmd_flower(args: argparse.Namespace) -> int:
             raise ConfigError(f"--partitions: must be ≥ 1, got {args.partitions}")
         argv = fd.supernode_command(args.superlink, args.partition, args.partitions, ca=args.ca, port=args.port,
                                     auth_key=args.auth_key, max_wait_s=args.wait)
+        if args.warm:
+            argv = fd.warm_command(argv, preload=(*fd.WARM_PRELOAD, fd.APP))
         fd.check_reachable(args.superlink, args.ca, args.wait)  # a wrong address fails here, in one line
     print(shlex.join(argv), flush=True)
     os.execve(argv[0], argv, fd.flower_env())  # the process becomes flwr's (signals, exit status)
@@ -335,7 +341,7 @@ def _flower_local(args: argparse.Namespace) -> int:
           f"{'' if args.insecure else ' (TLS)'}{', SuperNode authentication' if args.auth else ''}", flush=True)
     try:
         summary = run_local(cfg, Path(out).resolve(), overwrite=args.overwrite, tls=not args.insecure,
-                            auth=args.auth, timeout=args.timeout, work=args.work)
+                            auth=args.auth, timeout=args.timeout, work=args.work, warm=not args.cold)
     except BaseException:
         folder.remove_if_empty()
         if work is not None:

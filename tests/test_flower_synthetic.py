@@ -17,6 +17,7 @@ pytest.importorskip("flwr")
 pytest.importorskip("ray")
 
 from _flower_inprocess import OneProcessGrid, run_as_serverapp  # noqa: E402
+from _flower_warm import assert_forked_per_message  # noqa: E402
 from fedlora.cli import main  # noqa: E402
 from fedlora import flower_deploy as fd  # noqa: E402
 from fedlora.flower import simulate  # noqa: E402
@@ -149,6 +150,11 @@ def test_a_loopback_deployment_gives_the_embedded_records(tmp_path):
     assert "--ssl-certfile" in started["superlink"] and all("--root-certificates" in started[f"supernode{k}"]
                                                             for k in range(3))
     assert "--enable-supernode-auth" not in started["superlink"]
+    # each node's messages were forked from its warm SuperExec (fedlora.flower_warm), one child per message
+    # the SuperNode received, each from an empty run cache
+    assert all(started[f"supernode{k}"][1:3] == ["-m", "fedlora.flower_warm"] for k in range(3))
+    received = {k: (work / f"supernode{k}.log").read_text().count("Receiving: ") for k in range(3)}
+    assert_forked_per_message(work, 3, received)
     print(f"a synthetic run on a deployment: {time.monotonic() - t0:.0f} s")
 
 
