@@ -351,3 +351,23 @@ def test_the_warm_superexec_command_wraps_a_supernode_command():
     from fedlora.flower_warm import main as warm_main
 
     assert warm_main(["--preload", "no_such_module_here", "--", *node]) == 2
+
+
+def test_a_warm_superexec_ends_with_its_supernode_and_gives_its_status(tmp_path):
+    """`fedlora flower supernode --warm`'s process (`python -m fedlora.flower_warm -- flower-supernode …`):
+    when its SuperNode gives up (no SuperLink within --max-wait-time), the warm SuperExec ends too, with the
+    node's failing status, leaving no process behind."""
+    port = _free_port()  # nothing listens here
+    node = fd.supernode_command(f"127.0.0.1:{port}", 0, 3, port=_free_port(), max_wait_s=3)
+    cmd = fd.warm_command(node, ledger=tmp_path / "tasks.jsonl")
+    p = subprocess.Popen(cmd, env=fd.flower_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                         start_new_session=True)
+    try:
+        _, err = p.communicate(timeout=60)
+        assert p.returncode not in (0, None), err[-2000:]
+        assert not _ours_running(str(tmp_path)), "the warm SuperExec outlived its SuperNode"
+        assert not (tmp_path / "tasks.jsonl").exists()  # no message came
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
