@@ -60,14 +60,17 @@ def run_simulation(tmp: Path, method: str, rounds: int) -> dict:
             "flower_array_bytes_train": dict(run.driver.executor.wire_bytes)}  # train + deliver
 
 
-def run_deployment(tmp: Path, method: str, rounds: int) -> dict:
-    """A SuperLink and one SuperNode per client on 127.0.0.1 with TLS (``fedlora flower local``'s deployment)."""
+def run_deployment(tmp: Path, method: str, rounds: int, warm: bool = True) -> dict:
+    """A SuperLink and one SuperNode per client on 127.0.0.1 with TLS (``fedlora flower local``'s deployment):
+    ``warm``, each message forked from a warm SuperExec (fedlora.flower_warm, the default), else flwr's own
+    SuperExec (a new ``flwr-clientapp`` interpreter per message, ``fedlora flower local --cold``)."""
     from fedlora.llm.flower_deploy import LocalDeployment
 
-    out = tmp / "deployment"
+    name = "deployment" if warm else "deployment-cold"
+    out = tmp / name
     cfg = _config(out, method, rounds)
     t0 = time.perf_counter()
-    with LocalDeployment(tmp / "flower", cfg.federation.clients, tls=True) as dep:
+    with LocalDeployment(tmp / f"flower-{name}", cfg.federation.clients, tls=True, warm=warm) as dep:
         up = time.perf_counter() - t0
         run_id = dep.submit(cfg.to_dict(), out=out)
         dep.wait(run_id, out, timeout=1800)
@@ -81,21 +84,25 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--method", default="fedavg")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--deploy", action="store_true", help="also a loopback deployment with TLS (minutes)")
+    p.add_argument("--deploy", action="store_true", help="also a loopback deployment with TLS, its SuperNodes' "
+                   "messages forked from warm SuperExecs and, one after the other, flwr's own (minutes)")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     a = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     res: dict = {"method": a.method, "rounds": a.rounds, "clients": 3, "task": "tiny-smoke",
-                 "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}"}
+                 "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}",
+                 "load_average_1min": [round(os.getloadavg()[0], 2)]}  # at the start and the end: other jobs show
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         res["embedded"] = run_embedded(tmp, a.method, a.rounds)
         res["simulation"] = run_simulation(tmp, a.method, a.rounds)
         if a.deploy:
             res["deployment"] = run_deployment(tmp, a.method, a.rounds)
+            res["deployment-cold"] = run_deployment(tmp, a.method, a.rounds, warm=False)
+    res["load_average_1min"].append(round(os.getloadavg()[0], 2))
     lines = ["| runtime | median s / round | total s (incl. start-up) | payload bytes up / down (rounds.jsonl, `Payload.nbytes`) | Flower array bytes up / down | Flower config bytes down | messages |",
              "|---|---|---|---|---|---|---|"]
-    for name in ("embedded", "simulation", "deployment"):
+    for name in ("embedded", "simulation", "deployment", "deployment-cold"):
         if name not in res:
             continue
         r = res[name]
@@ -111,7 +118,8 @@ def main(argv=None) -> int:
     (out / "flower_overhead.json").write_text(json.dumps(res, indent=1))
     (out / "flower_overhead.md").write_text(
         f"# Flower overhead ({res['machine']})\n\n`python bench/flower_overhead.py{' --deploy' if a.deploy else ''}` "
-        f"— {a.method}, tiny-smoke, 3 clients, every client every round, {a.rounds} rounds.\n\n{table}\n")
+        f"— {a.method}, tiny-smoke, 3 clients, every client every round, {a.rounds} rounds; 1-minute load average "
+        f"{res['load_average_1min'][0]} at the start, {res['load_average_1min'][1]} at the end.\n\n{table}\n")
     return 0
 
 

@@ -7,7 +7,7 @@ one HTTPS port for the Fleet, Control and Runtime APIs; it starts one ``flwr-ser
 which runs the app module's ``server_app``) and one **SuperNode** per client (it holds one partition,
 given as ``--node-config 'partition-id=K num-partitions=N'``, and starts a ``flwr-clientapp`` process per
 message, which runs ``fedlora.flower_client.client_app``: the ClientApp of every app, which imports torch and the
-run's node only for the messages that need them). A run is submitted with ``flwr run APP LINK
+run's node only for the messages that need them; ``fedlora.flower_warm`` forks that process from a warm one instead). A run is submitted with ``flwr run APP LINK
 --run-config FILE.toml``: APP is the folder ``write_app_dir`` writes, LINK a connection named in
 ``$FLWR_HOME/config.toml``, and FILE names the run's config.
 

@@ -6,14 +6,15 @@ Flower 1.42's SuperNode (``--isolation subprocess``, its default) starts ``flowe
 node for a message's task and starts ``flwr-clientapp`` — a new Python interpreter that imports torch and the
 app, seconds of CPU, before it builds the run — for every message. With ``--isolation process`` the node
 starts no SuperExec and serves its Runtime API to one the operator runs. This module is that operator's
-process::
+process:
 
     python -m fedlora.flower_warm [--preload MODULE]... [--ledger FILE] -- flower-supernode ARGS...
 
-It starts the SuperNode (``ARGS`` plus ``--isolation process``) as its child, imports ``--preload`` once, then
+It starts the SuperNode (``ARGS`` plus ``--isolation process``) as its child, imports ``--preload`` once meanwhile, then
 runs flwr's own SuperExec loop (``flwr.supercore.superexec.run_superexec.run_superexec``: the same task
 acquisition, plugin and poll interval, ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL``) with ``ForkExecutor``, whose
-``launch`` forks a child that runs flwr's own ``run_clientapp`` with the task's token and then ``os._exit``\\ s.
+``launch`` forks a child that runs flwr's own ``run_clientapp`` with the task's token and then exits
+(``os._exit``).
 The parent never runs a message, so each message still starts from a process that has built nothing:
 what a ClientApp caches per process (``fedlora.flower``'s run) is empty in every child, and a message can
 keep nothing for the next but what Flower serialises in the node's ``context.state`` — a deployment as real
@@ -244,10 +245,19 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    import subprocess
+
     args = _parser().parse_args(argv)
     node = list(args.node[1:] if args.node[:1] == ["--"] else args.node)
     try:
         warm_command(node)  # the same checks as the command line's builder
+    except ConfigError as e:
+        print(f"fedlora.flower_warm: error: {e}", file=sys.stderr)
+        return 2
+    # the node first: its start-up and its connection to the SuperLink overlap the imports below (a message
+    # that comes meanwhile waits in the node until the loop asks for it)
+    supernode = subprocess.Popen([*node, "--isolation", "process"])
+    try:
         for m in (*ALWAYS_PRELOADED, *args.preload):
             try:
                 importlib.import_module(m)
@@ -258,15 +268,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not callable(getattr(flwr_superexec, "get_executor", None)):
             raise ConfigError("warm SuperExec: this flwr has no run_superexec.get_executor (flwr 1.42 is known to work)")
     except ConfigError as e:
+        supernode.terminate()
+        supernode.wait()
         print(f"fedlora.flower_warm: error: {e}", file=sys.stderr)
         return 2
-    import subprocess
-
     from flwr.supercore.auth import load_superexec_auth_secret
     from flwr.supercore.exit import add_exit_handler
 
     settings = _node_settings(node)
-    supernode = subprocess.Popen([*node, "--isolation", "process"])
     ended: dict[str, int] = {}
 
     def watch() -> None:  # the SuperNode ended: so does its SuperExec (flwr's graceful exit, children stopped)
