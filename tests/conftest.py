@@ -19,6 +19,15 @@ import os
 import sys
 from pathlib import Path
 
+# One intra-op thread in every process the suite runs: this one (module and session fixtures run before the
+# per-test ``_single_thread``), and, through the environment, every subprocess it starts (commands, Flower's
+# SuperNodes and ClientApps, Ray's actors, the rank-recovery worker). ``make test`` already runs one pytest worker
+# per core; a second thread per process only oversubscribes the cores, and OpenMP's spin-waiting then costs far more
+# than the thread gains on these tiny tensors (measured: the 5-seed rank-recovery fixture beside a busy worker took
+# 147 s with torch's default threads, 14–35 s with one).
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
 TEST_DEVICE = os.environ.get("FEDLORA_TEST_DEVICE", "cpu")
 if TEST_DEVICE.startswith("cuda"):
     os.environ["TRITON_INTERPRET"] = "0"  # compiled kernels; triton fixes its mode when first imported
@@ -39,6 +48,8 @@ sys.path[:] = [p for p in sys.path if not _is_root(p)]
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+torch.set_num_threads(1)  # the environment above sets it at start-up; this holds if torch was imported before
 
 
 def _checkout_problem() -> str | None:
