@@ -301,11 +301,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             root_certificates_path=None if ca is None else str(Path(ca).expanduser()),
             superexec_auth_secret=load_superexec_auth_secret(settings.superexec_auth_secret_file),
             parent_pid=None, runtime_dependency_install=False)
-    except SystemExit as e:
+    except (SystemExit, KeyboardInterrupt) as e:  # flwr's graceful exit; a SIGINT before its handlers were set
         stop_supernode()
         if "status" in ended:  # the SuperNode's own status (e.g. its SuperLink unreachable)
             return int(ended["status"])
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        code = getattr(e, "code", 1)
+        return code if isinstance(code, int) else (0 if code is None else 1)
     finally:
         executor.close()
     return 0

@@ -7,8 +7,9 @@ message-by-message processes are tests/test_flower.py's one-process deployment).
 that cannot be reached, a SuperNode without its partition, a certificate from another CA — cost one line,
 after a bounded wait.
 
-A deployment is slow by Flower's design (a SuperNode polls every 3 s and starts a Python process per
-message): each run here takes a minute or two on 2 cores; bench/flower_overhead.py measures it."""
+A deployment is slow by Flower's design (a SuperNode polls every 3 s and runs each message in a new process,
+here forked from a warm SuperExec, fedlora.flower_warm, whose ledger shows one fresh child per message): each
+run here takes a minute or two on 2 cores; bench/flower_overhead.py measures it."""
 import contextlib
 import json
 import os
