@@ -108,6 +108,10 @@ def run_task(spec) -> None:
                   parent_pid=spec.parent_pid, runtime_dependency_install=spec.runtime_dependency_install)
 
 
+#: the signals that stop a task (flwr's handlers for them push the task's status and exit)
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT)
+
+
 def _in_child(spec, target: Callable[[Any], None], ledger: str | None) -> int:
     """What a forked child does: forget the parent's exit handlers and signal handlers, run ``target(spec)``
     (flwr ends it with ``sys.exit``), record it; its exit status."""
@@ -117,7 +121,7 @@ def _in_child(spec, target: Callable[[Any], None], ledger: str | None) -> int:
     # never from here. The list's lock is new too (no thread of the parent exists in this process)
     exit_handler.registered_exit_handlers.clear()
     exit_handler._lock_handlers = threading.Lock()
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT):
+    for sig in _STOP_SIGNALS:
         signal.signal(sig, signal.SIG_DFL)
     t0, before, code = time.monotonic(), _cached_runs(), 1
     try:
@@ -162,15 +166,23 @@ class ForkExecutor:
         self.reconcile()
         sys.stdout.flush()
         sys.stderr.flush()  # nothing buffered is written twice
+        # stop signals arriving between the fork and the child's own handlers: they would run the parent's (a
+        # SIGTERM from close() right after a launch would be handled as the SuperExec's, not end the child); the
+        # child sets the default handlers first, then lets the pending ones in
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
         pid = os.fork()
         if pid == 0:
             code = 1
             try:
+                for sig in _STOP_SIGNALS:
+                    signal.signal(sig, signal.SIG_DFL)
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
                 code = _in_child(spec, self.target, self.ledger)
             finally:
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(code)  # never back into the parent's loop, its atexit or its finalizers
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         self.children[pid] = spec.task_id
         _append(self.ledger, {"launched": spec.task_id, "child": pid, "warm": os.getpid(),
                               "runs_in_parent": _cached_runs(), "threads": sorted(t.name for t in threading.enumerate())})

@@ -328,11 +328,17 @@ def test_a_warm_superexec_forks_a_fresh_child_per_task_reaps_it_and_stops_the_re
     assert not any(Path(f"/proc/{p}").exists() for p in pids)  # reaped: not even a zombie
     assert all(e["runs_in_parent"] == 0 and e["warm"] == os.getpid() for e in got["launched"])
     # a task still running when the SuperExec stops: SIGTERM, reaped within the grace
+    # the parent's own SIGTERM handler (a SuperExec's, pytest-xdist's worker's) must never run in a child, even for
+    # a SIGTERM sent the instant after the fork: launch blocks the signal until the child has its own
     slow = ForkExecutor(ledger=None, target=_hangs, grace_s=5)
-    slow.launch(_spec(4))
-    (pid,) = slow.children
-    t0 = time.monotonic()
-    slow.close()
+    before = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        slow.launch(_spec(4))
+        (pid,) = slow.children
+        t0 = time.monotonic()
+        slow.close()
+    finally:
+        signal.signal(signal.SIGTERM, before)
     assert not slow.children and slow.exits[pid] == -signal.SIGTERM and time.monotonic() - t0 < 5
     assert not Path(f"/proc/{pid}").exists()
 
