@@ -48,6 +48,7 @@ sys.path[:] = [p for p in sys.path if not _is_root(p)]
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from _xdist_order import pytest_collection_modifyitems, xdist_group  # noqa: E402,F401  (the suite's xdist hooks)
 
 torch.set_num_threads(1)  # the environment above sets it at start-up; this holds if torch was imported before
 
@@ -75,30 +76,6 @@ _PROBLEM = _checkout_problem()
 def pytest_configure(config):
     if _PROBLEM:
         raise pytest.UsageError(_PROBLEM)
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(config, items):
-    """Tests marked ``long`` (a Flower deployment, a real model: tens of seconds each) run first, in their
-    collected order. ``make test`` spreads the suite over the cores (pytest-xdist), which hands tests out in
-    this order: a two-minute test handed out last would keep one worker busy while the others sit idle.
-
-    Under ``--dist loadgroup`` the tests of one ``xdist_group`` (those sharing an expensive module fixture)
-    must reach one worker. xdist 3.8 says so by suffixing ``@group`` to ``item._nodeid``, which pytest 9 no
-    longer reads (a node's id is ``item._id``): every group would be ignored and each worker would build the
-    fixture again. The suffix is set where pytest 9 reads it (tests/test_xdist_groups.py checks it)."""
-    items.sort(key=lambda item: item.get_closest_marker("long") is None)  # a stable sort
-    if getattr(config.option, "loadgroup", False):
-        for item in items:
-            group = xdist_group(item)
-            if group and not item.nodeid.endswith(f"@{group}"):
-                item._id = type(item._id).parse(f"{item.nodeid}@{group}")
-
-
-def xdist_group(item) -> str | None:
-    """The ``@pytest.mark.xdist_group`` name(s) of ``item`` as xdist joins them, or None."""
-    names = {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")}
-    return "_".join(sorted(names)) or None
 
 
 @pytest.fixture(autouse=True)

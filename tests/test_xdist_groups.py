@@ -2,7 +2,7 @@
 ``xdist_group`` — those sharing an expensive module fixture — run in one worker process (with pytest 9 that
 needs conftest's fix: xdist 3.8 writes the group where pytest no longer reads it), and tests marked ``long``
 are handed out first (with ``--no-loadscope-reorder``, as ``make test`` runs it). One pytest run with two workers over a small suite written here, whose conftest is
-this suite's own."""
+this suite's own (its hooks, from tests/_xdist_order.py)."""
 import json
 import subprocess
 import sys
@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 CONFTEST = Path(__file__).with_name("conftest.py")
+ORDER = Path(__file__).with_name("_xdist_order.py")
 
 SUITE = textwrap.dedent("""
     import json, os, time
@@ -39,11 +40,12 @@ SUITE = textwrap.dedent("""
 
 
 def test_a_group_runs_in_one_worker_and_long_tests_go_first(tmp_path):
+    # the suite's own hooks (tests/conftest.py imports them from tests/_xdist_order.py, which needs no torch)
+    assert CONFTEST.read_text().count("from _xdist_order import pytest_collection_modifyitems") == 1
     (tmp_path / "conftest.py").write_text(
         "import importlib.util\n"
-        f"spec = importlib.util.spec_from_file_location('fedlora_suite_conftest', {str(CONFTEST)!r})\n"
+        f"spec = importlib.util.spec_from_file_location('fedlora_suite_order', {str(ORDER)!r})\n"
         "suite = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(suite)\n"
-        "pytest_configure = suite.pytest_configure\n"
         "pytest_collection_modifyitems = suite.pytest_collection_modifyitems\n")
     (tmp_path / "test_probe.py").write_text(SUITE)
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    long: started first\n")
