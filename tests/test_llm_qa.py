@@ -214,13 +214,15 @@ def test_every_method_federates_squad_format_qa(method, family, tmp_path, monkey
     SQuAD EM/F1 — v1.1 on BERT, v2.0 (unanswerable questions among them) on DeBERTa-v2."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     task = "squad" if family == "bert" else "squad_v2"
-    run, summary = _qa_run(tmp_path, method, family, task)
+    # evaluated before round 1 and after the last (the final evaluation is what is checked; round 1's is the same code)
+    run, summary = _qa_run(tmp_path, method, family, task, "eval.every=2")
     assert run.task.kind == "qa"
     final = summary["final_test"]["mean"]
     assert set(final) == {"exact", "f1", "loss"}
     assert all(np.isfinite(v) for v in final.values())
     rounds = [json.loads(line) for line in (tmp_path / "run" / "rounds.jsonl").read_text().splitlines()]
     assert [len(r["participants"]) for r in rounds[1:]] == [1, 1]  # client sampling on
+    assert [r["round"] for r in rounds if "eval" in r] == [0, 2]
     if task == "squad_v2":
         assert any(not r for r in run.test_data.references)  # unanswerable questions were scored
 
