@@ -129,11 +129,16 @@ def _clipped_sum(deltas, C):
 
 
 # --- LoRA-A² ---------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def a2_noised():
-    run = Run("lora-a2", clip=0.1, sigma=0.7, seed=3)
+def _two_rounds(method: str, clip: float, seed: int) -> "Run":
+    """Two private rounds of ``method`` (σ = 0.7), every upload, state and record kept."""
+    run = Run(method, clip=clip, sigma=0.7, seed=seed)
     run.round(), run.round()
     return run
+
+
+@pytest.fixture(scope="module")
+def a2_noised():
+    return _two_rounds("lora-a2", clip=0.1, seed=3)
 
 
 def test_lora_a2_release_is_the_noised_fixed_denominator_mean_of_clipped_dense_masked_deltas(a2_noised):
@@ -255,9 +260,7 @@ def _h2_deltas(run, rnd, ref):
 
 @pytest.fixture(scope="module")
 def h2_noised():
-    run = Run("h2tune", clip=0.05, sigma=0.7, seed=5)
-    run.round(), run.round()
-    return run
+    return _two_rounds("h2tune", clip=0.05, seed=5)
 
 
 def test_h2tune_first_update_is_taken_from_the_kl_target_the_clients_hold_then_from_the_servers_r(h2_noised):
