@@ -27,7 +27,9 @@ What a fork from a Python process needs, and where it is done:
   launch); its native threads are the OpenBLAS pools of numpy and scipy, which quiesce themselves at a fork
   (``pthread_atfork``); torch's intra-op pool is created on the first parallel op, which the parent never runs;
 * the parent's exit handlers (its Runtime API client's ``close``, this executor's ``close``) are flwr's
-  process-global list: the child clears it, and resets SIGINT/SIGTERM, before ``run_clientapp`` registers its own;
+  process-global list: the child clears it, and resets SIGINT/SIGTERM/SIGQUIT to their defaults, before
+  ``run_clientapp`` registers its own; those signals are blocked from just before the fork until the child's
+  defaults are set, so one sent the instant after a launch ends the child instead of running the parent's handler;
 * the Runtime API's TLS as flwr's ``SubprocessExecutor`` passes it (``--root-certificates`` of the node's
   ``--ssl-ca-certfile``, else insecure), the task's token, and ``--parent-pid`` = this process: a child ends
   when its SuperExec does (flwr's parent monitor);
