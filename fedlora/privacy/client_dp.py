@@ -62,6 +62,16 @@ def poisson_participants(seed: int, round_idx: int, group: int, n_clients: int, 
     return [k for k in range(n_clients) if float(u[k]) < q]
 
 
+def _clip_all(updates: Sequence[Mapping[str, torch.Tensor]], reference: Mapping[str, torch.Tensor], c: float
+              ) -> tuple[list[dict[str, torch.Tensor]], list[float], int]:
+    """Each of ``updates`` (name → tensor the client holds) minus ``reference``, clipped to ``c`` over the whole
+    payload (``clip_update``): (the clipped Δ_k, ‖Δ_k‖ before clipping, how many were clipped — those
+    ``clip_update`` did not return unchanged)."""
+    clipped = [clip_update(u, reference, c) for u in updates]
+    norms = [norm for _, norm in clipped]
+    return [d for d, _ in clipped], norms, sum(1 for v in norms if v + CLIP_EPS > c)
+
+
 @runtime_checkable
 class DenseUpdates(Protocol):
     """A method whose upload is not the tensor the server updates (LoRA-A²'s masked deltas with index sets):
@@ -185,22 +195,18 @@ class ClientDP:
             private = {n: reference[n] + noise[n] / qk for n in names}
             info = self._info([], 0, True, c, n_clients, gen)  # the count's noise after the update's
             return method.aggregate([Payload(private)], torch.ones(1, dtype=torch.float64)), info
-        deltas, norms = [], []
         for u in uploads:
             missing = [n for n in u.tensors if n not in reference]
             if missing:
                 raise ConfigError(f"client-level DP: the uploaded {missing[0]!r} has no value on the server to take "
                                   f"the update from")
-            d, norm = clip_update(u.tensors, reference, c)
-            deltas.append(d)
-            norms.append(norm)
+        deltas, norms, clipped = _clip_all([u.tensors for u in uploads], reference, c)
         mean = private_mean(deltas, z, c, qk, gen)
         private = {n: (reference[n].to(mean[n].dtype) + mean[n]) for n in mean}
         metas = [dict(u.meta) for u in uploads]  # public settings a method's server reads (Fed-SB's rank and η)
         if any(m != metas[0] for m in metas):
             raise ConfigError(f"client-level DP: the round's uploads carry different metadata ({metas[0]} and "
                               f"{next(m for m in metas if m != metas[0])}); one release carries one")
-        clipped = sum(1 for v in norms if v + 1e-6 > c)
         return method.aggregate([Payload(private, metas[0])], torch.ones(1, dtype=torch.float64)), \
             self._info(norms, clipped, False, c, n_clients, gen)
 
@@ -217,13 +223,9 @@ class ClientDP:
             mean = {n: noise[n] / qk for n in space}
             info = self._info([], 0, True, c, n_clients, gen)  # the count's noise after the update's
         else:
-            deltas, norms = [], []
-            for u in uploads:
-                d, norm = clip_update(method.client_dp_update(u, space), space, c)
-                deltas.append(d)
-                norms.append(norm)
+            deltas, norms, clipped = _clip_all([method.client_dp_update(u, space) for u in uploads], space, c)
             mean = private_mean(deltas, z, c, qk, gen)
-            info = self._info(norms, sum(1 for v in norms if v + 1e-6 > c), False, c, n_clients, gen)
+            info = self._info(norms, clipped, False, c, n_clients, gen)
         return method.aggregate([method.client_dp_release(mean, round_idx)], torch.ones(1, dtype=torch.float64)), info
 
     def _info(self, norms, clipped, noise_only, clip, n_clients, gen) -> dict:
