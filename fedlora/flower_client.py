@@ -78,6 +78,17 @@ def _train(msg, context):
     return _node_handler("train", msg)(msg, context)
 
 
+def _secagg_gate(msg, context, call_next):
+    """SecAgg+ train messages (they carry Flower's ``secaggplus_configs`` record: ``privacy.secagg``) go through
+    ``fedlora.flower_secagg.secagg_client_mod``, whose fit stage calls the ordinary ``train`` handler; the
+    others go straight to it."""
+    if "secaggplus_configs" not in msg.content.config_records:
+        return call_next(msg, context)
+    from fedlora.flower_secagg import secagg_client_mod
+
+    return secagg_client_mod(msg, context, call_next)
+
+
 def _evaluate(msg, context):
     return _node_handler("evaluate", msg)(msg, context)
 
@@ -87,7 +98,7 @@ def make_client_app():
     from flwr.clientapp import ClientApp
 
     capp = ClientApp()
-    capp.train()(_train)
+    capp.train(mods=[_secagg_gate])(_train)
     capp.query()(_query)
     capp.evaluate()(_evaluate)
     return capp

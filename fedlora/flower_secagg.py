@@ -14,11 +14,19 @@ quantises and masks it; the server's workflow unmasks only the sum and hands the
 the weighted mean Σ_k p̃_k x_k — every ``FitRes`` it receives carries that same aggregate, never one
 client's arrays. Error bound and weights: ``fedlora.secagg``.
 
-Not yet wired into ``fedlora run``: ``fedlora.server.Server`` takes one upload per client. The proposal
-(docs/concepts/privacy.md, "Secure aggregation"): a SecAgg executor returns ONE ``ClientUpdate`` holding the
-pre-summed upload (``fedlora.secagg.summed_payload``) and the server, told so, calls
-``method.aggregate([summed], [1.0])`` — which equals ``aggregate(uploads, weights)`` for every method of
-``fedlora.secagg.SUM_METHODS`` (tested).
+**In ``fedlora run``** (``privacy.secagg.enabled``, ``--runtime flower``): ``SecAggExecutor`` is the run's
+``FlowerExecutor`` with one difference, its ``train``: each round is one SecAgg+ fit — Flower's
+``SecAggPlusWorkflow`` called once per round by ``fedlora.server.Server.run_round`` (the one round protocol; no
+``DefaultWorkflow`` loop), over a ``LegacyContext`` whose strategy hands each participant a ``FitIns`` carrying
+exactly what its ``train`` message would (the run's config, its download) and its weight as num_examples. On the
+node, ``secagg_client_mod`` (``fedlora.flower_client`` routes SecAgg+ train messages to it) turns the legacy fit
+into the node's ordinary ``train`` message, trains with the same handler (``fedlora.flower._client_train``: the
+client's record saved in its node state as usual), and answers ``secaggplus_mod`` with the upload as a legacy
+``FitRes`` (range-checked; loss, ranks and bytes in its metrics, in clear). ``train`` returns ONE pre-summed
+``ClientUpdate`` under ``fedlora.server.SUMMED`` (``fedlora.secagg.summed_payload``) and, per participant, an
+empty upload with its masked vector's bytes; the server calls ``method.aggregate([summed], [1.0])`` — equal to
+``aggregate(uploads, weights)`` for every method of ``fedlora.secagg.SUM_METHODS`` (tested). A round that ends
+without an aggregate (SecAgg+ halted: Flower exits 0) raises ``RoundFailed`` naming the round.
 
 Reproducible: Flower's stochastic rounding draws from NumPy's global generator right after the client's
 ``fit`` returns, so ``fit`` seeds it from the round's ``rounding_seed`` and the client's partition; the masks
@@ -39,7 +47,7 @@ from .payload import Payload
 from .secagg import SecAggQuantisation, flatten_payload
 
 __all__ = ["SecAggRound", "SecAggRoundFailed", "run_secagg_simulation", "secagg_client_app", "SecAggClient", "testbed_upload",
-           "testbed_uploads"]
+           "testbed_uploads", "SecAggExecutor", "secagg_client_mod"]
 
 
 class SecAggRoundFailed(ConfigError):
@@ -74,6 +82,9 @@ class SecAggRecord:
     failures: list[list[str]] = field(default_factory=list)
     replies: list[tuple[str, list[np.ndarray], list[np.ndarray]]] = field(default_factory=list)
     strategy_saw: list[list[np.ndarray]] = field(default_factory=list)
+    #: node id → the reason of its last error reply; node id → the bytes of its last masked vector
+    errors: dict[int, str] = field(default_factory=dict)
+    masked_nbytes: dict[int, int] = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -155,10 +166,13 @@ class _RecordingGrid:
         replies = list(self._grid.send_and_receive(messages, *args, **kwargs))
         for msg in replies:
             if msg.has_error():
+                self._record.errors[msg.metadata.src_node_id] = str(getattr(msg.error, "reason", "") or "")
                 continue
             arrays = [a.numpy() for rec in msg.content.array_records.values() for a in rec.values()]
             cfg = msg.content.config_records.get(RECORD_KEY_CONFIGS, {})
             masked = [bytes_to_ndarray(b) for b in cfg.get(Key.MASKED_PARAMETERS, [])]
+            if masked:
+                self._record.masked_nbytes[msg.metadata.src_node_id] = sum(len(b) for b in cfg[Key.MASKED_PARAMETERS])
             stage = "masked" if masked else ("fit" if arrays else "other")
             self._record.replies.append((stage, arrays, masked))
         return replies
@@ -330,3 +344,259 @@ def testbed_upload(partition: int, config: Mapping[str, Any]) -> tuple[Payload, 
     if int(config.get("inflate", -1)) == partition:  # a client whose update blew up (×1000): the range check's case
         up = Payload({n: 1000 * t for n, t in up.tensors.items()}, dict(up.meta))
     return up, weights[partition]
+
+
+# ------------------------------------------------------------------------------------------------------
+# fedlora run: the SecAgg+ executor (server) and the fit stage of a node (client)
+_FAILURE = "fedlora-secagg-failure"  # how a node's refusal to join the sum names its kind: "<tag>[kind] why"
+
+
+def _failure(kind: str, why: str) -> ConfigError:
+    return ConfigError(f"{_FAILURE}[{kind}] {why}")
+
+
+def _failure_of(reason: str) -> tuple[str, str]:
+    """(kind, one line) of a node's error reply: a ``_failure`` the node raised, else ``error`` and its last line."""
+    import re
+
+    m = re.search(re.escape(_FAILURE) + r"\[(\w+)\] (.+?)(?:\\n|\n|'>|$)", reason)
+    if m:
+        return m.group(1), re.sub(r"\\+'", "'", m.group(2)).strip()
+    return "error", _one_line(reason)
+
+
+def _download_arrays(rec) -> tuple[list[list], list[bytes]]:
+    """A download ``ArrayRecord`` as what a legacy ``FitIns`` carries: its arrays' bytes (``Parameters``) and,
+    in its config, each array's name, dtype, shape and stype — so the node rebuilds it bit for bit."""
+    layout, data = [], []
+    for name, a in rec.items():
+        layout.append([name, a.dtype, list(a.shape), a.stype])
+        data.append(a.data)
+    return layout, data
+
+
+def _download_record(params, layout: Sequence[Sequence]):
+    """``_download_arrays`` undone on the node: the ``FitIns``'s parameters record back as the download record."""
+    from flwr.app import Array, ArrayRecord
+
+    rec = ArrayRecord()
+    for i, (name, dtype, shape, stype) in enumerate(layout):
+        rec[str(name)] = Array(dtype=str(dtype), shape=tuple(int(d) for d in shape), stype=str(stype),
+                               data=params[str(i)].data)
+    return rec
+
+
+class _Proxy:
+    """What Flower's SecAgg+ workflow needs of a client proxy: the node id."""
+
+    def __init__(self, node_id: int) -> None:
+        self.node_id = int(node_id)
+
+
+class _OneFit:
+    """The strategy of one SecAgg+ fit: each participant's ``FitIns`` as given; keeps what ``aggregate_fit``
+    receives (the unmasked mean in every result's parameters, each client's metrics, the failures)."""
+
+    def __init__(self, fitins: Sequence[tuple[_Proxy, Any]]) -> None:
+        self.fitins, self.results, self.failures, self.done = list(fitins), [], [], False
+
+    def configure_fit(self, server_round, parameters, client_manager):
+        return self.fitins
+
+    def aggregate_fit(self, server_round, results, failures):
+        self.results, self.failures, self.done = list(results), list(failures), True
+        return None, {}  # the workflow keeps no model of its own: fedlora's server aggregates
+
+
+def secagg_settings(cfg_secagg: Mapping[str, Any], weights: Sequence[float]) -> SecAggQuantisation:
+    """The quantisation of a run's ``privacy.secagg`` section for clients of data sizes ``weights`` (max_weight
+    ``auto``: ``fedlora.secagg.choose_max_weight``)."""
+    from .secagg import choose_max_weight
+
+    w = cfg_secagg["max_weight"]
+    return SecAggQuantisation(max_weight=choose_max_weight(weights) if w == "auto" else float(w),
+                              clipping_range=float(cfg_secagg["clipping_range"]),
+                              quantization_range=int(cfg_secagg["quantization_range"]),
+                              modulus_range=int(cfg_secagg["modulus_range"]))
+
+
+def _flower_executor():
+    from .flower import FlowerExecutor
+
+    return FlowerExecutor
+
+
+class SecAggExecutor(_flower_executor()):
+    """``fedlora.flower.FlowerExecutor`` whose rounds are SecAgg+ fits (module docstring): ``train`` returns the
+    participants' uploads only as their weighted mean (``fedlora.server.SUMMED``). ``secagg``: the run's
+    ``privacy.secagg`` section (a mapping); ``weights()``: every client's weight as the server weighs it (the
+    run's data sizes, called at the first round, when the run is built); ``weighting``: ``"data"`` or
+    ``"uniform"`` (``fedlora.secagg.secagg_weighting``: uniform methods send num_examples 1);
+    ``rounding_seed``: the clients' stochastic rounding (the run's seed). Everything else — evaluation, the
+    final broadcast, records — is the FlowerExecutor's. ``secagg_record``: what the server side received in
+    every SecAgg+ stage (``SecAggRecord.replies``)."""
+
+    def __init__(self, grid, config: Mapping[str, Any], n_clients: int, *, secagg: Mapping[str, Any],
+                 weights: Callable[[], Sequence[float]], weighting: str, rounding_seed: int = 0, **kwargs) -> None:
+        super().__init__(grid, config, n_clients, **kwargs)
+        if weighting not in ("data", "uniform"):
+            raise ConfigError(f"secagg: weighting must be data or uniform, got {weighting!r}")
+        self.secagg, self._weights, self.weighting = dict(secagg), weights, weighting
+        self.rounding_seed = int(rounding_seed)
+        self.secagg_record = SecAggRecord()
+        self.wire_bytes["masked_up"] = 0
+
+    def client_weights(self) -> list[int]:
+        """Each client's num_examples: its data size (``data``) or 1 (``uniform``)."""
+        from .secagg import integer_weights
+
+        return [1] * self.n_clients if self.weighting == "uniform" else integer_weights(list(self._weights()))
+
+    def train(self, rnd: int, clients: Sequence[int], downloads):
+        import json
+
+        from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
+        from flwr.common import FitIns, Parameters
+        from flwr.server import LegacyContext, ServerConfig
+        from flwr.server.workflow import SecAggPlusWorkflow
+
+        from .errors import RoundFailed
+        from .payload import Payload
+        from .secagg import summed_payload
+        from .server import SUMMED, ClientFailure, ClientUpdate, Download
+
+        self._kept = self._scores = None  # the nodes' records change
+        weights = self.client_weights()
+        quant = secagg_settings(self.secagg, weights)
+        quant.check_clients(len(clients))
+        msgs = [self._message("train", k, rnd, None if self.live else downloads.get(k, Download())) for k in clients]
+        self._count(msgs)
+        fitins = []
+        for k, msg in zip(clients, msgs):
+            conf = dict(msg.content["config"])
+            conf.update({"secagg-weight": int(weights[k]), "secagg-rounding-seed": self.rounding_seed,
+                         "secagg-max-weight": float(quant.max_weight),
+                         "secagg-clipping-range": float(quant.clipping_range),
+                         "secagg-quantization-range": int(quant.quantization_range),
+                         "secagg-modulus-range": int(quant.modulus_range)})
+            data: list[bytes] = []
+            if "download" in msg.content.array_records:
+                layout, data = _download_arrays(msg.content["download"])
+                conf["secagg-download"] = json.dumps(layout)
+            fitins.append((_Proxy(self.node_of[k]), FitIns(Parameters(tensors=data, tensor_type="fedlora.download"),
+                                                            conf)))
+        strategy = _OneFit(fitins)
+        state = RecordDict({"config": ConfigRecord({"current_round": int(rnd) + 1}), "parameters": ArrayRecord()})
+        ctx = LegacyContext(Context(run_id=0, node_id=0, node_config={}, state=state, run_config={}),
+                            config=ServerConfig(num_rounds=1), strategy=strategy)
+        n = len(clients)
+        record = self.secagg_record
+        record.errors.clear()
+        record.masked_nbytes.clear()
+        workflow = SecAggPlusWorkflow(num_shares=n, reconstruction_threshold=max(2, n // 2 + 1),
+                                      max_weight=float(quant.max_weight), clipping_range=float(quant.clipping_range),
+                                      quantization_range=int(quant.quantization_range),
+                                      modulus_range=int(quant.modulus_range), timeout=self.timeout)
+        flwr_log = logging.getLogger("flwr")
+        level = flwr_log.level
+        flwr_log.setLevel(logging.WARNING)  # Flower's per-stage INFO lines: not fedlora's output
+        try:
+            workflow(_RecordingGrid(self.grid, record), ctx)
+        finally:
+            flwr_log.setLevel(level)
+        client_of = {self.node_of[k]: k for k in clients}
+        out: dict[int, Any] = {}
+        for node, reason in record.errors.items():
+            if node in client_of:
+                kind, why = _failure_of(reason)
+                out[client_of[node]] = ClientFailure(why, kind)
+        if not strategy.done or not strategy.results:
+            lost = "; ".join(f"client {k}: {f.why}" for k, f in sorted(out.items())) or \
+                "Secure aggregation halted (Flower logs it and exits 0)"
+            raise RoundFailed(f"round {rnd + 1}: secure aggregation (SecAgg+) produced no aggregate "
+                              f"({len(strategy.results)} of {n} uploads): {lost}")
+        from flwr.common import parameters_to_ndarrays
+
+        agg = parameters_to_ndarrays(strategy.results[0][1].parameters)
+        record.strategy_saw.extend(parameters_to_ndarrays(res.parameters) for _, res in strategy.results)
+        specs, metas = set(), set()
+        for proxy, res in strategy.results:
+            k = client_of[proxy.node_id]
+            m = res.metrics
+            specs.add(str(m["spec"]))
+            metas.add(str(m["meta"]))
+            nbytes = int(record.masked_nbytes.get(proxy.node_id, 0))
+            self.wire_bytes["masked_up"] += nbytes
+            out[k] = ClientUpdate(Payload({}), float(m["train-loss"]) if "train-loss" in m else None,
+                                  json.loads(str(m["ranks"])), int(m["bytes-down"]), nbytes_up=nbytes)
+        if len(specs) != 1 or len(metas) != 1:  # a sum of different tensor sets (or metadata) means nothing
+            raise RoundFailed(f"round {rnd + 1}: the clients of the secure sum uploaded different tensor sets or "
+                              "metadata")
+        spec = {name: (tuple(shape), getattr(torch, dtype)) for name, shape, dtype in json.loads(specs.pop())}
+        out[SUMMED] = ClientUpdate(Payload(summed_payload(spec, agg).tensors, json.loads(metas.pop())))
+        return out
+
+
+def secagg_client_mod(msg, ctxt, call_next):
+    """A node's SecAgg+ train messages (``fedlora.flower_client`` routes those carrying Flower's SecAgg+ config
+    here): Flower's ``secaggplus_mod`` over ``_node_fit``, which answers its fit stage with ``call_next`` — the
+    node's ordinary ``train`` handler."""
+    from flwr.client.mod import secaggplus_mod
+
+    return secaggplus_mod(msg, ctxt, lambda m, c: _node_fit(m, c, call_next))
+
+
+def _node_fit(msg, ctxt, call_next):
+    """The fit stage: the legacy ``FitIns`` as the node's ``train`` message (its config and download), trained by
+    ``call_next`` (``fedlora.flower._client_train``: the record saved in the node's state as usual); the upload
+    flattened (float64, sorted names), range-checked (``SecAggQuantisation.check_values``: never Flower's silent
+    clip) and handed back as a legacy ``FitRes`` with the weight as num_examples. A client that failed, reports
+    a non-finite loss or has a value out of range raises: it stays out of the sum (SecAgg+ drops it)."""
+    import json
+    import math
+
+    from flwr.app import ConfigRecord, Message, RecordDict
+    from flwr.common import Code, FitRes, Parameters, Status, ndarray_to_bytes
+    from flwr.compat.common import recorddict_compat as compat
+
+    from .flower import record_to_tensors
+
+    conf = msg.content.config_records["fitins.config"]
+    k, rnd = int(conf["client"]), int(conf["round"])
+    records = {"config": ConfigRecord({n: v for n, v in conf.items() if not n.startswith("secagg-")})}
+    if "secagg-download" in conf:
+        records["download"] = _download_record(msg.content.array_records["fitins.parameters"],
+                                               json.loads(str(conf["secagg-download"])))
+    fit_content = msg.content
+    msg.content = RecordDict(records)
+    try:
+        reply = call_next(msg, ctxt)
+    finally:
+        msg.content = fit_content
+    res = reply.content["result"]
+    if "failure-kind" in res:
+        raise _failure(str(res["failure-kind"]), str(res["failure-why"]))
+    loss = float(res["train-loss"]) if "train-loss" in res else None
+    if loss is not None and not math.isfinite(loss):
+        raise _failure("nonfinite_loss", f"non-finite training loss {loss}")
+    upload = Payload(record_to_tensors(reply.content["upload"]), {a: str(b) for a, b in reply.content["meta"].items()})
+    names, arrays = flatten_payload(upload)
+    quant = SecAggQuantisation(max_weight=float(conf["secagg-max-weight"]),
+                               clipping_range=float(conf["secagg-clipping-range"]),
+                               quantization_range=int(conf["secagg-quantization-range"]),
+                               modulus_range=int(conf["secagg-modulus-range"]))
+    weight = int(conf["secagg-weight"])
+    try:
+        quant.check_values(dict(zip(names, arrays)), weight, who=f"client {k}'s upload")
+    except ConfigError as e:
+        raise _failure("rejected", str(e)) from None
+    # Flower's stochastic rounding (quantize) draws from NumPy's global generator next: seeded by (seed, round,
+    # client), so the same run gives the same aggregate to the bit (the masks cancel exactly)
+    np.random.seed([int(conf["secagg-rounding-seed"]) & 0xFFFFFFFF, rnd, k])
+    spec = [[n, list(upload.tensors[n].shape), str(upload.tensors[n].dtype).replace("torch.", "")] for n in names]
+    metrics = {"bytes-down": int(res["bytes-down"]), "ranks": str(res["ranks"]), "spec": json.dumps(spec),
+               "meta": json.dumps(dict(upload.meta), sort_keys=True),
+               **({} if loss is None else {"train-loss": loss})}
+    fitres = FitRes(Status(Code.OK, "ok"), Parameters([ndarray_to_bytes(a) for a in arrays], "numpy.ndarray"),
+                    num_examples=weight, metrics=metrics)
+    return Message(compat.fitres_to_recorddict(fitres, keep_input=True), reply_to=msg)

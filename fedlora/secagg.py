@@ -206,6 +206,13 @@ class SecAggQuantisation:
             raise ConfigError(f"secagg.error_bound: max_abs must be a finite number ≥ 0, got {max_abs!r}")
         return len(qs) * (2.0 * self.clipping_range + float(max_abs)) / sum(qs) * (1.0 + 2.0 ** -20)
 
+    def upload_bound(self, weights: Sequence[float], max_abs: float, dtype: torch.dtype = torch.float32) -> float:
+        """The bound of ``error_bound`` once the aggregate is cast back to the uploads' ``dtype``
+        (``summed_payload``): + (X + bound)·u, u = 2⁻ᵖ the unit roundoff of ``dtype`` (2⁻²⁴ for float32) — what
+        a run's server state may differ from the exact weighted mean of its uploads, per coordinate."""
+        b = self.error_bound(weights, max_abs)
+        return b + (float(max_abs) + b) * torch.finfo(dtype).eps / 2
+
     def check_values(self, arrays: Mapping[str, np.ndarray], weight: float, who: str = "upload") -> None:
         """Refuse, in one line, an upload whose weighted value (q_k/Q)·x falls outside [−c, c] — the values
         Flower would clip silently. ``arrays``: name → float array (``flatten_payload``)."""

@@ -44,7 +44,13 @@ from .privacy.plan import PrivacyPlan
 from .seeds import PARTICIPANTS, clients_drawn, seed_of
 
 __all__ = ["Federation", "DownloadLedger", "Download", "ClientUpdate", "ClientFailure", "ClientExecutor",
-           "UploadSpec", "Server", "RoundFailed"]
+           "UploadSpec", "Server", "RoundFailed", "SUMMED"]
+
+#: the key under which a pre-summing executor (SecAgg+: ``fedlora.flower_secagg.SecAggExecutor``) returns the
+#: round's ONE upload — Σ_k p_k T_k of the participants it names, the only thing its server receives — beside a
+#: ``ClientUpdate`` per participant with an empty upload (its loss, ranks and bytes); the server then aggregates
+#: ``method.aggregate([summed], [1])``, equal to ``aggregate(uploads, weights)`` for ``fedlora.secagg.SUM_METHODS``
+SUMMED = -1
 
 
 @dataclass(frozen=True)
@@ -164,12 +170,14 @@ class Download:
 @dataclass
 class ClientUpdate:
     """One client's result of a round: its upload, mean training loss, ranks (``Method.describe_replica``)
-    and the bytes of the download it applied this round."""
+    and the bytes of the download it applied this round. ``nbytes_up``: the bytes its upload took on the
+    network when they are not the payload's (SecAgg+: its masked vector); ``None``: ``upload.nbytes``."""
 
     upload: Payload
     train_loss: float | None = None
     ranks: Any = None
     bytes_down: int = 0
+    nbytes_up: int | None = None
 
 
 @dataclass
@@ -365,6 +373,7 @@ class Server:
             self.privacy.check_budget(self.accountant, participants, K, rnd)
         downloads = {} if executor.live else {i: self.download_for(i, executor.shared_base) for i in participants}
         results = executor.train(rnd, participants, downloads)
+        summed = results.get(SUMMED)  # SecAgg+: the participants' uploads reach the server only as their sum
         accepted: dict[int, ClientUpdate] = {}
         failures: dict[int, ClientFailure] = {}
         for i in participants:
@@ -375,7 +384,7 @@ class Server:
                 why = None
                 if res.train_loss is not None and not math.isfinite(res.train_loss):
                     why = ClientFailure(f"non-finite training loss {res.train_loss}", "nonfinite_loss", res.bytes_down)
-                elif self.spec is not None:
+                elif self.spec is not None and summed is None:
                     bad = self.spec.check(res.upload)
                     if bad is not None:
                         why = ClientFailure(f"upload rejected: {bad}", "rejected", res.bytes_down)
@@ -394,7 +403,9 @@ class Server:
                 lost = ", ".join(f"client {i % K}: {failures[i].why}" for i in participants if i in failures)
                 raise RoundFailed(f"round {rnd + 1}: {len(ok)} accepted upload(s), federation.min_clients is "
                                   f"{self.min_clients} ({lost})")
-            if self.privacy is not None and self.privacy.client is not None:
+            if summed is not None:
+                aggregated = self._presummed(results, failures, summed, rnd)
+            elif self.privacy is not None and self.privacy.client is not None:
                 aggregated = self._private_aggregate(g, ok, accepted, rnd, dp_log)
             else:
                 ok, aggregated = self._aggregate(g, ok, accepted, failures, rnd)
@@ -417,7 +428,8 @@ class Server:
         record: dict[str, Any] = {
             "round": rnd + 1, "participants": participants,
             "train_loss": {str(i): accepted[i].train_loss for i in participants if i in accepted},
-            "bytes_up": {str(i): accepted[i].upload.nbytes for i in participants if i in accepted},
+            "bytes_up": {str(i): accepted[i].upload.nbytes if accepted[i].nbytes_up is None else accepted[i].nbytes_up
+                         for i in participants if i in accepted},
             "bytes_down": {str(i): n for i, n in bytes_down.items()},
             "ranks": {str(i): accepted[i].ranks for i in participants if i in accepted}}
         if failures:
@@ -454,6 +466,22 @@ class Server:
             raise RoundFailed(f"round {rnd + 1}: {len(ok)} accepted upload(s), federation.min_clients is "
                               f"{self.min_clients} ({lost})")
         return ok, m.aggregate([accepted[i].upload for i in ok], self.federation.round_weights([i % K for i in ok]))
+
+    def _presummed(self, results: Mapping[int, Any], failures: Mapping[int, ClientFailure], summed: "ClientUpdate",
+                   rnd: int) -> dict[str, torch.Tensor]:
+        """The aggregate of a pre-summed round (``SUMMED``): the method's ``aggregate`` of the one upload with
+        weight 1. An upload in the sum cannot be taken out of it, so a client of the sum the server would have
+        refused (a non-finite loss) fails the round, as does a sum ``UploadSpec`` rejects."""
+        if self.federation.n_groups != 1 or (self.privacy is not None and self.privacy.client is not None):
+            raise ConfigError("a pre-summed (SecAgg+) round needs one federation and no server-side client-level DP")
+        inside = [i for i in failures if isinstance(results.get(i), ClientUpdate)]  # in the sum, refused here
+        if inside:
+            raise RoundFailed(f"round {rnd + 1}: client {inside[0]}'s upload is in the secure sum but "
+                              f"{failures[inside[0]].why}")
+        bad = self.spec.check(summed.upload) if self.spec is not None else None
+        if bad is not None:
+            raise RoundFailed(f"round {rnd + 1}: the securely summed upload was rejected: {bad}")
+        return self.method.aggregate([summed.upload], torch.ones(1, dtype=torch.float64))
 
     # -- client-level DP ---------------------------------------------------------------------------
     def _init_privacy(self, privacy: PrivacyPlan | None, references) -> None:

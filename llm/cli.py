@@ -376,7 +376,7 @@ def first_sentence(text: str) -> str:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from fedlora.llm.config import bundled_configs, load_config
+    from fedlora.llm.config import bundled_configs, check_secagg_runtime, load_config
 
     if args.list_configs:
         import shutil
@@ -395,6 +395,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # --out is a path, never YAML: quoted, so "123", "yes" or "null" stay folder names
     overrides = list(args.set) + ([f"output_dir={json.dumps(args.out)}"] if args.out is not None else [])
     cfg = load_config(args.config, overrides)
+    check_secagg_runtime(cfg, args.runtime)  # SecAgg+ needs Flower: refused before anything is claimed or built
     if args.runtime == "flower":  # what Flower cannot run is refused before anything is claimed or built
         from .flower import check_flower_config
 

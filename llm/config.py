@@ -21,7 +21,7 @@ from fedlora.seeds import clients_drawn
 from .decoding import DECODING, QA_DECODING, check_decoding, check_qa_decoding
 
 __all__ = ["ModelConfig", "DataConfig", "MethodConfig", "FederationConfig", "TrainConfig", "EvalConfig",
-           "PrivacyConfig", "RunConfig", "load_config", "apply_overrides", "bundled_configs", "resolve_config", "build_method", "describe_method", "HEAD_MODES",
+           "PrivacyConfig", "SecAggConfig", "RunConfig", "load_config", "apply_overrides", "bundled_configs", "resolve_config", "build_method", "describe_method", "HEAD_MODES",
            "coerce_number", "group_configs"]
 
 HEAD_MODES = ("auto", "frozen", "shared", "personal")
@@ -211,6 +211,31 @@ class EvalConfig:
 
 
 @dataclass
+class SecAggConfig:
+    """Secure aggregation, SecAgg+ (Bell et al., ACM CCS 2020; docs/concepts/privacy.md): the server learns only
+    the weighted mean of a round's uploads, through Flower's SecAgg+ (``fedlora run --runtime flower`` only, with
+    ``train.checkpoint_every: 0`` and at least 3 clients every round). Every participant trains on its node and
+    uploads its payload masked; the server unmasks the sum and aggregates it as one upload (methods whose
+    aggregate is a weighted sum of the uploads: ``fedlora.secagg.SUM_METHODS``). Each value is quantised: a
+    round's aggregate is within N·(2c + X)/Σ_k q_k of the exact one per coordinate, q_k = round(n_k/W·Q)
+    (``fedlora.secagg``).
+
+    enabled: switch it on (default false).
+    clipping_range: c; every weighted upload value (n_k/W)·x must lie in [−c, c] — a client with a value
+        outside fails its round (it is left out of the sum) instead of being clipped silently.
+    quantization_range: Q; each value is stochastically rounded to a grid of step 2c/Q.
+    modulus_range: M, a power of 2 ≤ 2³² above N·Q (N the clients per round: the masked sum must not wrap).
+    max_weight: W; ``auto`` (default) = the largest client's data size, the tightest bound
+        (``fedlora.secagg.choose_max_weight``), or a number ≥ every client's data size."""
+
+    enabled: bool = False
+    clipping_range: float = 8.0
+    quantization_range: int = 2 ** 22
+    modulus_range: int = 2 ** 32
+    max_weight: float | str = "auto"
+
+
+@dataclass
 class PrivacyConfig:
     """Differential privacy (docs/concepts/privacy.md). ``level``: ``none`` (default), ``client`` — DP-FedAvg
     (McMahan et al., ICLR 2018): the server clips each participant's update (upload − what it started the round
@@ -238,6 +263,8 @@ class PrivacyConfig:
     clip_quantile: float | None = None
     clip_lr: float = 0.2
     clip_count_stddev: float | None = None
+    #: secure aggregation (SecAgg+ on Flower): its own section, ``privacy.secagg`` (below)
+    secagg: SecAggConfig = field(default_factory=SecAggConfig)
 
 
 @dataclass
@@ -430,6 +457,7 @@ def check_privacy(cfg: RunConfig, method_cls) -> None:
     sizes at sample level)."""
     p = cfg.privacy
     _choice(p.level, "privacy.level", PRIVACY_LEVELS)
+    check_secagg_config(cfg, method_cls)
     if p.level != "client":
         adaptive = [f"privacy.{n}" for n in ("clip_quantile", "clip_count_stddev") if getattr(p, n) is not None]
         if adaptive:
@@ -478,6 +506,61 @@ def check_privacy(cfg: RunConfig, method_cls) -> None:
         why = method_cls.sample_dp_refusal
         if why is not None:
             raise ConfigError(f"privacy.level: sample-level DP does not apply to {name}: {why}")
+
+
+def check_secagg_config(cfg: RunConfig, method_cls) -> None:
+    """``privacy.secagg`` against itself and the run (one line each): its fields' types and ranges, a method whose
+    aggregate is a weighted sum (``fedlora.secagg.secagg_refusal``), at least 3 clients every round, N·Q < M,
+    one base model, no client-level DP (its clipping is the server's, which sees only the sum). The runtime
+    (Flower only) is the command line's: ``check_secagg_runtime``."""
+    s = cfg.privacy.secagg
+    _bool(s.enabled, "privacy.secagg.enabled")
+    if not s.enabled:
+        return
+    from fedlora.secagg import SecAggQuantisation, secagg_refusal
+
+    if s.max_weight != "auto":
+        _num(s.max_weight, "privacy.secagg.max_weight", 0.0, strict=True)
+    _num(s.clipping_range, "privacy.secagg.clipping_range", 0.0, strict=True)
+    _int(s.quantization_range, "privacy.secagg.quantization_range", 2)
+    _int(s.modulus_range, "privacy.secagg.modulus_range", 3)
+    try:  # fedlora.secagg's checks, named as this config's fields
+        quant = SecAggQuantisation(max_weight=1.0 if s.max_weight == "auto" else float(s.max_weight),
+                                   clipping_range=float(s.clipping_range), quantization_range=s.quantization_range,
+                                   modulus_range=s.modulus_range)
+    except ConfigError as e:
+        raise ConfigError(f"privacy.{e}") from None
+    why = secagg_refusal(method_cls.name)
+    if why is not None:
+        raise ConfigError(f"privacy.secagg: {why}")
+    f = cfg.federation
+    n = clients_drawn(f.sample_fraction, f.clients)
+    if n < 3:
+        raise ConfigError(f"privacy.secagg: SecAgg+ needs at least 3 clients every round (with 2, each learns the "
+                          f"other's upload from the sum); federation.clients {f.clients} × sample_fraction "
+                          f"{f.sample_fraction} draws {n}")
+    try:
+        quant.check_clients(n)
+    except ConfigError as e:
+        raise ConfigError(f"privacy.{e}") from None
+    if f.client_models is not None:
+        raise ConfigError("privacy.secagg: heterogeneous client models (federation.client_models) run embedded only, "
+                          "and SecAgg+ needs the Flower runtime")
+    if cfg.train.checkpoint_every:
+        raise ConfigError(f"privacy.secagg: train.checkpoint_every must be 0 under SecAgg+ (a checkpoint collects every "
+                          f"client's state record, which after its round holds its own upload), got "
+                          f"{cfg.train.checkpoint_every}")
+    if cfg.privacy.level == "client":
+        raise ConfigError("privacy.secagg: not with client-level DP (privacy.level: client) yet — its clipping runs on "
+                          "the server, which under SecAgg+ sees only the sum; use privacy.level: sample (DP-SGD on "
+                          "the clients) or none")
+
+
+def check_secagg_runtime(cfg: RunConfig, runtime: str) -> None:
+    """SecAgg+ runs on Flower only: an embedded run has no server to hide the uploads from (one line)."""
+    if cfg.privacy.secagg.enabled and runtime != "flower":
+        raise ConfigError(f"privacy.secagg: secure aggregation needs --runtime flower (got {runtime!r}): an embedded "
+                          "run's clients and server share one process, so there is no server to hide the uploads from")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -642,11 +725,11 @@ def _build(cls, data: Mapping[str, Any], prefix: str):
         if key not in fields:
             raise ConfigError(f"config: unknown key {where!r}{did_you_mean(key, list(fields))}; allowed in "
                               f"{prefix.rstrip('.') or 'the top level'}: {', '.join(fields)}")
-        sub = _SECTIONS.get(key) if not prefix else None
+        sub = _SECTIONS.get(key) if not prefix else _SUBSECTIONS.get(f"{prefix}{key}")
         if sub is not None:
             if not isinstance(value, Mapping):
                 raise ConfigError(f"config: {where!r} must be a table (section), got {value!r}")
-            kwargs[key] = _build(sub, value, f"{key}.")
+            kwargs[key] = _build(sub, value, f"{where}.")
         else:
             kwargs[key] = coerce_number(value, fields[key].type, where)
     return cls(**kwargs)
@@ -679,6 +762,7 @@ def coerce_number(value: Any, annotation: Any, where: str) -> Any:
 
 _SECTIONS = {"model": ModelConfig, "data": DataConfig, "method": MethodConfig, "federation": FederationConfig,
              "train": TrainConfig, "eval": EvalConfig, "privacy": PrivacyConfig}
+_SUBSECTIONS = {"privacy.secagg": SecAggConfig}  # sections inside a section
 
 
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:

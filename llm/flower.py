@@ -14,6 +14,7 @@ and TLS are described in docs/how-to/flower.md (``fedlora.llm.flower_deploy``).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -59,15 +60,26 @@ def _clients(config: Mapping[str, Any]) -> int:
 flower.register_node(NODE, _node, clients=_clients)
 
 
-def executor_over(grid, cfg, *, connect: bool = True) -> FlowerExecutor:
+def executor_over(grid, cfg, *, connect: bool = True, run=None) -> FlowerExecutor:
     """The executor of a run (``RunConfig`` ``cfg``) whose clients are the nodes of the Flower ``grid``: a
     ``FlowerExecutor`` waiting for each round's replies as long as the run's ``federation.timeout_s``. The
     last round's final broadcast (``deliver``) is also the evaluation the driver always makes next and brings
     back the nodes' records, which the run's adapters are saved from (``final_round``, ``evaluate_with_deliver``:
     one message wave for the three). ``connect=False``: the nodes' answers to ``hello`` are read by
-    ``FlowerExecutor.connect`` (or the first message)."""
-    return FlowerExecutor(grid, cfg.to_dict(), cfg.federation.clients, node=NODE, timeout=cfg.federation.timeout_s,
-                          final_round=cfg.train.rounds - 1, evaluate_with_deliver=True, connect=connect)
+    ``FlowerExecutor.connect`` (or the first message). With ``privacy.secagg`` on: a
+    ``fedlora.flower_secagg.SecAggExecutor`` weighing the clients as ``run`` (the ``FederatedRun``) does."""
+    kwargs = dict(node=NODE, timeout=cfg.federation.timeout_s, final_round=cfg.train.rounds - 1,
+                  evaluate_with_deliver=True, connect=connect)
+    if cfg.privacy.secagg.enabled:
+        from fedlora.flower_secagg import SecAggExecutor
+        from fedlora.secagg import secagg_weighting
+
+        if run is None:
+            raise ConfigError("flower: a SecAgg+ run's executor needs the run (its clients' weights)")
+        return SecAggExecutor(grid, cfg.to_dict(), cfg.federation.clients, secagg=dataclasses.asdict(cfg.privacy.secagg),
+                              weights=lambda: run.federation.client_weights, weighting=secagg_weighting(cfg.method.name),
+                              rounding_seed=cfg.seed, **kwargs)
+    return FlowerExecutor(grid, cfg.to_dict(), cfg.federation.clients, **kwargs)
 
 
 def run_simulation(run) -> dict[str, Any]:
@@ -77,7 +89,7 @@ def run_simulation(run) -> dict[str, Any]:
     check_flower_config(run.cfg)
 
     def main(grid):
-        return run.run(executor=executor_over(grid, run.cfg))
+        return run.run(executor=executor_over(grid, run.cfg, run=run))
 
     t0 = time.perf_counter()
     summary = flower.simulate(main, run.cfg.federation.clients)  # one SuperNode per client (pooled training is refused)
@@ -104,8 +116,8 @@ def _deployment_main(grid, context) -> None:
     # the nodes are asked which partition they hold first: each answers from a new process (seconds of
     # SuperNode poll and start-up) while this one builds the run (seconds of imports and model); a node's
     # bad answer is raised before the run claims its folder
-    executor = executor_over(grid, cfg, connect=False)
     run = FederatedRun(cfg, runtime="flower", overwrite=bool(rc.get("overwrite", False)))
+    executor = executor_over(grid, cfg, connect=False, run=run)
     executor.connect()
     run.run(executor=executor)
 

@@ -102,8 +102,14 @@ def render() -> str:
     for sec in sections:
         cls = sec.default_factory  # type: ignore[misc]
         fields = dataclasses.fields(cls)
+        subs = [f for f in fields if isinstance(f.default_factory, type) and dataclasses.is_dataclass(f.default_factory)]
         lines += ["", f"## {sec.name}", "", _doc(cls, {f.name for f in fields}), ""]
         lines += _table(f"{sec.name}.", list(fields), _field_notes(cls))
+        for sub in subs:  # a section inside a section (privacy.secagg): its own table
+            scls = sub.default_factory  # type: ignore[misc]
+            sfields = dataclasses.fields(scls)
+            lines += ["", f"## {sec.name}.{sub.name}", "", _doc(scls, {f.name for f in sfields}), ""]
+            lines += _table(f"{sec.name}.{sub.name}.", list(sfields), _field_notes(scls))
     return "\n".join(lines) + "\n"
 
 
