@@ -333,3 +333,98 @@ def test_max_weight_auto_is_the_largest_data_size_and_a_number_is_kept():
     assert secagg_settings({**s, "max_weight": 100}, [30, 41, 12]).max_weight == 100.0
     with pytest.raises(ConfigError, match="max_weight"):
         secagg_settings({**s, "max_weight": 40}, [30, 41, 12]).weight_quanta([30, 41, 12])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# a deployment in one process (tests/_flower_inprocess.py: every message as in a fresh flwr-clientapp, the node's
+# state only what Flower serialised — SecAgg+'s own keys and shares included): dropped clients, halted rounds
+def _one_process_secagg(cfg, tmp_path):
+    """Run ``cfg`` on Flower in one process; per round the executor's result and the clients' records right
+    after training (``None`` for a round that raised)."""
+    from _flower_inprocess import OneProcessGrid, run_as_serverapp
+
+    from fedlora.flower_secagg import SecAggExecutor
+    from fedlora.llm.flower import executor_over
+    from fedlora.llm.runtime import FederatedRun
+
+    class Grid(OneProcessGrid):
+        def send_and_receive(self, messages, timeout=None):  # what Flower's workflows call
+            return self.pull_messages(self.push_messages(list(messages)))
+
+    trains = []
+
+    def main_(grid):
+        run = FederatedRun(cfg, runtime="flower")
+        ex = executor_over(grid, cfg, run=run)
+        orig = ex.train
+
+        def train(rnd, clients, downloads):
+            out = orig(rnd, clients, downloads)
+            trains.append({"out": out, "clients": ex.records(), "weights": ex.client_weights(),
+                           "quant": __import__("fedlora.flower_secagg").flower_secagg.secagg_settings(
+                               ex.secagg, ex.client_weights())})
+            return out
+
+        assert isinstance(ex, SecAggExecutor)
+        ex.train = train
+        return run.run(executor=ex), run
+
+    return run_as_serverapp(main_, Grid(3)), trains
+
+
+@pytest.mark.long  # two tiny-smoke rounds, every message rebuilding the run (≈ 20 s)
+@pytest.mark.xdist_group("flower")
+def test_a_client_left_out_of_the_sum_is_its_failure_and_the_mean_is_over_the_others(tmp_path, monkeypatch):
+    """Client 1 reports a non-finite loss in round 2: its node refuses to join the sum, SecAgg+ removes its masks
+    through the others' shares, the round's record names the failure, and the server's state is the two others'
+    weighted mean within their bound — what the embedded server makes of a rejected client."""
+    from fedlora import flower_client
+    from fedlora.llm.config import load_config
+    from fedlora.server import SUMMED
+
+    train_handler = flower_client.NODE_HANDLERS.get("train")
+    if train_handler is None:
+        import fedlora.flower  # noqa: F401  (sets the handlers)
+
+        train_handler = flower_client.NODE_HANDLERS["train"]
+
+    def nan_for_client_1_in_round_2(msg, context):
+        reply = train_handler(msg, context)
+        conf = msg.content["config"]
+        if int(conf["client"]) == 1 and int(conf["round"]) == 1:
+            reply.content["result"]["train-loss"] = float("nan")
+        return reply
+
+    monkeypatch.setitem(flower_client.NODE_HANDLERS, "train", nan_for_client_1_in_round_2)
+    cfg = load_config("tiny-smoke", [*BASE, *SECAGG, f"output_dir={tmp_path / 'run'}"])
+    (summary, run), trains = _one_process_secagg(cfg, tmp_path)
+    rounds = [json.loads(line) for line in (tmp_path / "run" / "rounds.jsonl").read_text().splitlines()][1:]
+    assert "failures" not in rounds[0] and sorted(rounds[0]["train_loss"]) == ["0", "1", "2"]
+    assert rounds[1]["failures"] == {"1": {"kind": "nonfinite_loss", "why": "non-finite training loss nan"}}
+    assert sorted(rounds[1]["train_loss"]) == sorted(rounds[1]["bytes_up"]) == ["0", "2"]
+    train = trains[1]
+    summed = train["out"][SUMMED].upload.tensors
+    names = sorted(summed)
+    ups = {k: {n: train["clients"][k][f"param:{n}"].double() for n in names} for k in (0, 2)}
+    w = [train["weights"][0], train["weights"][2]]
+    exact = {n: (w[0] * ups[0][n] + w[1] * ups[2][n]) / sum(w) for n in names}
+    X = max(float(t.abs().max()) for u in ups.values() for t in u.values())
+    bound = train["quant"].upload_bound(w, X, torch.float32)
+    for n in names:
+        assert float((summed[n].double() - exact[n]).abs().max()) <= bound, n
+        assert torch.equal(run.server.states[0][n], summed[n])  # round 2 is the last: the run's final state
+
+
+@pytest.mark.long  # one tiny-smoke round in one process (≈ 8 s)
+@pytest.mark.xdist_group("flower")
+def test_a_value_outside_the_clipping_range_fails_the_round_with_the_clients_line(tmp_path):
+    """No silent clip: every client's weighted values exceed ±1e-4, so each refuses to join; SecAgg+ halts (Flower
+    would exit 0) and the run stops at round 1 with the clients' own line."""
+    from fedlora.llm.config import load_config
+
+    cfg = load_config("tiny-smoke", [*BASE, *SECAGG, "privacy.secagg.clipping_range=1e-4",
+                                     f"output_dir={tmp_path / 'run'}"])
+    with pytest.raises(RoundFailed, match=r"^round 1: secure aggregation \(SecAgg\+\) produced no aggregate \(0 of 3 "
+                                          r"uploads\): client 0: secagg: client 0's upload '[^']+' has a weighted value "
+                                          r"of magnitude [0-9.e-]+ \(weight \d+/\d+\), outside the clipping range ±0.0001"):
+        _one_process_secagg(cfg, tmp_path)

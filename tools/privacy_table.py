@@ -10,7 +10,7 @@ from fedlora.methods import available_methods, get_method
 from fedlora.secagg import secagg_refusal
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "concepts" / "privacy.md"
-HEADER = "| method | client-level DP | sample-level DP | SecAgg+ (not yet in `fedlora run`) |"
+HEADER = "| method | client-level DP | sample-level DP | SecAgg+ (`privacy.secagg`, on Flower) |"
 
 
 def _cell(why):
