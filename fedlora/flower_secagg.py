@@ -26,7 +26,10 @@ client's record saved in its node state as usual), and answers ``secaggplus_mod`
 ``ClientUpdate`` under ``fedlora.server.SUMMED`` (``fedlora.secagg.summed_payload``) and, per participant, an
 empty upload with its masked vector's bytes; the server calls ``method.aggregate([summed], [1.0])`` — equal to
 ``aggregate(uploads, weights)`` for every method of ``fedlora.secagg.SUM_METHODS`` (tested). A round that ends
-without an aggregate (SecAgg+ halted: Flower exits 0) raises ``RoundFailed`` naming the round.
+without an aggregate (SecAgg+ halted: Flower exits 0) raises ``RoundFailed`` naming the round. Client-level DP
+(``client_dp_clip``): each node clips its update against the reference the server sends
+(``fedlora.server.Download.dp_reference``) and uploads it with weight 1; the server noises the sum
+(``fedlora.privacy.client_dp.ClientDP.aggregate_presummed``).
 
 Reproducible: Flower's stochastic rounding draws from NumPy's global generator right after the client's
 ``fit`` returns, so ``fit`` seeds it from the round's ``rounding_seed`` and the client's partition; the masks
@@ -375,12 +378,13 @@ def _download_arrays(rec) -> tuple[list[list], list[bytes]]:
     return layout, data
 
 
-def _download_record(params, layout: Sequence[Sequence]):
-    """``_download_arrays`` undone on the node: the ``FitIns``'s parameters record back as the download record."""
+def _download_record(params, layout: Sequence[Sequence], start: int = 0):
+    """``_download_arrays`` undone on the node: the ``FitIns``'s parameters (from index ``start``) back as the
+    download record."""
     from flwr.app import Array, ArrayRecord
 
     rec = ArrayRecord()
-    for i, (name, dtype, shape, stype) in enumerate(layout):
+    for i, (name, dtype, shape, stype) in enumerate(layout, start=start):
         rec[str(name)] = Array(dtype=str(dtype), shape=tuple(int(d) for d in shape), stype=str(stype),
                                data=params[str(i)].data)
     return rec
@@ -432,19 +436,31 @@ class SecAggExecutor(_flower_executor()):
     ``privacy.secagg`` section (a mapping); ``weights()``: every client's weight as the server weighs it (the
     run's data sizes, called at the first round, when the run is built); ``weighting``: ``"data"`` or
     ``"uniform"`` (``fedlora.secagg.secagg_weighting``: uniform methods send num_examples 1);
-    ``rounding_seed``: the clients' stochastic rounding (the run's seed). Everything else — evaluation, the
-    final broadcast, records — is the FlowerExecutor's. ``secagg_record``: what the server side received in
-    every SecAgg+ stage (``SecAggRecord.replies``)."""
+    ``rounding_seed``: the clients' stochastic rounding (the run's seed). ``client_dp_clip``: client-level DP's C —
+    each client then uploads its update against the ``Download.dp_reference`` the server sends, clipped to C on
+    the client (``fedlora.privacy.client_dp._clip_all``), with weight 1 (``clips_on_clients``); the server adds
+    the noise to the sum (``ClientDP.aggregate_presummed``). Everything else — evaluation, the final broadcast,
+    records — is the FlowerExecutor's. ``secagg_record``: what the server side received in every SecAgg+ stage
+    (``SecAggRecord.replies``)."""
 
     def __init__(self, grid, config: Mapping[str, Any], n_clients: int, *, secagg: Mapping[str, Any],
-                 weights: Callable[[], Sequence[float]], weighting: str, rounding_seed: int = 0, **kwargs) -> None:
+                 weights: Callable[[], Sequence[float]], weighting: str, rounding_seed: int = 0,
+                 client_dp_clip: float | None = None, **kwargs) -> None:
         super().__init__(grid, config, n_clients, **kwargs)
         if weighting not in ("data", "uniform"):
             raise ConfigError(f"secagg: weighting must be data or uniform, got {weighting!r}")
+        self.client_dp_clip = None if client_dp_clip is None else float(client_dp_clip)
+        if self.client_dp_clip is not None:  # DP-FedAvg drops data-size weights: (Σ_k Δ_k + noise)/(qK)
+            weighting = "uniform"
         self.secagg, self._weights, self.weighting = dict(secagg), weights, weighting
         self.rounding_seed = int(rounding_seed)
         self.secagg_record = SecAggRecord()
         self.wire_bytes["masked_up"] = 0
+
+    @property
+    def clips_on_clients(self) -> bool:
+        """Client-level DP clipped on the clients (``fedlora.server.Server`` then sends ``Download.dp_reference``)."""
+        return self.client_dp_clip is not None
 
     def client_weights(self) -> list[int]:
         """Each client's num_examples: its data size (``data``) or 1 (``uniform``)."""
@@ -483,6 +499,18 @@ class SecAggExecutor(_flower_executor()):
             if "download" in msg.content.array_records:
                 layout, data = _download_arrays(msg.content["download"])
                 conf["secagg-download"] = json.dumps(layout)
+            if self.clips_on_clients:
+                from .flower import tensors_to_record
+
+                ref = downloads.get(k, Download()).dp_reference
+                if ref is None:
+                    raise ConfigError(f"secagg: client-level DP clipped on the clients, but client {k}'s download "
+                                      "carries no dp_reference")
+                layout, more = _download_arrays(tensors_to_record(ref))
+                conf.update({"secagg-dp-reference": json.dumps(layout), "secagg-dp-start": len(data),
+                             "secagg-dp-clip": float(self.client_dp_clip)})
+                self.wire_bytes["arrays_down"] += sum(len(b) for b in more)
+                data = data + more
             fitins.append((_Proxy(self.node_of[k]), FitIns(Parameters(tensors=data, tensor_type="fedlora.download"),
                                                             conf)))
         strategy = _OneFit(fitins)
@@ -580,6 +608,14 @@ def _node_fit(msg, ctxt, call_next):
     if loss is not None and not math.isfinite(loss):
         raise _failure("nonfinite_loss", f"non-finite training loss {loss}")
     upload = Payload(record_to_tensors(reply.content["upload"]), {a: str(b) for a, b in reply.content["meta"].items()})
+    if "secagg-dp-clip" in conf:  # client-level DP: this client's update, clipped here (the server sees only the sum)
+        from .privacy.client_dp import _clip_all
+
+        ref = record_to_tensors(_download_record(msg.content.array_records["fitins.parameters"],
+                                                 json.loads(str(conf["secagg-dp-reference"])),
+                                                 int(conf["secagg-dp-start"])))
+        (delta,), _, _ = _clip_all([upload.tensors], ref, float(conf["secagg-dp-clip"]))
+        upload = Payload(delta, dict(upload.meta))
     names, arrays = flatten_payload(upload)
     quant = SecAggQuantisation(max_weight=float(conf["secagg-max-weight"]),
                                clipping_range=float(conf["secagg-clipping-range"]),

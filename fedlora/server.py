@@ -29,6 +29,7 @@ of (seed, round, federation), so it needs no saved generator.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -165,6 +166,9 @@ class Download:
     state: dict[str, torch.Tensor] = field(default_factory=dict)
     counted: bool = True
     nbytes: int | None = None
+    #: client-level DP clipped on the client (an executor with ``clips_on_clients``: SecAgg+): what the client's
+    #: update is taken from, for every tensor it may upload — public (the server's state, the broadcast adapter)
+    dp_reference: dict[str, torch.Tensor] | None = None
 
 
 @dataclass
@@ -372,6 +376,9 @@ class Server:
         if self.privacy is not None:  # before any work: a round that would exceed the budget is not started
             self.privacy.check_budget(self.accountant, participants, K, rnd)
         downloads = {} if executor.live else {i: self.download_for(i, executor.shared_base) for i in participants}
+        if self._clips_on_clients(executor):  # client-level DP under SecAgg+: each client clips its own update
+            ref = self._dp_reference(0)
+            downloads = {i: dataclasses.replace(downloads.get(i, Download()), dp_reference=ref) for i in participants}
         results = executor.train(rnd, participants, downloads)
         summed = results.get(SUMMED)  # SecAgg+: the participants' uploads reach the server only as their sum
         accepted: dict[int, ClientUpdate] = {}
@@ -404,7 +411,7 @@ class Server:
                 raise RoundFailed(f"round {rnd + 1}: {len(ok)} accepted upload(s), federation.min_clients is "
                                   f"{self.min_clients} ({lost})")
             if summed is not None:
-                aggregated = self._presummed(results, failures, summed, rnd)
+                aggregated = self._presummed(results, failures, summed, rnd, executor, len(ok), dp_log)
             elif self.privacy is not None and self.privacy.client is not None:
                 aggregated = self._private_aggregate(g, ok, accepted, rnd, dp_log)
             else:
@@ -467,13 +474,25 @@ class Server:
                               f"{self.min_clients} ({lost})")
         return ok, m.aggregate([accepted[i].upload for i in ok], self.federation.round_weights([i % K for i in ok]))
 
+    def _clips_on_clients(self, executor: ClientExecutor) -> bool:
+        """Client-level DP whose clipping the executor's clients make (SecAgg+: the server sees only the sum)."""
+        return self.privacy is not None and self.privacy.client is not None and \
+            bool(getattr(executor, "clips_on_clients", False))
+
+    def _dp_reference(self, g: int) -> dict[str, torch.Tensor]:
+        """What federation ``g``'s clients start a round from, for every tensor (``Method.client_dp_reference``)."""
+        return self.method.client_dp_reference(self.states[g], self._dp_refs[g], {})
+
     def _presummed(self, results: Mapping[int, Any], failures: Mapping[int, ClientFailure], summed: "ClientUpdate",
-                   rnd: int) -> dict[str, torch.Tensor]:
+                   rnd: int, executor: ClientExecutor, n_summed: int, log: dict[str, Any]) -> dict[str, torch.Tensor]:
         """The aggregate of a pre-summed round (``SUMMED``): the method's ``aggregate`` of the one upload with
-        weight 1. An upload in the sum cannot be taken out of it, so a client of the sum the server would have
-        refused (a non-finite loss) fails the round, as does a sum ``UploadSpec`` rejects."""
-        if self.federation.n_groups != 1 or (self.privacy is not None and self.privacy.client is not None):
-            raise ConfigError("a pre-summed (SecAgg+) round needs one federation and no server-side client-level DP")
+        weight 1 — under client-level DP clipped on the clients, the private release of the clipped updates' sum
+        (``ClientDP.aggregate_presummed``). An upload in the sum cannot be taken out of it, so a client of the sum
+        the server would have refused (a non-finite loss) fails the round, as does a sum ``UploadSpec`` rejects."""
+        dp = self.privacy.client if self.privacy is not None else None
+        if self.federation.n_groups != 1 or (dp is not None and not self._clips_on_clients(executor)):
+            raise ConfigError("a pre-summed (SecAgg+) round needs one federation, and client-level DP clipped on the "
+                              "clients")
         inside = [i for i in failures if isinstance(results.get(i), ClientUpdate)]  # in the sum, refused here
         if inside:
             raise RoundFailed(f"round {rnd + 1}: client {inside[0]}'s upload is in the secure sum but "
@@ -481,7 +500,13 @@ class Server:
         bad = self.spec.check(summed.upload) if self.spec is not None else None
         if bad is not None:
             raise RoundFailed(f"round {rnd + 1}: the securely summed upload was rejected: {bad}")
-        return self.method.aggregate([summed.upload], torch.ones(1, dtype=torch.float64))
+        if dp is None:
+            return self.method.aggregate([summed.upload], torch.ones(1, dtype=torch.float64))
+        aggregated, info = dp.aggregate_presummed(self.method, summed.upload, n_summed, self._dp_reference(0),
+                                                  self.federation.n_clients, rnd, 0, clip=self._dp_clip[0])
+        self._dp_names[0] = sorted(summed.upload.tensors)
+        log.setdefault("clip_norm", []).append(info["clip"])  # the clients clipped at it; their norms stay with them
+        return aggregated
 
     # -- client-level DP ---------------------------------------------------------------------------
     def _init_privacy(self, privacy: PrivacyPlan | None, references) -> None:

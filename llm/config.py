@@ -218,7 +218,8 @@ class SecAggConfig:
     uploads its payload masked; the server unmasks the sum and aggregates it as one upload (methods whose
     aggregate is a weighted sum of the uploads: ``fedlora.secagg.SUM_METHODS``). Each value is quantised: a
     round's aggregate is within N·(2c + X)/Σ_k q_k of the exact one per coordinate, q_k = round(n_k/W·Q)
-    (``fedlora.secagg``).
+    (``fedlora.secagg``). With ``privacy.level: client`` each client clips its own update and the server adds the
+    noise to the sum (fixed clipping, ``federation.sample_fraction: 1.0``; ``clipping_range`` may then be C).
 
     enabled: switch it on (default false).
     clipping_range: c; every weighted upload value (n_k/W)·x must lie in [−c, c] — a client with a value
@@ -550,10 +551,18 @@ def check_secagg_config(cfg: RunConfig, method_cls) -> None:
         raise ConfigError(f"privacy.secagg: train.checkpoint_every must be 0 under SecAgg+ (a checkpoint collects every "
                           f"client's state record, which after its round holds its own upload), got "
                           f"{cfg.train.checkpoint_every}")
-    if cfg.privacy.level == "client":
-        raise ConfigError("privacy.secagg: not with client-level DP (privacy.level: client) yet — its clipping runs on "
-                          "the server, which under SecAgg+ sees only the sum; use privacy.level: sample (DP-SGD on "
-                          "the clients) or none")
+    if cfg.privacy.level == "client":  # clipped on each client, the noise added to the sum by the server
+        from fedlora.methods.base import Method
+
+        if cfg.privacy.clip_quantile is not None:
+            raise ConfigError("privacy.clip_quantile: adaptive clipping is not supported with SecAgg+ (it needs each "
+                              "client's clipped-or-not bit, which the server does not see); drop it for fixed clipping")
+        if f.sample_fraction != 1.0:
+            raise ConfigError(f"privacy.secagg: client-level DP with SecAgg+ needs federation.sample_fraction 1.0 (a "
+                              f"Poisson draw may give fewer than the 3 clients SecAgg+ needs), got {f.sample_fraction}")
+        if method_cls.client_dp_reference is not Method.client_dp_reference:
+            raise ConfigError(f"privacy.secagg: client-level DP with SecAgg+ does not apply to {method_cls.name}: its "
+                              "clients' updates are not taken against the server's state")
 
 
 def check_secagg_runtime(cfg: RunConfig, runtime: str) -> None:

@@ -78,7 +78,8 @@ def executor_over(grid, cfg, *, connect: bool = True, run=None) -> FlowerExecuto
             raise ConfigError("flower: a SecAgg+ run's executor needs the run (its clients' weights)")
         return SecAggExecutor(grid, cfg.to_dict(), cfg.federation.clients, secagg=dataclasses.asdict(cfg.privacy.secagg),
                               weights=lambda: run.federation.client_weights, weighting=secagg_weighting(cfg.method.name),
-                              rounding_seed=cfg.seed, **kwargs)
+                              rounding_seed=cfg.seed,
+                              client_dp_clip=cfg.privacy.clip_norm if cfg.privacy.level == "client" else None, **kwargs)
     return FlowerExecutor(grid, cfg.to_dict(), cfg.federation.clients, **kwargs)
 
 

@@ -262,8 +262,14 @@ def _refused(argv, tmp_path, capsys, words):
     (["--runtime", "flower", "--set", "privacy.secagg.enabled=true", "--set", "federation.sample_fraction=1.0"],
      ["train.checkpoint_every must be 0", "its own upload"]),
     (["--runtime", "flower", "--set", "privacy.secagg.enabled=true", "--set", "federation.sample_fraction=1.0",
-      "--set", "train.checkpoint_every=0", "--set", "privacy.level=client", "--set", "privacy.noise_multiplier=1.0"],
-     ["client-level DP", "sees only the sum"]),
+      "--set", "train.checkpoint_every=0", "--set", "privacy.level=client", "--set", "privacy.noise_multiplier=1.0",
+      "--set", "privacy.clip_quantile=0.5"], ["privacy.clip_quantile", "not supported with SecAgg+"]),
+    (["--runtime", "flower", "--set", "privacy.secagg.enabled=true", "--set", "federation.clients=6",
+      "--set", "federation.sample_fraction=0.5", "--set", "train.checkpoint_every=0", "--set", "privacy.level=client",
+      "--set", "privacy.noise_multiplier=1.0"], ["sample_fraction 1.0", "Poisson"]),
+    (["--runtime", "flower", "--set", "privacy.secagg.enabled=true", "--set", "federation.sample_fraction=1.0",
+      "--set", "train.checkpoint_every=0", "--set", "privacy.level=client", "--set", "privacy.noise_multiplier=1.0",
+      "--set", "method.name=fedsb"], ["fedsb", "not taken against the server's state"]),
     (["--runtime", "flower", "--set", "privacy.secagg.enabled=true", "--set", "federation.sample_fraction=1.0",
       "--set", "train.checkpoint_every=0", "--set", "privacy.secagg.max_weight=0"],
      ["privacy.secagg.max_weight", "> 0"]),
@@ -428,3 +434,60 @@ def test_a_value_outside_the_clipping_range_fails_the_round_with_the_clients_lin
                                           r"uploads\): client 0: secagg: client 0's upload '[^']+' has a weighted value "
                                           r"of magnitude [0-9.e-]+ \(weight \d+/\d+\), outside the clipping range ±0.0001"):
         _one_process_secagg(cfg, tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# client-level DP with SecAgg+: each client clips its own update, the server adds the noise to the sum
+DP = ["privacy.level=client", "privacy.noise_multiplier=0.8", "privacy.clip_norm=0.02"]
+
+
+@pytest.mark.long  # a one-process SecAgg+ run and an embedded one, two rounds each (≈ 15 s)
+@pytest.mark.xdist_group("flower")
+def test_client_dp_clipped_on_the_clients_releases_the_embedded_private_aggregate_within_the_bound(tmp_path):
+    """DP-FedAvg under SecAgg+ (FedAvg-LoRA, q = 1, C small enough that every update is clipped): the server's
+    round-1 release P = R + (Σ_k clip(U_k − R, C) + N(0, σ²C²))/(qK), the same noise stream, equals the embedded
+    run's (which clips on the server) within N/(qK) × the SecAgg+ bound of the clipped updates' uniform mean
+    (every coordinate of a clipped update is at most C) plus the float32 rounding of the release's operations in
+    both runs, u·(3X + 4D + 2|P|) with D = |P − R| (the summation's two additions and the cast of the sum: X each;
+    + noise and /qK: D each; + R: |P|; each in both runs); the clients' records are the embedded run's to the bit,
+    and ε is the same."""
+    from fedlora.llm.config import load_config
+    from fedlora.llm.runtime import FederatedRun
+    from fedlora.server import SUMMED, Server
+
+    states = []
+    orig = Server.run_round
+
+    def run_round(self, executor, round_idx=None):
+        reference = self._dp_reference(0)  # what the round's clients start from (the broadcast adapter in round 1)
+        rec = orig(self, executor, round_idx)
+        states.append({"state": {k: v.clone() for k, v in self.states[0].items()}, "record": rec,
+                       "clients": executor.records() if self.round < self.rounds else None, "reference": reference})
+        return rec
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Server, "run_round", run_round)
+        cfg = load_config("tiny-smoke", [*BASE, *SECAGG, *DP, f"output_dir={tmp_path / 'secagg'}"])
+        _, trains = _one_process_secagg(cfg, tmp_path)
+        FederatedRun(load_config("tiny-smoke", [*BASE, *DP, f"output_dir={tmp_path / 'embedded'}"])).run()
+    sec, emb = states[0], states[ROUNDS]
+    assert sec["record"]["privacy"]["epsilon"] == emb["record"]["privacy"]["epsilon"] > 0
+    assert emb["record"]["privacy"]["clipped"] == 3  # every update was clipped (there on the server, here on clients)
+    for k in (0, 1, 2):  # the clients trained alike: their records bit for bit
+        assert sorted(sec["clients"][k]) == sorted(emb["clients"][k])
+        assert all(torch.equal(sec["clients"][k][n], emb["clients"][k][n]) for n in emb["clients"][k]), k
+    train = trains[0]
+    assert train["weights"] == [1, 1, 1]  # DP-FedAvg's uniform weights
+    names = sorted(train["out"][SUMMED].upload.tensors)
+    C, N, qK = 0.02, 3, 3.0
+    q_bound = train["quant"].upload_bound([1] * N, C, torch.float32) * N / qK
+    u = torch.finfo(torch.float32).eps / 2
+    worst = 0.0
+    for n in names:
+        P, R = emb["state"][n].double(), emb["reference"][n].double()
+        assert torch.equal(sec["reference"][n], emb["reference"][n])
+        slack = u * (3 * C + 4 * float((P - R).abs().max()) + 2 * float(P.abs().max()))
+        err = float((sec["state"][n].double() - P).abs().max())
+        assert err <= q_bound + slack, (n, err, q_bound, slack)
+        worst = max(worst, err / (q_bound + slack))
+    assert 0 < worst  # the quantisation shows: not the embedded release to the bit

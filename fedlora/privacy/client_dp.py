@@ -210,6 +210,31 @@ class ClientDP:
         return method.aggregate([Payload(private, metas[0])], torch.ones(1, dtype=torch.float64)), \
             self._info(norms, clipped, False, c, n_clients, gen)
 
+    def aggregate_presummed(self, method, mean_update: Payload, n_summed: int, reference: Mapping[str, torch.Tensor],
+                            n_clients: int, round_idx: int, group: int, clip: float | None = None
+                            ) -> tuple[dict[str, torch.Tensor], dict]:
+        """``aggregate`` when each client clipped its own update and the server received only their uniform mean
+        (SecAgg+, ``fedlora.flower_secagg``): ``mean_update`` = (1/n) Σ_k Δ_k over the ``n_summed`` clients of the
+        sum, each Δ_k = ``clip_update(U_k, reference, C)`` on its client (``_clip_all``, the same C). The release is
+        ``aggregate``'s — R + (Σ_k Δ_k + N(0, σ²C² I))/(qK), the same noise stream — with Σ_k Δ_k = n·mean in the
+        uploads' dtype. Fixed clipping only (adaptive clipping needs each client's clipped-or-not bit)."""
+        if self.adaptive:
+            raise ConfigError("client-level DP clipped on the clients (SecAgg+): adaptive clipping is not supported")
+        if isinstance(method, DenseUpdates):
+            raise ConfigError(f"client-level DP clipped on the clients (SecAgg+): {method.name}'s dense updates are "
+                              "not supported")
+        c = self.clip_norm if clip is None else check_clip_norm(clip, "the round's clip norm")
+        total = {n: (t.to(torch.float64) * n_summed).to(t.dtype) for n, t in mean_update.tensors.items()}
+        mean = private_mean([total], self.update_noise_multiplier, c, self.expected_participants(n_clients),
+                            self.generator(round_idx, group))
+        missing = [n for n in mean if n not in reference]
+        if missing:
+            raise ConfigError(f"client-level DP: the uploaded {missing[0]!r} has no value on the server to take the "
+                              f"update from")
+        private = {n: (reference[n].to(mean[n].dtype) + mean[n]) for n in mean}
+        return method.aggregate([Payload(private, dict(mean_update.meta))], torch.ones(1, dtype=torch.float64)), \
+            {"update_norms": [], "clipped": None, "noise_only": False, "clip": c}
+
     def _aggregate_dense(self, method: DenseUpdates, uploads: Sequence[Payload], reference, n_clients: int,
                          round_idx: int, qk: float, gen: torch.Generator, c: float, z: float
                          ) -> tuple[dict[str, torch.Tensor], dict]:
