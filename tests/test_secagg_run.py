@@ -378,8 +378,7 @@ def _one_process_secagg(cfg, tmp_path):
     return run_as_serverapp(main_, Grid(3)), trains
 
 
-@pytest.mark.long  # two tiny-smoke rounds, every message rebuilding the run (≈ 20 s)
-@pytest.mark.xdist_group("flower")
+@pytest.mark.long  # two tiny-smoke rounds in one process, no Ray (≈ 10 s; no shared fixture: no xdist group)
 def test_a_client_left_out_of_the_sum_is_its_failure_and_the_mean_is_over_the_others(tmp_path, monkeypatch):
     """Client 1 reports a non-finite loss in round 2: its node refuses to join the sum, SecAgg+ removes its masks
     through the others' shares, the round's record names the failure, and the server's state is the two others'
@@ -421,8 +420,6 @@ def test_a_client_left_out_of_the_sum_is_its_failure_and_the_mean_is_over_the_ot
         assert torch.equal(run.server.states[0][n], summed[n])  # round 2 is the last: the run's final state
 
 
-@pytest.mark.long  # one tiny-smoke round in one process (≈ 8 s)
-@pytest.mark.xdist_group("flower")
 def test_a_value_outside_the_clipping_range_fails_the_round_with_the_clients_line(tmp_path):
     """No silent clip: every client's weighted values exceed ±1e-4, so each refuses to join; SecAgg+ halts (Flower
     would exit 0) and the run stops at round 1 with the clients' own line."""
@@ -442,7 +439,6 @@ DP = ["privacy.level=client", "privacy.noise_multiplier=0.8", "privacy.clip_norm
 
 
 @pytest.mark.long  # a one-process SecAgg+ run and an embedded one, two rounds each (≈ 15 s)
-@pytest.mark.xdist_group("flower")
 def test_client_dp_clipped_on_the_clients_releases_the_embedded_private_aggregate_within_the_bound(tmp_path):
     """DP-FedAvg under SecAgg+ (FedAvg-LoRA, q = 1, C small enough that every update is clipped): the server's
     round-1 release P = R + (Σ_k clip(U_k − R, C) + N(0, σ²C²))/(qK), the same noise stream, equals the embedded
