@@ -231,6 +231,7 @@ def test_the_server_never_receives_an_individual_upload(secagg_runs):
         # each client's bytes up are its masked vector's (int64 words: more than its float32 upload)
         for train, entry in zip(cap["trains"], cap["flower"]):
             assert entry["record"]["bytes_up"] == {str(k): u.nbytes_up for k, u in train["out"].items() if k >= 0}
+            assert set(entry["record"]["bytes_up"].values()) == {_masked_nbytes(train["out"][SUMMED].upload.tensors)}
         emb_up = cap["embedded"][0]["record"]["bytes_up"]
         assert all(cap["flower"][0]["record"]["bytes_up"][k] > v for k, v in emb_up.items())
     assert n_close > 0  # arrays of the uploads' shapes were received (the final adapters, the evaluations' …)
@@ -487,3 +488,48 @@ def test_client_dp_clipped_on_the_clients_releases_the_embedded_private_aggregat
         assert err <= q_bound + slack, (n, err, q_bound, slack)
         worst = max(worst, err / (q_bound + slack))
     assert 0 < worst  # the quantisation shows: not the embedded release to the bit
+
+
+def _masked_nbytes(summed) -> int:
+    """What one client's masked vector takes on the wire: Flower prepends its quantised weight (one element) to
+    the upload's arrays, all int64 modulo M, each serialised by ``ndarray_to_bytes``."""
+    from flwr.common import ndarray_to_bytes
+
+    shapes = [(1,)] + [tuple(summed[n].shape) for n in sorted(summed)]
+    return sum(len(ndarray_to_bytes(np.zeros(s, dtype=np.int64))) for s in shapes)
+
+
+@pytest.mark.long  # a two-round deployment in one process, no Ray (≈ 10 s)
+def test_a_deployments_server_app_runs_secagg(tmp_path, monkeypatch):
+    """The deployment entry point (``fedlora.llm.flower``'s ServerApp main, what ``flwr run`` and ``fedlora flower
+    local`` start) builds the SecAgg+ executor too: every round is a SecAgg+ fit, and each client's bytes up are
+    its masked vector's."""
+    from _flower_inprocess import OneProcessGrid, run_as_serverapp
+    from flwr.app import Context, RecordDict
+
+    from fedlora.flower_secagg import SecAggExecutor
+    from fedlora.llm import flower as llm_flower
+    from fedlora.llm.config import load_config
+    from fedlora.server import SUMMED
+
+    class Grid(OneProcessGrid):
+        def send_and_receive(self, messages, timeout=None):
+            return self.pull_messages(self.push_messages(list(messages)))
+
+    sums = []
+    orig = SecAggExecutor.train
+
+    def train(self, rnd, clients, downloads):
+        out = orig(self, rnd, clients, downloads)
+        sums.append(out[SUMMED].upload.tensors)
+        return out
+
+    monkeypatch.setattr(SecAggExecutor, "train", train)
+    cfg = load_config("tiny-smoke", [*BASE, *SECAGG, f"output_dir={tmp_path / 'run'}"])
+    ctx = Context(run_id=7, node_id=0, node_config={}, state=RecordDict(),
+                  run_config={"fedlora-config-json": json.dumps(cfg.to_dict())})
+    run_as_serverapp(lambda grid: llm_flower._deployment_main(grid, ctx), Grid(3))
+    rounds = [json.loads(line) for line in (tmp_path / "run" / "rounds.jsonl").read_text().splitlines()][1:]
+    assert len(rounds) == len(sums) == ROUNDS and all(r["participants"] == [0, 1, 2] for r in rounds)
+    for r, summed in zip(rounds, sums):
+        assert r["bytes_up"] == {str(k): _masked_nbytes(summed) for k in range(3)}
