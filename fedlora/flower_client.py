@@ -80,13 +80,18 @@ def _train(msg, context):
 
 def _secagg_gate(msg, context, call_next):
     """SecAgg+ train messages (they carry Flower's ``secaggplus_configs`` record: ``privacy.secagg``) go through
-    ``fedlora.flower_secagg.secagg_client_mod``, whose fit stage calls the ordinary ``train`` handler; the
-    others go straight to it."""
+    Flower's ``secaggplus_mod``, whose fit stage is ``NODE_HANDLERS["secagg-fit"]`` (``fedlora.flower_secagg``,
+    imported as the fit's config names it) calling the ordinary ``train`` handler; the others go straight to it."""
     if "secaggplus_configs" not in msg.content.config_records:
         return call_next(msg, context)
-    from fedlora.flower_secagg import secagg_client_mod
+    from flwr.client.mod import secaggplus_mod
 
-    return secagg_client_mod(msg, context, call_next)
+    def fit(fit_msg, fit_context):
+        if "secagg-fit" not in NODE_HANDLERS:
+            importlib.import_module(str(fit_msg.content.config_records["fitins.config"]["secagg-fit-module"]))
+        return NODE_HANDLERS["secagg-fit"](fit_msg, fit_context, call_next)
+
+    return secaggplus_mod(msg, context, fit)
 
 
 def _evaluate(msg, context):

@@ -19,8 +19,9 @@ client's arrays. Error bound and weights: ``fedlora.secagg``.
 ``SecAggPlusWorkflow`` called once per round by ``fedlora.server.Server.run_round`` (the one round protocol; no
 ``DefaultWorkflow`` loop), over a ``LegacyContext`` whose strategy hands each participant a ``FitIns`` carrying
 exactly what its ``train`` message would (the run's config, its download) and its weight as num_examples. On the
-node, ``secagg_client_mod`` (``fedlora.flower_client`` routes SecAgg+ train messages to it) turns the legacy fit
-into the node's ordinary ``train`` message, trains with the same handler (``fedlora.flower._client_train``: the
+node, ``fedlora.flower_client`` runs SecAgg+ train messages through ``secaggplus_mod``, whose fit stage
+(``_node_fit``, registered as ``NODE_HANDLERS["secagg-fit"]``) turns the legacy fit into the node's ordinary
+``train`` message, trains with the same handler (``fedlora.flower._client_train``: the
 client's record saved in its node state as usual), and answers ``secaggplus_mod`` with the upload as a legacy
 ``FitRes`` (range-checked; loss, ranks and bytes in its metrics, in clear). ``train`` returns ONE pre-summed
 ``ClientUpdate`` under ``fedlora.server.SUMMED`` (``fedlora.secagg.summed_payload``) and, per participant, an
@@ -45,6 +46,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
+from . import flower_client
 from .errors import ConfigError
 from .payload import Payload
 from .secagg import SecAggQuantisation, flatten_payload
@@ -490,7 +492,7 @@ class SecAggExecutor(_flower_executor()):
         fitins = []
         for k, msg in zip(clients, msgs):
             conf = dict(msg.content["config"])
-            conf.update({"secagg-weight": int(weights[k]), "secagg-rounding-seed": self.rounding_seed,
+            conf.update({"secagg-fit-module": __name__, "secagg-weight": int(weights[k]), "secagg-rounding-seed": self.rounding_seed,
                          "secagg-max-weight": float(quant.max_weight),
                          "secagg-clipping-range": float(quant.clipping_range),
                          "secagg-quantization-range": int(quant.quantization_range),
@@ -566,9 +568,9 @@ class SecAggExecutor(_flower_executor()):
 
 
 def secagg_client_mod(msg, ctxt, call_next):
-    """A node's SecAgg+ train messages (``fedlora.flower_client`` routes those carrying Flower's SecAgg+ config
-    here): Flower's ``secaggplus_mod`` over ``_node_fit``, which answers its fit stage with ``call_next`` — the
-    node's ordinary ``train`` handler."""
+    """Flower's ``secaggplus_mod`` over ``_node_fit``, which answers its fit stage with ``call_next`` — the node's
+    ordinary ``train`` handler. (``fedlora.flower_client``'s ClientApp does the same through its registry,
+    ``NODE_HANDLERS["secagg-fit"]``, which this module sets: it imports no module that imports it back.)"""
     from flwr.client.mod import secaggplus_mod
 
     return secaggplus_mod(msg, ctxt, lambda m, c: _node_fit(m, c, call_next))
@@ -636,3 +638,7 @@ def _node_fit(msg, ctxt, call_next):
     fitres = FitRes(Status(Code.OK, "ok"), Parameters([ndarray_to_bytes(a) for a in arrays], "numpy.ndarray"),
                     num_examples=weight, metrics=metrics)
     return Message(compat.fitres_to_recorddict(fitres, keep_input=True), reply_to=msg)
+
+
+#: the fit stage of ``fedlora.flower_client``'s SecAgg+ gate (a fresh process imports this module when a fit names it)
+flower_client.NODE_HANDLERS["secagg-fit"] = _node_fit
