@@ -493,9 +493,6 @@ def check_privacy(cfg: RunConfig, method_cls) -> None:
         if p.clip_count_stddev is not None:
             _num(p.clip_count_stddev, "privacy.clip_count_stddev", 0.0, strict=True)
     name = cfg.method.name
-    if cfg.federation.client_models is not None:
-        raise ConfigError("privacy: differential privacy with heterogeneous client models "
-                          "(federation.client_models) is not supported")
     if p.level == "client":
         why = method_cls.client_dp_refusal
         if why is not None:
@@ -638,7 +635,8 @@ def group_configs(cfg: RunConfig) -> list[tuple[list[int], RunConfig]]:
         data = {**base, **sections, "method": method, "output_dir": f"{cfg.output_dir}/clients/group_{g}",
                 "federation": {**base["federation"], "clients": len(ids), "client_models": None,
                                "sample_fraction": 1.0, "min_clients": 1,
-                               "partition": entry.get("partition", base["federation"]["partition"])}}
+                               "partition": entry.get("partition", base["federation"]["partition"])},
+                "privacy": {}}  # the run's (HeteroRun: one server, one plan over all clients), not a group's
         try:
             group = RunConfig.from_dict(data)
         except ConfigError as e:

@@ -317,12 +317,11 @@ class Report:
              "wall_s": wall, "record_bytes_per_client": record_nbytes(self.run_.store.get(0)),
              "n_clients_without_test": len(self.run_.clients_without_test),  # left out of every clients' mean
              "clients_without_test": list(self.run_.clients_without_test)}
-        plan = getattr(self.run_, "privacy_plan", None)  # HeteroRun: privacy is refused for it
-        if plan is not None:  # ε spent by the rounds run (a run stopped by its budget: fewer than planned)
-            from .privacy import describe_plan
+        from .privacy import privacy_summary
 
-            s["privacy"] = {**describe_plan(plan), "rounds_run": len(history),
-                            "epsilon": history[-1]["privacy"]["epsilon"] if history else 0.0}
+        private = privacy_summary(getattr(self.run_, "privacy_plan", None), history)  # the plan, ε of the rounds run
+        if private is not None:
+            s["privacy"] = private
         if "global" in last:
             s["round0_global"], s["final_global"] = first.get("global"), last["global"]
         if self.task.not_computed:  # e.g. METEOR without WordNet: named, with the reason, never silently absent

@@ -26,6 +26,10 @@ the client. So:
 * the first KL target (eq. 6) is the server mean of every client's initial upload, as in a homogeneous
   run (what round −1 would send), delivered to every client before round 1 (not counted: part of the
   set-up, like the seeded R);
+* client-level DP (``privacy.level: client``) is a homogeneous run's: ONE plan over all K clients
+  (``fedlora.llm.privacy.privacy_plan``), the one server clipping each R_{k→g} − R_g over all module types
+  and noising the aligned (L_g, r_g, r_g) mean, the first round's updates taken from R_g⁰ (above); sample-level
+  DP is H²Tune's own refusal (its TriLoRA middle has no per-sample gradients here);
 * evaluation scores each client on its own task; means are per task (``eval["tasks"]``), never across
   tasks whose metrics differ (accuracy beside BLEU).
 
@@ -44,11 +48,13 @@ import torch
 
 from fedlora.errors import ConfigError
 from fedlora.io import OutputDir, write_bytes_atomic
+from fedlora.payload import Payload
 from fedlora.server import ClientExecutor, ClientFailure, ClientUpdate, Download, Federation, Server, UploadSpec
 from fedlora.state import record_nbytes
 
 from .config import RunConfig, group_configs
 from .driver import Driver, claim_run_folder, run_to_end
+from .privacy import describe_plan, dry_run_plan, privacy_plan, privacy_summary
 from .runtime import RUNTIMES, FederatedRun
 from .slots import SlotExecutor
 
@@ -150,6 +156,7 @@ class HeteroRun:
         self.cfg, self.runtime = cfg, runtime
         self.progress, self.write, self.log, self.overwrite, self.output = progress, write, log, overwrite, output
         self.prepared = False
+        self.privacy_plan = None  # fedlora.privacy.plan.PrivacyPlan once prepared, when privacy is on
         #: a verified checkpoint to continue from (``fedlora.llm.runs.resume``), or None
         self.resume_from = resume_from
         self.specs = group_configs(cfg)  # [(global ids, the group's RunConfig)]
@@ -164,8 +171,10 @@ class HeteroRun:
         if all(c["model"]["checked"] for _, c in checks):
             self.groups = runs
             self._align_layers()
+        plan = dry_run_plan(self.cfg)  # the run's, over all clients (the groups' configs carry none)
         return {"data": {"groups": [{"clients": ids, **c["data"]} for ids, c in checks]},
-                "model": {"groups": [{"clients": ids, "head": c["head"], **c["model"]} for ids, c in checks]}}
+                "model": {"groups": [{"clients": ids, "head": c["head"], **c["model"]} for ids, c in checks]},
+                **({"privacy": plan} if plan is not None else {})}
 
     def prepare(self) -> "HeteroRun":
         cfg, fc = self.cfg, self.cfg.federation
@@ -186,13 +195,19 @@ class HeteroRun:
         K = fc.clients
         self.K_train = K
         self.sizes = [self.groups[g].sizes[i] for g, i in (self.where[k] for k in range(K))]
+        steps = [self.groups[g].steps[i] for g, i in (self.where[k] for k in range(K))]
+        # one plan over all K clients, as a homogeneous run's (the groups' configs carry none: group_configs)
+        self.privacy_plan = privacy_plan(cfg, K, self.sizes, steps)  # None: privacy off
         self.federation = Federation(n_groups=1, n_clients=K, client_weights=self.sizes,
                                      sample_fraction=fc.sample_fraction, sample_seed=cfg.seed)
-        self.server = Server(self.method, self.federation, [self.method.initial_server_state(0)], cfg.train.rounds,
-                             min_clients=fc.min_clients, spec=UploadSpec(specs[0]))
         #: the executor in this process: one slot executor per group
         self.local = HeteroExecutor([(ids, run.slots) for (ids, _), run in zip(self.specs, self.groups)])
-        self._first_target()
+        first = self._first_target()
+        # client-level DP: the first round's updates R_{k→g} − R_g⁰ are taken from the KL target every client holds
+        private = self.privacy_plan is not None and self.privacy_plan.client is not None
+        self.server = Server(self.method, self.federation, [self.method.initial_server_state(0)], cfg.train.rounds,
+                             min_clients=fc.min_clients, spec=UploadSpec(specs[0]), privacy=self.privacy_plan,
+                             dp_references=[first] if private else None)
         self.clients_without_test = sorted(self.specs[g][0][i] for g, run in enumerate(self.groups)
                                            for i in run.clients_without_test)
         self.tasks: dict[str, list[int]] = {}  # task name → its clients (global ids)
@@ -227,20 +242,24 @@ class HeteroRun:
         self.global_layers, self.depths = L_g, depth
 
     @torch.no_grad()
-    def _first_target(self) -> None:
-        """Every client's first KL target R_g: the server mean of all clients' initial uploads (eq. 4,
-        what round −1 would send), delivered to each client's record (uncounted: set-up)."""
-        uploads = {}
+    def _first_target(self) -> dict[str, torch.Tensor]:
+        """Every client's first KL target R_g⁰: the unweighted server mean (App. A) of ALL K clients' initial
+        uploads R_init[:L_k] ×_layer Ω_k⁰ (eq. 4, what round −1 would send), each computed by its group's method
+        from the seeds and options alone (``H2Tune.initial_uploads``: public, so client-level DP may take the
+        first round's updates from it), delivered to each client's record (uncounted: set-up). Returns R_g⁰."""
+        uploads: dict[int, Payload] = {}
         for (ids, _), run in zip(self.specs, self.groups):
-            for local, up in run.slots.uploads(range(len(ids))).items():
-                uploads[ids[local]] = up
+            for local, up in enumerate(run.method.initial_uploads(0)):
+                uploads[ids[local]] = Payload(up)
         K = self.K_train
-        state = self.method.aggregate([uploads[k] for k in range(K)], self.federation.round_weights(range(K)))
+        state = self.method.aggregate([uploads[k] for k in range(K)], torch.ones(K, dtype=torch.float64))
         self.local.deliver(-1, {k: Download(dict(state), counted=False) for k in range(K)})
+        return state
 
     def describe(self) -> dict[str, Any]:
         """config.json's ``resolved``: the run-wide H²Tune set-up and every group's own (``FederatedRun.describe``)."""
-        return {"heterogeneous": True, "runtime": self.runtime, "method_options": self.method_options,
+        private = {"privacy": describe_plan(self.privacy_plan)} if self.privacy_plan is not None else {}
+        return {"heterogeneous": True, "runtime": self.runtime, "method_options": self.method_options, **private,
                 "step_sizes": self.method.step_sizes(), "global_layers": self.global_layers,
                 "upload": {n: list(s) for n, (s, _) in self.server.spec.tensors.items()},
                 "groups": [{"clients": ids, "client_layers": run.method.client_layers or [d] * len(ids),
@@ -311,6 +330,9 @@ class TasksReport:
                                                          for k in range(run.K_train)},
              "n_clients_without_test": len(run.clients_without_test),
              "clients_without_test": list(run.clients_without_test)}
+        private = privacy_summary(run.privacy_plan, history)
+        if private is not None:
+            s["privacy"] = private
         not_computed = {g.task.name: g.task.not_computed for g in run.groups if g.task.not_computed}
         if not_computed:
             s["metrics_not_computed"] = not_computed

@@ -14,7 +14,7 @@ from fedlora.privacy.plan import PrivacyPlan
 
 from .config import RunConfig
 
-__all__ = ["privacy_plan", "sample_dp_of", "client_references", "describe_plan"]
+__all__ = ["privacy_plan", "sample_dp_of", "client_references", "describe_plan", "dry_run_plan", "privacy_summary"]
 
 
 def privacy_plan(cfg: RunConfig, n_clients: int, sizes: Sequence[int] | None = None,
@@ -117,3 +117,20 @@ def describe_plan(plan: PrivacyPlan | None) -> dict[str, Any] | None:
         out.update(clip_norm=plan.clip_norm, batch_sampling="poisson", batch_rates=list(plan.sample_rates),
                    local_steps=list(plan.sample_steps), denominator="expected batch size q_k·n_k")
     return out
+
+
+def dry_run_plan(cfg: RunConfig) -> dict[str, Any] | None:
+    """A dry run's privacy plan (``fedlora run --dry-run``): σ derived, δ resolved, the first round's budget checked;
+    client level only (a sample-level plan needs each client's data size, which a dry run may not have)."""
+    if cfg.privacy.level != "client":
+        return None
+    return describe_plan(privacy_plan(cfg, cfg.federation.clients))
+
+
+def privacy_summary(plan: PrivacyPlan | None, history: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """summary.json's ``privacy``: the resolved plan and the ε spent by the rounds run (a run stopped by its budget:
+    fewer than planned); None with privacy off."""
+    if plan is None:
+        return None
+    return {**describe_plan(plan), "rounds_run": len(history),
+            "epsilon": history[-1]["privacy"]["epsilon"] if history else 0.0}

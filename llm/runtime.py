@@ -37,7 +37,7 @@ from .runfolder import data_label
 from .tasks import get_task
 from .dropout import install_client_dropout
 from .manifest import data_files, environment, file_hashes, split_indices
-from .privacy import client_references, describe_plan, privacy_plan, sample_dp_of
+from .privacy import client_references, describe_plan, dry_run_plan, privacy_plan, sample_dp_of
 from .inject import head_linear_names, inject_adapters, make_head_trainable, match_targets
 
 __all__ = ["FederatedRun", "slot_executor"]
@@ -329,8 +329,7 @@ def dry_run(run: "FederatedRun") -> dict[str, Any]:
 
     run._settings(machine=False)
     # σ derived, δ resolved, the budget checked; sample level: when the run has each client's data size
-    plan = describe_plan(privacy_plan(run.cfg, run.cfg.federation.clients)) if run.cfg.privacy.level == "client" \
-        else None
+    plan = dry_run_plan(run.cfg)
     private = {"privacy": plan} if plan is not None else {}
     data = run.check_data()
     if not data["checked"]:

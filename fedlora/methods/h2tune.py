@@ -68,8 +68,9 @@ N(0, r_init_std²) per (module type, layer) from a generator seeded with ``feder
 R_init in models of any depth (clients with different base models, ``fedlora.llm.hetero``). A small non-zero R breaks the ties of the first support choice and of softmax(R).
 B keeps its PEFT init (B = 0, so ΔW = 0 for W0 = 0): the task gradient of R is ∝ B, so on a fresh
 model the very first step (1) moves nothing (the KL is also 0 there, see below); step (2) then makes
-B ≠ 0 and every later step (1) is live. The first KL target is the server mean of the replicas'
-initial uploads (what round −1 would send): with equal L_k it is R_init itself.
+B ≠ 0 and every later step (1) is live. The first KL target is R_g⁰ (``initial_global_R``), the server mean
+of ALL K clients' initial uploads (what round −1 would send), whichever clients share a slot pass: with equal
+L_k and identity Ω it is R_init itself.
 
 Model outputs. The Objective contract returns one loss per replica; eq. 7 also needs logits. Pass
 ``output_fn(params, batch) -> (G, …, C)`` logits (constructor, or a runtime's ``RuntimeFacts.output_fn``),
@@ -314,14 +315,22 @@ class H2Tune(Method):
         R_init[:L_k] ×_layer Ω_k⁰ (eq. 4, App. A's mean), per module type (L_g, r_g, r_g) — the KL target clients
         start from ("what round −1 would send", ``init_state``), computed from the options and seeds alone (public),
         so it is what client-level DP takes the first round's updates from."""
+        ups = self.initial_uploads(federation)
+        return {n: server_mean([u[n] for u in ups]) for n in ups[0]}
+
+    def initial_uploads(self, federation: int = 0) -> list[dict[str, torch.Tensor]]:
+        """Every client k's (0..K−1) initial upload R_{k→g}⁰ = R_init[:L_k] ×_layer Ω_k⁰ (eq. 4) in federation
+        ``federation``, per module type (L_g, r_g, r_g), in the model's dtype — from the options and seeds alone,
+        the same values ``upload`` gives on a fresh replica. ``initial_global_R`` is their mean; a run of clients
+        with different base models (``fedlora.llm.hetero``) takes the mean over every group's."""
         dtype = self.omega.dtype
         layers = self.client_layers if self.client_layers is not None else [self.L] * self.n_clients
         init = self._initial_R(federation)
-        out = {}
-        for t in self.types:
-            R = torch.stack(init[t]).to(dtype)  # (L, r, r): layers ≥ L_k are zero in client k's model
-            out[_pname(t, "lora_R")] = server_mean(
-                [to_global(R[:Lk], self._initial_omega(federation, k, Lk).to(dtype)) for k, Lk in enumerate(layers)])
+        stacked = {t: torch.stack(init[t]).to(dtype) for t in self.types}  # (L, r, r): layers ≥ L_k zero in client k
+        out = []
+        for k, Lk in enumerate(layers):
+            om = self._initial_omega(federation, k, Lk).to(dtype)
+            out.append({_pname(t, "lora_R"): to_global(stacked[t][:Lk], om) for t in self.types})
         return out
 
     def client_dp_reference(self, state: Mapping[str, torch.Tensor], initial: Mapping[str, torch.Tensor],
@@ -344,9 +353,11 @@ class H2Tune(Method):
     def init_state(self) -> None:
         super().init_state()
         self._seed_R()
-        # initial KL target: the server mean of each federation's initial uploads
-        for reps in self.groups:
-            state = self.aggregate([self.upload(i) for i in reps], torch.full((len(reps),), 1.0 / len(reps)))
+        # initial KL target: each federation's R_g⁰, the mean over ALL its K clients' initial uploads (what round −1
+        # would send) — not over the replicas bound now, a slot pass's clients, so that a client's starting target
+        # does not depend on its pass-mates (random Ω_k, different L_k)
+        for f, reps in enumerate(self.groups):
+            state = self.initial_global_R(f)
             for i in reps:
                 for t in self.types:
                     self.global_R[t][i] = state[_pname(t, "lora_R")]
