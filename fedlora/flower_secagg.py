@@ -15,7 +15,8 @@ the weighted mean Σ_k p̃_k x_k — every ``FitRes`` it receives carries that s
 client's arrays. Error bound and weights: ``fedlora.secagg``.
 
 **In ``fedlora run``** (``privacy.secagg.enabled``, ``--runtime flower``): ``SecAggExecutor`` is the run's
-``FlowerExecutor`` with one difference, its ``train``: each round is one SecAgg+ fit — Flower's
+``FlowerExecutor`` with two differences: no message ever asks a node for its client's record (``records``
+refuses; no checkpoint, the run's adapters/ holds the global adapter only), and its ``train``: each round is one SecAgg+ fit — Flower's
 ``SecAggPlusWorkflow`` called once per round by ``fedlora.server.Server.run_round`` (the one round protocol; no
 ``DefaultWorkflow`` loop), over a ``LegacyContext`` whose strategy hands each participant a ``FitIns`` carrying
 exactly what its ``train`` message would (the run's config, its download) and its weight as num_examples. On the
@@ -441,13 +442,25 @@ class SecAggExecutor(_flower_executor()):
     ``rounding_seed``: the clients' stochastic rounding (the run's seed). ``client_dp_clip``: client-level DP's C —
     each client then uploads its update against the ``Download.dp_reference`` the server sends, clipped to C on
     the client (``fedlora.privacy.client_dp._clip_all``), with weight 1 (``clips_on_clients``); the server adds
-    the noise to the sum (``ClientDP.aggregate_presummed``). Everything else — evaluation, the final broadcast,
-    records — is the FlowerExecutor's. ``secagg_record``: what the server side received in every SecAgg+ stage
-    (``SecAggRecord.replies``)."""
+    the noise to the sum (``ClientDP.aggregate_presummed``). Evaluation and the final broadcast are the
+    FlowerExecutor's. ``secagg_record``: what the server side received in every SecAgg+ stage
+    (``SecAggRecord.replies``).
+
+    **The clients' records never leave their nodes** (``records_stay_on_clients``): a record holds the client's
+    upload or more (its adapter, optimizer moments, a personalised method's private factors), so no message asks
+    for one — ``records`` and ``restore`` raise (a future caller cannot leak silently), and no final evaluation or
+    broadcast carries them back (``final_round`` is always None: no ``with-record``). The driver then keeps no
+    checkpoint and writes the global adapter only (``fedlora.llm.driver``)."""
+
+    #: the nodes keep their clients' records: the driver never asks for them (no checkpoint, the global adapter only)
+    records_stay_on_clients = True
 
     def __init__(self, grid, config: Mapping[str, Any], n_clients: int, *, secagg: Mapping[str, Any],
                  weights: Callable[[], Sequence[float]], weighting: str, rounding_seed: int = 0,
                  client_dp_clip: float | None = None, **kwargs) -> None:
+        # no final evaluation or broadcast brings a node's record back with its scores (FlowerExecutor's
+        # ``with-record``): the records stay on the nodes
+        kwargs["final_round"] = None
         super().__init__(grid, config, n_clients, **kwargs)
         if weighting not in ("data", "uniform"):
             raise ConfigError(f"secagg: weighting must be data or uniform, got {weighting!r}")
@@ -458,6 +471,16 @@ class SecAggExecutor(_flower_executor()):
         self.rounding_seed = int(rounding_seed)
         self.secagg_record = SecAggRecord()
         self.wire_bytes["masked_up"] = 0
+
+    def records(self):
+        """Refused: a SecAgg+ run never asks a node for its client's state record (class docstring)."""
+        raise ConfigError("secagg: a SecAgg+ run never collects its clients' state records (each holds the client's "
+                          "own upload or more), so it keeps no checkpoint and writes the global adapter only")
+
+    def restore(self, records) -> None:
+        """Refused: nothing to restore from — a SecAgg+ run keeps no checkpoint (class docstring)."""
+        raise ConfigError("secagg: a SecAgg+ run cannot be resumed: its clients' state records never leave their "
+                          "nodes, so it has no checkpoint to restore them from")
 
     @property
     def clips_on_clients(self) -> bool:

@@ -45,7 +45,10 @@ def register_export(subparsers: argparse._SubParsersAction) -> None:
     """Add ``export`` (a client's model of a finished run as a PEFT adapter or merged model)."""
     ex = subparsers.add_parser("export", help="export a client's model of a finished run (PEFT adapter or merged model)")
     ex.add_argument("run_dir", help="the run's output folder (holds config.json and adapters/)")
-    ex.add_argument("--client", type=int, default=0, help="client index (default 0)")
+    who = ex.add_mutually_exclusive_group()
+    who.add_argument("--client", type=int, default=None, help="client index (default 0)")
+    who.add_argument("--global", dest="global_", action="store_true",
+                     help="the global adapter of a SecAgg+ run (its clients' models never leave them)")
     ex.add_argument("--out", required=True, help="output folder (must be new or empty, unless --overwrite)")
     ex.add_argument("--overwrite", action="store_true",
                     help="replace an earlier export in --out (after every other check passed; only a folder that "
@@ -503,7 +506,8 @@ def _report(summary, out) -> None:
 def _cmd_export(args: argparse.Namespace) -> int:
     from fedlora.llm.runfolder import claim_export_dir, read_run_config
 
-    if args.client < 0:
+    client = None if args.global_ else 0 if args.client is None else args.client
+    if client is not None and client < 0:
         raise ConfigError(f"--client: must be an integer ≥ 0, got {args.client}")
     # --out first (as every command: refused before any work, nothing cleared yet); a failed export leaves
     # no folder it created (and no file it wrote)
@@ -512,12 +516,12 @@ def _cmd_export(args: argparse.Namespace) -> int:
         read_run_config(args.run_dir, "export")  # not a run folder: one line, before torch is imported
         from fedlora.llm.export import export_merged, export_peft
 
-        path = (export_peft if args.format == "peft" else export_merged)(args.run_dir, args.client, folder.path,
+        path = (export_peft if args.format == "peft" else export_merged)(args.run_dir, client, folder.path,
                                                                          overwrite=args.overwrite)
     except BaseException:
         folder.remove_if_empty()
         raise
-    print(f"wrote {path} ({args.format}, client {args.client})")
+    print(f"wrote {path} ({args.format}, {'the global adapter' if client is None else f'client {client}'})")
     return 0
 
 

@@ -27,12 +27,15 @@ from fedlora.payload import Payload
 from fedlora.server import ClientExecutor
 from fedlora.state import record_nbytes
 
-from .runfolder import MERGED_UPDATE, RUN_WRITES, config_digest
+from .runfolder import GLOBAL_ADAPTER, MERGED_UPDATE, RUN_WRITES, config_digest
 from .slots import first_line
 
 __all__ = ["Driver", "Report", "CHECKPOINTS", "abandon", "resume_point", "comparable", "config_differences"]
 
 CHECKPOINTS = "checkpoints"  # output_dir/checkpoints/round_<r>/ (fedlora.checkpoint), the last two kept
+#: a SecAgg+ run (privacy.secagg): why it has no checkpoint and cannot be resumed; what its adapters/ holds
+SECAGG_NO_CHECKPOINT = "a SecAgg+ run keeps no checkpoint and cannot be resumed: its clients' state never leaves them"
+SECAGG_ADAPTERS = "global only (SecAgg+: each client's record stays on its node)"
 
 
 class Driver:
@@ -107,7 +110,9 @@ class Driver:
             self._write_status("running")
         bar = self._bar = _progress(cfg.train.rounds, self.progress, initial=start)  # a resumed run's bar: at start
         self._t0 = time.perf_counter()
-        with _deferred_signals() as pending:
+        # SecAgg+ (fedlora.flower_secagg): the clients' records stay on their nodes — no checkpoint, no final records
+        private = bool(getattr(self.executor, "records_stay_on_clients", False))
+        with _deferred_signals(SECAGG_NO_CHECKPOINT if private else None) as pending:
             for rnd in range(start, cfg.train.rounds):
                 try:
                     rec = self.run_round(rnd)  # after the last round: the final global state to every client (counted)
@@ -126,7 +131,7 @@ class Driver:
                 self.history.append(rec)
                 self._append(out, rec)
                 every = cfg.train.checkpoint_every
-                if self.write and ((every and (rnd + 1) % every == 0) or (pending and not last)):
+                if self.write and ((every and (rnd + 1) % every == 0) or (pending and not last and not private)):
                     self.save_checkpoint(rnd + 1)
                 bar.update(1)
                 ev = rec.get("eval")
@@ -134,19 +139,23 @@ class Driver:
                     bar.set_postfix(self.report.postfix(ev, rec))
                 if self.log is not None:
                     self.log(self._round_line(rec, self._wall_total(self._wall_parts())))
-                if pending and not last:  # SIGINT/SIGTERM during the round: it finished and is checkpointed
+                if pending and not last:  # SIGINT/SIGTERM during the round: it finished (and is checkpointed)
                     from fedlora.errors import Interrupted
 
                     raise Interrupted(pending[0])
         bar.close()
         local = self.run_.local
-        if self.executor is not local:  # records kept elsewhere (Flower: on the clients' nodes): the adapters come from them
+        if private:  # SecAgg+: adapters/ holds what the server has, the global adapter (Report.save_adapters)
+            pass
+        elif self.executor is not local:  # records kept elsewhere (Flower: on the clients' nodes): the adapters come from them
             local.restore(self.executor.records())
         parts = self._wall_parts()  # a resumed run: each part's rounds, the total in wall_s
         summary = self.report.summary(evals, self.history, self._wall_total(parts))
         summary["wall_s_parts"] = parts
         if self._stopped is not None:
             summary["stopped"] = self._stopped
+        if private:
+            summary["adapters"] = SECAGG_ADAPTERS
         if self.write:
             self.report.save_adapters(out / "adapters")
             write_json_atomic(out / "summary.json", summary)
@@ -341,12 +350,20 @@ class Report:
         final state applied; Centralized's one model for each) as ``client_<k>.safetensors``, and FLoRA's
         merged update (``SlotExecutor.merged_update``) once as ``merged_update.safetensors``; each file's
         metadata names the method, the client, the number of clients and the SHA-256 of the run's config
-        (``fedlora.llm.export.config_digest``), so export refuses files another run left in the folder."""
+        (``fedlora.llm.export.config_digest``), so export refuses files another run left in the folder. A SecAgg+
+        run (``privacy.secagg``) writes only what its server holds: the global adapter, ``global.safetensors``
+        (``SlotExecutor.global_adapter``: the server's state in a fresh replica, the model ``evaluate_global`` scores)."""
         from safetensors.torch import save
 
         local, cfg = self.run_.local, self.cfg
         meta = {"method": self.method.name, "clients": str(cfg.federation.clients),
                 "config_sha256": config_digest(cfg.to_dict())}
+        if cfg.privacy.secagg.enabled:  # the server holds the global state only (SECAGG_ADAPTERS)
+            path = folder / GLOBAL_ADAPTER
+            adapter = local.global_adapter(self.server.states[0])
+            write_bytes_atomic(path, save({n: v.contiguous() for n, v in adapter.items()},
+                                          metadata={**meta, "client": "global"}))
+            return [path]
         merged = local.merged_update()
         if merged is not None:
             tensors, form = merged
@@ -383,9 +400,10 @@ def config_differences(a: Mapping[str, Any], b: Mapping[str, Any], prefix: str =
 
 
 @contextlib.contextmanager
-def _deferred_signals():
+def _deferred_signals(no_checkpoint: str | None = None):
     """During the rounds, the first SIGINT/SIGTERM lets the round finish and be checkpointed (the list
-    yielded holds the signal; the loop raises ``Interrupted`` after it); a second stops at once."""
+    yielded holds the signal; the loop raises ``Interrupted`` after it); a second stops at once.
+    ``no_checkpoint``: the run keeps none (SecAgg+), and the line printed says why instead."""
     import signal
     import sys
     import threading
@@ -407,7 +425,8 @@ def _deferred_signals():
         from tqdm.auto import tqdm
 
         # on its own line: tqdm.write clears a progress bar's line first and draws the bar again below
-        tqdm.write(f"fedlora: {signal.Signals(signum).name}: finishing this round to checkpoint it "
+        what = "to checkpoint it" if no_checkpoint is None else f"({no_checkpoint})"
+        tqdm.write(f"fedlora: {signal.Signals(signum).name}: finishing this round {what} "
                    f"(send it again to stop now)", file=sys.stderr)
         sys.stderr.flush()
 
@@ -475,11 +494,19 @@ def abandon(e: BaseException, cfg, output: OutputDir) -> None:
             from fedlora.checkpoint import list_checkpoints
 
             ckpts = list_checkpoints(out / CHECKPOINTS)
-            if ckpts:
+            if _secagg(cfg):
+                note += f"; {SECAGG_NO_CHECKPOINT}"
+            elif ckpts:
                 note += f"; `fedlora run --resume {out}` continues from its checkpoint ({ckpts[0].name})"
     except Exception as err:  # never hide why the run stopped
         note = f"could not mark {out} incomplete: {first_line(err)}"
     _add_note(e, note)
+
+
+def _secagg(cfg) -> bool:
+    """Whether the run's config switches SecAgg+ on (``privacy.secagg.enabled``)."""
+    privacy = getattr(cfg, "privacy", None)
+    return bool(getattr(getattr(privacy, "secagg", None), "enabled", False))
 
 
 def _write_status(out: Path, rounds: int, status: str, done: int | None = None, **extra: Any) -> None:
@@ -507,6 +534,9 @@ def resume_point(run_dir, config=None, overrides: Sequence[str] = ()):
     saved = info["config"]
     if read_status(folder) == "complete":
         raise ConfigError(f"--resume: the run in {str(folder)!r} is complete (run.json); nothing to resume")
+    if ((saved.get("privacy") or {}).get("secagg") or {}).get("enabled"):
+        raise ConfigError(f"--resume: the run in {str(folder)!r} ran with SecAgg+ (privacy.secagg.enabled): "
+                          f"{SECAGG_NO_CHECKPOINT}; start it again")
     if config is None:
         given = RunConfig.from_dict(apply_overrides(saved, overrides))
     elif isinstance(config, RunConfig):

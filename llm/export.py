@@ -42,7 +42,7 @@ from fedlora.peft_adapters import peft_key
 from .inject import SlotLoRALinear, _conv1d_type
 from .model import load_tokenizer, resolve_model_path
 # EXPORT_WRITES, claim_export_dir, MERGED_UPDATE and config_digest are the run folder's; fedlora.llm.export's too
-from .runfolder import EXPORT_WRITES, MERGED_UPDATE, claim_export_dir, client_view, config_digest, read_run_config  # noqa: F401
+from .runfolder import EXPORT_WRITES, GLOBAL_ADAPTER, MERGED_UPDATE, claim_export_dir, client_view, config_digest, read_run_config  # noqa: F401
 from .task_kinds import task_from_resolved
 
 __all__ = ["lora_factors", "export_peft", "export_merged", "load_run_adapter", "load_run_base_model",
@@ -89,34 +89,48 @@ def _read_safetensors(path: Path) -> tuple[dict[str, str], dict[str, torch.Tenso
         return dict(f.metadata() or {}), {k: f.get_tensor(k) for k in f.keys()}
 
 
-def load_run_adapter(run_dir: str | Path, client: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def load_run_adapter(run_dir: str | Path, client: int | None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(config.json's content, client ``client``'s adapter tensors) of a finished run — with FLoRA's
     merged update (``MERGED_UPDATE``) joined in as ``<layer>.merged_A`` / ``merged_B`` (a LoRA) or
-    ``<layer>.merged_weight`` (the merged base weight). ``ConfigError`` (one line) for a client the run
-    did not have and for files that do not belong to this run's config.json."""
+    ``<layer>.merged_weight`` (the merged base weight). ``client=None``: the global adapter a SecAgg+ run writes
+    (``adapters/global.safetensors``; its clients' models never leave them, so ``--client`` of it is refused).
+    ``ConfigError`` (one line) for a client the run did not have and for files that do not belong to this run's
+    config.json."""
     run_dir = Path(run_dir)
     cfg_path, folder = run_dir / "config.json", run_dir / "adapters"
-    ad = folder / f"client_{client}.safetensors"
     info = read_run_config(run_dir, "export")  # the one reader of a run folder (fedlora.llm.runfolder)
+    secagg = bool(((info["config"].get("privacy") or {}).get("secagg") or {}).get("enabled"))
+    if client is None and not secagg:
+        raise ConfigError(f"export: --global: the run in {str(run_dir)!r} has no global adapter (only a SecAgg+ run "
+                          f"writes one, adapters/{GLOBAL_ADAPTER}); export a client's model with --client K")
+    if client is not None and secagg:
+        raise ConfigError(f"export: --client {client}: the run in {str(run_dir)!r} ran with SecAgg+ "
+                          f"(privacy.secagg.enabled), whose clients' models never leave them; adapters/ holds the "
+                          f"global adapter only: export it with --global")
+    ad = folder / (GLOBAL_ADAPTER if client is None else f"client_{client}.safetensors")
     K = int(info["config"]["federation"]["clients"])
-    if not 0 <= client < K:
+    if client is not None and not 0 <= client < K:
         raise ConfigError(f"export: --client {client}: the run in {str(run_dir)!r} has {K} clients, "
                           f"--client 0 to {K - 1}")
     if not ad.is_file():
         unfinished = _unfinished(run_dir, info)
         if unfinished is not None:
+            if secagg:
+                raise ConfigError(f"export: the run in {str(run_dir)!r} is not finished ({unfinished}): its global "
+                                  f"adapter is written when it completes, and a SecAgg+ run cannot be resumed: run it again")
             raise ConfigError(f"export: the run in {str(run_dir)!r} is not finished ({unfinished}): its clients' "
                               f"models are written when it completes; `fedlora run --resume {run_dir}` finishes "
                               f"an interrupted or failed run, then export it")
         have = sorted(p.stem for p in folder.glob("client_*.safetensors")) if folder.is_dir() else []
-        raise ConfigError(f"export: no adapter of client {client} in {str(run_dir)!r} (run.json says the run is "
+        who = "no global adapter" if client is None else f"no adapter of client {client}"
+        raise ConfigError(f"export: {who} in {str(run_dir)!r} (run.json says the run is "
                           f"complete, but adapters/ lacks the file); found: {', '.join(have) or 'none'}")
     digest = config_digest(info["config"])
     meta, tensors = _read_safetensors(ad)
-    if meta.get("config_sha256") != digest or meta.get("client") != str(client):
+    if meta.get("config_sha256") != digest or meta.get("client") != ("global" if client is None else str(client)):
         raise ConfigError(f"export: {str(ad)!r} was not written by the run of {str(cfg_path)!r} (another run, or "
                           f"an older fedlora, left it in the folder): re-run into an empty folder")
-    info = client_view(info, client)  # heterogeneous client models: the client's own base model, task and layers
+    info = info if client is None else client_view(info, client)  # heterogeneous client models: the client's own base model, task and layers
     if "merged_update" in meta:  # FLoRA: the rest of the client's model is in the shared base
         mu = folder / meta["merged_update"]
         if not mu.is_file():
@@ -184,11 +198,12 @@ def _exporting(out: str | Path, overwrite: bool, run_dir: str | Path, check, wri
     return folder.path
 
 
-def export_peft(run_dir: str | Path, client: int, out: str | Path, dtype: torch.dtype | None = None, *,
+def export_peft(run_dir: str | Path, client: int | None, out: str | Path, dtype: torch.dtype | None = None, *,
                 overwrite: bool = False) -> Path:
     """Write client ``client``'s model of the run in ``run_dir`` as a PEFT LoRA adapter folder
     (``adapter_config.json`` + ``adapter_model.safetensors``) that ``PeftModel.from_pretrained`` loads
-    on top of the run's base model (FLoRA: rank r + M, its merged update appended). ``out`` must be
+    on top of the run's base model (FLoRA: rank r + M, its merged update appended). ``client=None``: a SecAgg+
+    run's global adapter (``load_run_adapter``). ``out`` must be
     empty unless ``overwrite``. Returns ``out``.
 
     Self-contained as far as a PEFT adapter can be: ``base_model_name_or_path`` is a name or folder
@@ -242,7 +257,7 @@ def export_peft(run_dir: str | Path, client: int, out: str | Path, dtype: torch.
         labels = peft_load_kwargs(res) if res.get("label_names") else {}  # a generation run has none
         method = info["config"]["method"]
         (out / EXPORT_INFO).write_text(json.dumps(labels | {
-            "method": method["name"], "client": client,
+            "method": method["name"], "client": "global" if client is None else client,
             # the run's method options: an inference rule a PEFT adapter cannot hold travels here (FedDPA's
             # instance-wise weighting: eval_weighting, eval_mix, instance_*; docs/methods/feddpa.md)
             "method_options": dict(method.get("options") or {}),
@@ -326,7 +341,7 @@ def load_run_base_model(info: Mapping[str, Any]):
     return model.eval(), tok
 
 
-def export_merged(run_dir: str | Path, client: int, out: str | Path, *, overwrite: bool = False) -> Path:
+def export_merged(run_dir: str | Path, client: int | None, out: str | Path, *, overwrite: bool = False) -> Path:
     """Client ``client``'s model with its adapter merged into the base weights (and its head; FLoRA:
     with its merged update), saved with ``save_pretrained`` together with the tokenizer: a plain HF
     model, no PEFT needed. ``out`` must be empty unless ``overwrite``."""

@@ -40,6 +40,7 @@ __all__ = ["RunFolder", "read_run", "read_run_config", "read_status", "client_vi
 
 #: FLoRA: the update merged into the run's shared base (in ``adapters/``, one for all clients)
 MERGED_UPDATE = "merged_update.safetensors"
+GLOBAL_ADAPTER = "global.safetensors"  # adapters/global.safetensors: a SecAgg+ run's one adapter (the server's state)
 
 #: every entry an export (PEFT or merged) may write into its ``--out``: ``--overwrite`` clears only these
 #: (fnmatch patterns for sharded weights). The tokenizer's files are those HF tokenizers save.

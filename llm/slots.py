@@ -562,7 +562,22 @@ class SlotExecutor:
         samplers = self._load([owner])
         self._apply(0, download)
         params = self.method.personalised_params(self._objective, self._sampler_fn(samplers, [owner]))
-        src = self.method.params if params is None else {n: params[n] for n in self.method.params}
+        return self._slot0_adapter(self.method.params if params is None else {n: params[n] for n in self.method.params})
+
+    @torch.no_grad()
+    def global_adapter(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The global model as one adapter per layer (``client_adapter``'s keys): the server's ``state`` in a fresh
+        replica, the model ``evaluate_global`` scores — what a SecAgg+ run's server holds, so its adapters/."""
+        self._bind([0])
+        self.model.eval()
+        self._load_record(0, self.initial_record)
+        self.method.global_replica(0)
+        self.method.download(0, dict(state))
+        return self._slot0_adapter(self.method.params)
+
+    def _slot0_adapter(self, src: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Slot 0's model from its parameters ``src`` (name → (P, …)): no slot dimension, with the method's
+        buffers and the run's frozen head."""
         out = {n: p.detach()[0].cpu().clone() for n, p in src.items()}
         out.update({n: b[0].cpu().clone() for n, b in self.method.stacked_buffers().items()})
         if self.head_mode == "frozen":  # the run's own (seeded) head: no checkpoint holds it

@@ -5,9 +5,11 @@ upload (``fedlora.server.SUMMED``).
 
 One start of Flower's simulation engine (Ray, 3 SuperNodes) runs tiny-smoke with SecAgg+ for FedAvg-LoRA and
 FFA-LoRA (every client every round: SecAgg+ needs ≥ 3 per round, so tiny-smoke's sampling is off here and in
-the embedded runs it is compared with). Every reply the server's grid receives is recorded (``_Tap``); the
-test's own look at the clients' uploads — their records right after training, asked with the tap paused — is
-the oracle the bound is checked against, and what the server must never have received."""
+the embedded runs it is compared with). Every message the server's grid sends and every reply it receives is
+recorded (``_Tap``); the test's own look at the clients' uploads — their records right after training, asked with
+the tap paused (on the one-process grid: read from the nodes' state, no message) — is the oracle the bound is
+checked against, and what the server must never have received: no message of a SecAgg+ run asks a node for its
+client's record (``_record_asks``), so no checkpoint, no final adapters but the global one (issue 29 item 4)."""
 import contextlib
 import json
 import os
@@ -29,12 +31,32 @@ BASE = ["federation.sample_fraction=1.0", "train.checkpoint_every=0", f"train.ro
 SECAGG = ["privacy.secagg.enabled=true"]
 
 
+#: the queries that fetch a client's state record from its node, or hand one to it (fedlora.flower)
+RECORD_QUERIES = ("get-record", "put-record")
+
+
+def _record_asks(messages) -> list:
+    """The messages among ``messages`` (sent by the server) that ask a node for its client's record or carry one
+    to it: a ``get-record`` / ``put-record`` query, any message with ``with-record`` (an evaluation or deliver
+    whose reply brings the record back), any message carrying a ``record`` array record."""
+    out = []
+    for msg in messages:
+        for name, rec in msg.content.config_records.items():
+            if str(rec.get("op", "")) in RECORD_QUERIES or bool(rec.get("with-record", False)):
+                out.append((name, str(rec.get("op", "")), bool(rec.get("with-record", False))))
+        if "record" in msg.content.array_records:
+            out.append(("record", "", False))
+    return out
+
+
 class _Tap:
-    """The server's grid, recording every reply it hands the server (array records and SecAgg+'s masked
-    vectors), except while ``paused`` (the test's oracle)."""
+    """The server's grid, recording every message it sends (``sent``) and every reply it hands the server (array
+    records — their names in ``reply_records`` — and SecAgg+'s masked vectors), except while ``paused`` (the
+    test's oracle, whose messages go to ``oracle_sent``)."""
 
     def __init__(self) -> None:
         self.grid, self.paused_, self.arrays, self.masked = None, False, [], []
+        self.sent, self.oracle_sent, self.reply_records = [], [], []
 
     def __getattr__(self, name):
         return getattr(self.grid, name)
@@ -59,6 +81,7 @@ class _Tap:
         for msg in replies:
             if msg.has_error():
                 continue
+            self.reply_records += list(msg.content.array_records)
             for rec in msg.content.array_records.values():
                 try:
                     self.arrays += [t.to(torch.float64).numpy() for t in record_to_tensors(rec).values()
@@ -69,11 +92,41 @@ class _Tap:
             self.masked += [bytes_to_ndarray(b) for b in cfg.get(Key.MASKED_PARAMETERS, [])]
         return replies
 
+    def _send(self, messages):
+        messages = list(messages)
+        (self.oracle_sent if self.paused_ else self.sent).extend(messages)
+        return messages
+
+    def push_messages(self, messages, *args, **kwargs):
+        return self.grid.push_messages(self._send(messages), *args, **kwargs)
+
     def pull_messages(self, *args, **kwargs):
         return self._keep(self.grid.pull_messages(*args, **kwargs))
 
-    def send_and_receive(self, *args, **kwargs):
-        return self._keep(self.grid.send_and_receive(*args, **kwargs))
+    def send_and_receive(self, messages, *args, **kwargs):
+        return self._keep(self.grid.send_and_receive(self._send(messages), *args, **kwargs))
+
+
+def _oracle_records(executor):
+    """Every client's record as its node keeps it — the test's look, not the run's: on the one-process grid read
+    from the nodes' state (no message); on Ray asked with ``FlowerExecutor.records`` (the caller pauses the tap),
+    which ``SecAggExecutor.records`` refuses; an embedded run's executor's own."""
+    from fedlora.flower import FlowerExecutor, record_to_tensors
+    from fedlora.flower_secagg import SecAggExecutor
+
+    if not isinstance(executor, SecAggExecutor):
+        return executor.records()
+    grid = executor.grid
+    if not hasattr(grid, "partition"):  # not the one-process grid (tests/_flower_inprocess.py)
+        return FlowerExecutor.records(executor)
+    from flwr.common.serde import context_from_proto
+    from flwr.proto.message_pb2 import Context as ProtoContext
+
+    from fedlora.flower_client import state_key
+
+    key = state_key(executor.config_json)
+    return {p: record_to_tensors(context_from_proto(ProtoContext.FromString(grid.state[node])).state[key])
+            for node, p in sorted(grid.partition.items(), key=lambda x: x[1])}
 
 
 @pytest.fixture(scope="module")
@@ -100,14 +153,14 @@ def secagg_runs(tmp_path_factory):
         entry = {"record": rec, "state": {k: v.clone() for k, v in self.states[0].items()}}
         if self.round < self.rounds:  # before the final broadcast: each client holds its trained record
             with tap.paused():
-                entry["clients"] = executor.records()
+                entry["clients"] = _oracle_records(executor)
         cap[now["method"]][now["runtime"]].append(entry)
         return rec
 
     def train(self, rnd, clients, downloads):
         out = orig_train(self, rnd, clients, downloads)
         with tap.paused():
-            records = self.records()
+            records = _oracle_records(self)
         w = self.client_weights()
         cap[now["method"]]["trains"].append({"out": out, "clients": records, "weights": w,
                                              "quant": secagg_settings(self.secagg, w)})
@@ -211,7 +264,11 @@ def test_the_server_never_receives_an_individual_upload(secagg_runs):
     from fedlora.server import SUMMED
 
     tap = secagg_runs["tap"]
-    assert tap.arrays and tap.masked  # the recording saw the runs' replies (evaluations, records, SecAgg+ stages)
+    assert tap.masked  # the recording saw the runs' SecAgg+ stages
+    # and no reply carried an array: evaluations answer scores, the SecAgg+ stages integers in config records
+    # (the legacy FitRes's array record stays empty), and no record ever comes back
+    # (test_no_message_of_a_secagg_run_asks_a_node_for_its_record)
+    assert tap.arrays == [] and set(tap.reply_records) == {"fitres.parameters"}
     assert all(np.issubdtype(v.dtype, np.integer) for v in tap.masked)  # masked vectors: integers mod M
     n_close = 0
     for method in METHODS:
@@ -234,7 +291,110 @@ def test_the_server_never_receives_an_individual_upload(secagg_runs):
             assert set(entry["record"]["bytes_up"].values()) == {_masked_nbytes(train["out"][SUMMED].upload.tensors)}
         emb_up = cap["embedded"][0]["record"]["bytes_up"]
         assert all(cap["flower"][0]["record"]["bytes_up"][k] > v for k, v in emb_up.items())
-    assert n_close > 0  # arrays of the uploads' shapes were received (the final adapters, the evaluations' …)
+    assert n_close > 0  # arrays of the uploads' shapes were received (the masked vectors)
+
+
+@pytest.mark.long
+@pytest.mark.xdist_group("flower")
+def test_no_message_of_a_secagg_run_asks_a_node_for_its_record(secagg_runs):
+    """A client's record (its adapter, optimizer moments, a personalised method's private factors) reveals its
+    upload or more: no message the server sent in either SecAgg+ run — hello, rounds, evaluations, the final
+    broadcast, the end of the run — asked for one or carried one, and no reply brought one back. The detector
+    finds the oracle's own ``get-record`` queries (sent with the tap paused)."""
+    tap = secagg_runs["tap"]
+    assert len(tap.sent) > 0
+    assert _record_asks(tap.sent) == []
+    assert "record" not in tap.reply_records
+    assert {op for _, op, _ in _record_asks(tap.oracle_sent)} == {"get-record"}
+
+
+def _safetensors(path):
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
+
+
+@pytest.mark.long
+@pytest.mark.xdist_group("flower")
+@pytest.mark.parametrize("method", METHODS)
+def test_a_secagg_runs_adapters_hold_the_servers_global_adapter_only(method, secagg_runs):
+    """adapters/ holds what the server has: ``global.safetensors``, the server's final state in a fresh replica —
+    every tensor the state holds is the state's, the others (a frozen shared factor, the run's seeded head) what
+    every client starts with, as the embedded run's client 0 has them; summary.json says so, and keeps the
+    clients' own final evaluation (reported by the clients, in clear)."""
+    root, cap = secagg_runs["root"], secagg_runs["cap"][method]
+    out = root / "flower" / method
+    assert sorted(p.name for p in (out / "adapters").iterdir()) == ["global.safetensors"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["adapters"] == "global only (SecAgg+: each client's record stays on its node)"
+    assert sorted(summary["final_clients"]) == ["0", "1", "2"]
+    glob, meta = _safetensors(out / "adapters" / "global.safetensors")
+    assert meta["client"] == "global" and meta["method"] == method
+    emb, _ = _safetensors(root / "embedded" / method / "adapters" / "client_0.safetensors")
+    state = cap["flower"][-1]["state"]  # the server's state after the last round
+    assert sorted(glob) == sorted(emb)
+    assert [n for n in glob if n in state]  # the trained tensors come from the state
+    for n in glob:
+        assert torch.equal(glob[n], state[n] if n in state else emb[n]), n
+    # the embedded run (no SecAgg+) still writes every client's model
+    assert sorted(p.name for p in (root / "embedded" / method / "adapters").iterdir()) == \
+        [f"client_{k}.safetensors" for k in range(3)]
+    assert "adapters" not in json.loads((root / "embedded" / method / "summary.json").read_text())
+
+
+@pytest.mark.long
+@pytest.mark.xdist_group("flower")
+def test_export_of_a_secagg_run_refuses_a_client_and_exports_the_global_adapter(secagg_runs, tmp_path, capsys):
+    from fedlora.peft_adapters import peft_key
+
+    root = secagg_runs["root"]
+    run = root / "flower" / "fedavg"
+    for argv in (["--client", "1"], []):  # the default client 0 too
+        dest = tmp_path / "c"
+        assert main(["export", str(run), *argv, "--out", str(dest)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "ran with SecAgg+" in err[0] and "export it with --global" in err[0], err
+        assert not dest.exists()
+    dest = tmp_path / "g"
+    assert main(["export", str(run), "--global", "--out", str(dest)]) == 0
+    assert "the global adapter" in capsys.readouterr().out
+    assert json.loads((dest / "fedlora_export.json").read_text())["client"] == "global"
+    exported, _ = _safetensors(dest / "adapter_model.safetensors")
+    glob, _ = _safetensors(run / "adapters" / "global.safetensors")
+    layers = json.loads((run / "config.json").read_text())["resolved"]["layers"]
+    for name, info in layers.items():  # the exported ΔW is the global adapter's s·B A
+        a, b = exported[peft_key(name, "lora_A")].double(), exported[peft_key(name, "lora_B")].double()
+        want = float(info["scale"]) * glob[f"{name}.lora_B"].double() @ glob[f"{name}.lora_A"].double()
+        assert torch.allclose(b @ a, want, rtol=0, atol=1e-6), name
+    # a run without SecAgg+ has no global adapter
+    assert main(["export", str(root / "embedded" / "fedavg"), "--global", "--out", str(tmp_path / "e")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has no global adapter" in err[0] and "--client K" in err[0], err
+
+
+def test_a_secagg_executor_never_fetches_nor_restores_a_record():
+    """``SecAggExecutor.records`` / ``restore`` refuse in one line (a future caller cannot leak silently), and the
+    final evaluation never asks for the records with its scores (``final_round`` None: no ``with-record``)."""
+    import fedlora.llm.flower  # noqa: F401  (registers the llm node)
+    from fedlora.flower_secagg import SecAggExecutor
+    from fedlora.llm.config import load_config
+
+    from _flower_inprocess import run_as_serverapp
+
+    cfg = load_config("tiny-smoke", [*BASE, *SECAGG])
+
+    def main_(grid):
+        return SecAggExecutor(grid, cfg.to_dict(), 3, node="llm", timeout=0.01, connect=False, final_round=1,
+                              evaluate_with_deliver=True, secagg=cfg.to_dict()["privacy"]["secagg"],
+                              weights=lambda: [30, 40, 50], weighting="data")
+
+    ex = run_as_serverapp(main_, _SilentGrid())
+    assert ex.final_round is None and ex.records_stay_on_clients
+    with pytest.raises(ConfigError, match=r"^secagg: a SecAgg\+ run never collects its clients' state records"):
+        ex.records()
+    with pytest.raises(ConfigError, match=r"^secagg: a SecAgg\+ run cannot be resumed"):
+        ex.restore({})
 
 
 def _refused(argv, tmp_path, capsys, words):
@@ -345,19 +505,50 @@ def test_max_weight_auto_is_the_largest_data_size_and_a_number_is_kept():
 # ---------------------------------------------------------------------------------------------------------
 # a deployment in one process (tests/_flower_inprocess.py: every message as in a fresh flwr-clientapp, the node's
 # state only what Flower serialised — SecAgg+'s own keys and shares included): dropped clients, halted rounds
-def _one_process_secagg(cfg, tmp_path):
-    """Run ``cfg`` on Flower in one process; per round the executor's result and the clients' records right
-    after training (``None`` for a round that raised)."""
-    from _flower_inprocess import OneProcessGrid, run_as_serverapp
+def _grid(n: int = 3):
+    """A one-process deployment of ``n`` SuperNodes (``OneProcessGrid``) that keeps every message the server
+    sends (``sent``) and the names of the array records of every reply (``reply_records``)."""
+    from _flower_inprocess import OneProcessGrid
+
+    class Grid(OneProcessGrid):
+        def __init__(self, n):
+            super().__init__(n)
+            self.sent, self.reply_records = [], []
+
+        def push_messages(self, messages):
+            messages = list(messages)
+            self.sent.extend(messages)
+            return super().push_messages(messages)
+
+        def pull_messages(self, message_ids):
+            replies = super().pull_messages(message_ids)
+            self.reply_records += [n for m in replies if not m.has_error() for n in m.content.array_records]
+            return replies
+
+        def send_and_receive(self, messages, timeout=None):  # what Flower's workflows call
+            return self.pull_messages(self.push_messages(list(messages)))
+
+    return Grid(n)
+
+
+def _assert_no_record_left_its_node(grid):
+    """No message ``grid`` carried asked a node for its client's record, and no reply brought one back."""
+    assert grid.sent  # the log saw the run's messages
+    assert _record_asks(grid.sent) == []
+    assert "record" not in grid.reply_records
+
+
+def _one_process_secagg(cfg, tmp_path, grid=None):
+    """Run ``cfg`` on Flower in one process (over ``grid``, else a new ``_grid()``); per round the executor's
+    result and the clients' records right after training (read from the nodes' state: no message). Every run
+    checks that no record left its node."""
+    from _flower_inprocess import run_as_serverapp
 
     from fedlora.flower_secagg import SecAggExecutor
     from fedlora.llm.flower import executor_over
     from fedlora.llm.runtime import FederatedRun
 
-    class Grid(OneProcessGrid):
-        def send_and_receive(self, messages, timeout=None):  # what Flower's workflows call
-            return self.pull_messages(self.push_messages(list(messages)))
-
+    grid = _grid() if grid is None else grid
     trains = []
 
     def main_(grid):
@@ -367,7 +558,7 @@ def _one_process_secagg(cfg, tmp_path):
 
         def train(rnd, clients, downloads):
             out = orig(rnd, clients, downloads)
-            trains.append({"out": out, "clients": ex.records(), "weights": ex.client_weights(),
+            trains.append({"out": out, "clients": _oracle_records(ex), "weights": ex.client_weights(),
                            "quant": __import__("fedlora.flower_secagg").flower_secagg.secagg_settings(
                                ex.secagg, ex.client_weights())})
             return out
@@ -376,7 +567,9 @@ def _one_process_secagg(cfg, tmp_path):
         ex.train = train
         return run.run(executor=ex), run
 
-    return run_as_serverapp(main_, Grid(3)), trains
+    result = run_as_serverapp(main_, grid)
+    _assert_no_record_left_its_node(grid)
+    return result, trains
 
 
 @pytest.mark.long  # two tiny-smoke rounds in one process, no Ray (≈ 10 s; no shared fixture: no xdist group)
@@ -459,7 +652,8 @@ def test_client_dp_clipped_on_the_clients_releases_the_embedded_private_aggregat
         reference = self._dp_reference(0)  # what the round's clients start from (the broadcast adapter in round 1)
         rec = orig(self, executor, round_idx)
         states.append({"state": {k: v.clone() for k, v in self.states[0].items()}, "record": rec,
-                       "clients": executor.records() if self.round < self.rounds else None, "reference": reference})
+                       "clients": _oracle_records(executor) if self.round < self.rounds else None,
+                       "reference": reference})
         return rec
 
     with pytest.MonkeyPatch.context() as mp:
@@ -504,17 +698,13 @@ def test_a_deployments_server_app_runs_secagg(tmp_path, monkeypatch):
     """The deployment entry point (``fedlora.llm.flower``'s ServerApp main, what ``flwr run`` and ``fedlora flower
     local`` start) builds the SecAgg+ executor too: every round is a SecAgg+ fit, and each client's bytes up are
     its masked vector's."""
-    from _flower_inprocess import OneProcessGrid, run_as_serverapp
+    from _flower_inprocess import run_as_serverapp
     from flwr.app import Context, RecordDict
 
     from fedlora.flower_secagg import SecAggExecutor
     from fedlora.llm import flower as llm_flower
     from fedlora.llm.config import load_config
     from fedlora.server import SUMMED
-
-    class Grid(OneProcessGrid):
-        def send_and_receive(self, messages, timeout=None):
-            return self.pull_messages(self.push_messages(list(messages)))
 
     sums = []
     orig = SecAggExecutor.train
@@ -528,8 +718,105 @@ def test_a_deployments_server_app_runs_secagg(tmp_path, monkeypatch):
     cfg = load_config("tiny-smoke", [*BASE, *SECAGG, f"output_dir={tmp_path / 'run'}"])
     ctx = Context(run_id=7, node_id=0, node_config={}, state=RecordDict(),
                   run_config={"fedlora-config-json": json.dumps(cfg.to_dict())})
-    run_as_serverapp(lambda grid: llm_flower._deployment_main(grid, ctx), Grid(3))
+    grid = _grid()
+    run_as_serverapp(lambda grid: llm_flower._deployment_main(grid, ctx), grid)
+    _assert_no_record_left_its_node(grid)
+    assert sorted(p.name for p in (tmp_path / "run" / "adapters").iterdir()) == ["global.safetensors"]
     rounds = [json.loads(line) for line in (tmp_path / "run" / "rounds.jsonl").read_text().splitlines()][1:]
     assert len(rounds) == len(sums) == ROUNDS and all(r["participants"] == [0, 1, 2] for r in rounds)
     for r, summed in zip(rounds, sums):
         assert r["bytes_up"] == {str(k): _masked_nbytes(summed) for k in range(3)}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# an interrupted SecAgg+ run: no checkpoint, no record on disk, not resumable
+@pytest.mark.long  # two of three tiny-smoke rounds in one process, no Ray (≈ 10 s)
+def test_a_signal_stops_a_secagg_run_after_its_round_without_a_checkpoint(tmp_path, monkeypatch, capsys):
+    """SIGINT during round 2 of 3 (sent by client 0's node while it trains): the round finishes and the run stops
+    — run.json ``interrupted`` after round 2 — with no checkpoint (it would collect every client's record) and no
+    file but config.json, rounds.jsonl and run.json; the note and the signal's line say why; ``--resume`` and
+    export are refused in one line."""
+    import os
+    import signal
+
+    from fedlora import flower_client
+    from fedlora.errors import Interrupted
+    from fedlora.llm.config import load_config
+
+    train_handler = flower_client.NODE_HANDLERS.get("train")
+    if train_handler is None:
+        import fedlora.flower  # noqa: F401  (sets the handlers)
+
+        train_handler = flower_client.NODE_HANDLERS["train"]
+
+    def sigint_in_round_2(msg, context):
+        conf = msg.content["config"]
+        if int(conf["client"]) == 0 and int(conf["round"]) == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # the driver's handler: finish the round, then stop
+        return train_handler(msg, context)
+
+    monkeypatch.setitem(flower_client.NODE_HANDLERS, "train", sigint_in_round_2)
+    out = tmp_path / "run"
+    cfg = load_config("tiny-smoke", [*BASE, *SECAGG, "train.rounds=3", f"output_dir={out}"])
+    grid = _grid()
+    with pytest.raises(Interrupted) as stopped:
+        _one_process_secagg(cfg, tmp_path, grid)
+    _assert_no_record_left_its_node(grid)
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == ["config.json", "rounds.jsonl", "run.json"]
+    state = json.loads((out / "run.json").read_text())
+    assert (state["status"], state["rounds_done"], state["signal"]) == ("interrupted", 2, "SIGINT")
+    assert [json.loads(line)["round"] for line in (out / "rounds.jsonl").read_text().splitlines()] == [0, 1, 2]
+    why = "a SecAgg+ run keeps no checkpoint and cannot be resumed: its clients' state never leaves them"
+    assert stopped.value.__notes__[-1].endswith(f"after round 2 of 3; {why}")
+    assert f"SIGINT: finishing this round ({why})" in capsys.readouterr().err
+    assert main(["run", "--resume", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "ran with SecAgg+" in err[0] and why in err[0], err
+    assert main(["export", str(out), "--global", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not finished" in err[0] and "cannot be resumed" in err[0], err
+
+
+# ---------------------------------------------------------------------------------------------------------
+# sample-level DP-SGD on the clients with SecAgg+
+SAMPLE_DP = ["privacy.level=sample", "privacy.noise_multiplier=1.1", "privacy.clip_norm=0.5", "privacy.delta=1e-5"]
+
+
+@pytest.mark.long  # a one-process SecAgg+ run and an embedded one, two rounds each (≈ 15 s)
+def test_sample_level_dp_with_secagg_is_the_embedded_private_run_within_the_bound(tmp_path):
+    """DP-SGD runs on the clients, each from its own noise stream: under SecAgg+ round 1's clients train exactly
+    as in the embedded private run (losses, records bit for bit, the same ε), and the server's state is the
+    embedded one within the round's SecAgg+ bound (``upload_bound`` at the round's weights and uploads)."""
+    from fedlora.llm.config import load_config
+    from fedlora.llm.runtime import FederatedRun
+    from fedlora.server import SUMMED, Server
+
+    states = []
+    orig = Server.run_round
+
+    def run_round(self, executor, round_idx=None):
+        rec = orig(self, executor, round_idx)
+        states.append({"state": {k: v.clone() for k, v in self.states[0].items()}, "record": rec,
+                       "clients": _oracle_records(executor) if self.round < self.rounds else None})
+        return rec
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Server, "run_round", run_round)
+        cfg = load_config("tiny-smoke", [*BASE, *SECAGG, *SAMPLE_DP, f"output_dir={tmp_path / 'secagg'}"])
+        _, trains = _one_process_secagg(cfg, tmp_path)
+        FederatedRun(load_config("tiny-smoke", [*BASE, *SAMPLE_DP, f"output_dir={tmp_path / 'embedded'}"])).run()
+    sec, emb = states[0], states[ROUNDS]
+    assert sec["record"]["privacy"] == emb["record"]["privacy"] and emb["record"]["privacy"]["epsilon"] > 0
+    for key in ("participants", "train_loss", "ranks", "bytes_down"):
+        assert sec["record"][key] == emb["record"][key], key
+    for k in (0, 1, 2):  # the clients trained alike, noise included: their records bit for bit
+        assert sorted(sec["clients"][k]) == sorted(emb["clients"][k])
+        assert all(torch.equal(sec["clients"][k][n], emb["clients"][k][n]) for n in emb["clients"][k]), k
+    train = trains[0]
+    names = sorted(train["out"][SUMMED].upload.tensors)
+    _, ups = _exact_mean(train, names)
+    bound = _bound(train, ups)
+    assert sorted(sec["state"]) == sorted(emb["state"])
+    errs = [float((sec["state"][n].double() - emb["state"][n].double()).abs().max()) for n in names]
+    assert max(errs) <= bound, (errs, bound)
+    assert max(errs) > 0  # the quantisation shows: not the embedded state to the bit
