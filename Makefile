@@ -1,10 +1,11 @@
-# Two commands on a fresh machine: `make demo` (main job) and `make test` (whole suite).
+# Two commands on a fresh machine: `make demo` (main job) and `make test` (the fast tier of the suite; `make
+# test-all` the whole suite).
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 OUT    ?= runs/demo
 
-.PHONY: demo test bench env clean docs docs-serve
+.PHONY: demo test test-long test-all bench env clean docs docs-serve
 
 env: $(VENV)/.installed
 
@@ -25,13 +26,23 @@ demo: env
 # folder kernels/ (installed as fedlora.kernels) would shadow HuggingFace's `kernels` (issue 18 §2).
 # The suite is spread over the machine's cores (pytest-xdist: one pytest process per core; tests that share
 # an expensive fixture carry one xdist_group and run in one process); TEST_WORKERS=0 runs it in this process.
-# --no-loadscope-reorder: tests are handed out in the suite's order, long ones first (tests/conftest.py), not
-# the groups with the most tests first. Measured on a 2-core machine: 2 workers 541 s, 3 workers 597 s.
-# One tier: every test, the long ones (deployments, MiniLM, the sm_90 compile) included, runs in this one call;
-# its summary line states the time.
+# --no-loadscope-reorder: tests are handed out in the suite's order (tests/_xdist_order.py), not the groups with
+# the most tests first. Measured on a 2-core machine: 2 workers 541 s, 3 workers 597 s.
+# Two tiers (issue 26), each call's summary line stating its time:
+#   make test       every test but the long end-to-end ones: the feedback loop while you work;
+#   make test-long  the tests marked `long` (pyproject.toml): Flower deployments and Ray simulations, the real
+#                   MiniLM, the sm_90 compile, the docs builds, the wheel, subprocess signal and start-up probes;
+#   make test-all   both, one after the other: what CI runs (.ci/run).
 TEST_WORKERS ?= logical
+PYTEST_XDIST := -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=20
 test: env
-	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=20
+	$(VENV)/bin/pytest $(PYTEST_XDIST) -m "not long"
+	@echo "make test: the fast tier; \`make test-long\` runs the long end-to-end tier, \`make test-all\` both (CI)"
+
+test-long: env
+	$(VENV)/bin/pytest $(PYTEST_XDIST) -m long
+
+test-all: test test-long
 
 # The documentation site (mkdocs.yml): strict, so a broken link, a missing anchor or a docstring warning fails
 # the build; into build/site. NO_MKDOCS_2_WARNING: Material's banner about MkDocs 2.0 (not a build warning).

@@ -6,15 +6,16 @@ import pytest
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``long`` (a Flower deployment, a real model: tens of seconds each) run first, in their
-    collected order. ``make test`` spreads the suite over the cores (pytest-xdist), which hands tests out in
-    this order: a two-minute test handed out last would keep one worker busy while the others sit idle.
+    """Tests marked ``long`` (a Flower deployment, a real model: tens of seconds each) run first, then the
+    groups (tests sharing an expensive fixture: a group is one unit of work, often a minute), then the rest, each
+    part in its collected order. ``make test`` spreads the suite over the cores (pytest-xdist), which hands tests
+    out in this order: a two-minute unit handed out last would keep one worker busy while the others sit idle.
 
     Under ``--dist loadgroup`` the tests of one ``xdist_group`` (those sharing an expensive module fixture)
     must reach one worker. xdist 3.8 says so by suffixing ``@group`` to ``item._nodeid``, which pytest 9 no
     longer reads (a node's id is ``item._id``): every group would be ignored and each worker would build the
     fixture again. The suffix is set where pytest 9 reads it (tests/test_xdist_groups.py checks it)."""
-    items.sort(key=lambda item: item.get_closest_marker("long") is None)  # a stable sort
+    items.sort(key=lambda item: (item.get_closest_marker("long") is None, xdist_group(item) is None))  # stable
     if getattr(config.option, "loadgroup", False):
         for item in items:
             group = xdist_group(item)

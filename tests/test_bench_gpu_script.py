@@ -89,6 +89,7 @@ def runs(tmp_path_factory):
     return {name: (procs[name], root / name, raw[name]["end"] - t0) for name in procs}
 
 
+@pytest.mark.long
 def test_smoke_runs_whole_script_on_cpu_interpreter(runs):
     proc, out, elapsed = runs["smoke"]  # elapsed: from the interpreter's start to the end of this run
     assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
@@ -164,6 +165,7 @@ kernels.lora_linear_triton = _wrong
 
 @pytest.mark.parametrize("name,bad_passes", [("fwd", {"fwd", "fwd+bwd"}), ("grad", {"fwd+bwd"})],
                          ids=["fwd", "grad"])
+@pytest.mark.long
 def test_smoke_fails_on_wrong_fused_op(runs, name, bad_passes):
     proc, tmp_path, _ = runs[name]  # the smoke run on M=17, ranks 4+2 with _WRONG_FWD / _WRONG_GRAD
     assert proc.returncode == 1, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -188,6 +190,7 @@ kernels.lora_linear_multi = _wrong
 """
 
 
+@pytest.mark.long
 def test_smoke_fails_on_wrong_multi_op(runs):
     proc, tmp_path, _ = runs["multi"]  # the smoke run on M=17, ranks 4+2 with _WRONG_MULTI
     assert proc.returncode == 1, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"

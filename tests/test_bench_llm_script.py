@@ -29,6 +29,7 @@ def test_smoke_runs_and_reports_speed_and_memory(tmp_path):
     assert "Ratio fedlora (best pass size) / loop" in (tmp_path / "llm_runtime_smoke.md").read_text()
 
 
+@pytest.mark.long
 def test_generation_throughput_smoke_compares_the_same_tokens(tmp_path):
     """bench/generation_throughput.py --smoke: the batched generate and the PEFT loop produce the same tokens for
     every (clients, beams) cell and both are timed."""

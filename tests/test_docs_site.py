@@ -60,6 +60,7 @@ def _build(tmp: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.long
 def test_the_site_builds_strictly_without_a_warning(tmp_path):
     shutil.rmtree(ROOT / "build" / "docs-api", ignore_errors=True)  # as in a fresh clone: the hook stages it
     res = _build(tmp_path)
@@ -78,6 +79,7 @@ def test_the_site_builds_strictly_without_a_warning(tmp_path):
     assert 'href="tutorials/your-csv.html"' in home
 
 
+@pytest.mark.long
 def test_planted_faults_fail_the_build_and_are_named(tmp_path):
     docs = tmp_path / "docs"
     shutil.copytree(ROOT / "docs", docs)

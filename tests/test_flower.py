@@ -139,6 +139,7 @@ def test_methods_that_need_one_process_are_refused_in_one_line(method, tmp_path,
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.long
 def test_a_flower_run_killed_after_round_2_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch, capsys):
     """SIGKILL of a `--runtime flower` run (the process and its Ray clients) once round 2 is checkpointed —
     the checkpoint holds every client's record, asked from its node — then `fedlora run --resume`: the

@@ -166,6 +166,7 @@ def test_the_run_config_file_carries_the_resolved_config(tmp_path, capsys):
     assert set(parsed) <= set(declared)
 
 
+@pytest.mark.long
 def test_an_unreachable_superlink_is_one_line_after_a_bounded_wait(capsys):
     port = _free_port()  # nothing listens here
     t0 = time.monotonic()
@@ -360,6 +361,7 @@ def test_the_warm_superexec_command_wraps_a_supernode_command():
     assert warm_main(["--preload", "no_such_module_here", "--", *node]) == 2
 
 
+@pytest.mark.long
 def test_a_warm_superexec_ends_with_its_supernode_and_gives_its_status(tmp_path):
     """`fedlora flower supernode --warm`'s process (`python -m fedlora.flower_warm -- flower-supernode …`):
     when its SuperNode gives up (no SuperLink within --max-wait-time), the warm SuperExec ends too, with the

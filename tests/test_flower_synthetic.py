@@ -58,6 +58,7 @@ def assert_same_records(emb, flw, what):
             assert flw[k][n].dtype == t.dtype and torch.equal(flw[k][n], t), (what, k, n)
 
 
+@pytest.mark.long
 def test_simulation_gives_the_embedded_records_for_every_config_on_shared_nodes():
     """One simulation (3 SuperNodes) runs every config in turn on the same nodes: the five methods with
     sampling on, H²Tune on the classification task (its eq. 7 output KL) and HetLoRA (per-client ranks);
@@ -158,6 +159,7 @@ def test_a_loopback_deployment_gives_the_embedded_records(tmp_path):
     print(f"a synthetic run on a deployment: {time.monotonic() - t0:.0f} s")
 
 
+@pytest.mark.long
 def test_the_command_runs_one_method_on_flower_and_checks_it_against_the_embedded_run(tmp_path, capsys):
     out = tmp_path / "run"
     argv = ["synthetic", "flower", "--method", "lora-a2", "--lr", "0.05", "--clients", "3", "--rounds", "2",

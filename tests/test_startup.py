@@ -12,6 +12,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 PROBE = textwrap.dedent("""
     import atexit, contextlib, io, json, os, sys
     from fedlora.cli import main
@@ -62,6 +64,7 @@ PROBE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.long
 def test_commands_import_only_what_they_use(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # stdout block-buffered, as in a pipe
     res = subprocess.run([sys.executable, "-c", PROBE], cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
@@ -112,6 +115,7 @@ RUN_PROBE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.long
 def test_an_embedded_run_imports_no_flower_and_matplotlib_only_for_its_figure(tmp_path):
     res = subprocess.run([sys.executable, "-c", RUN_PROBE], cwd=tmp_path, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "HF_HUB_OFFLINE": "1"})

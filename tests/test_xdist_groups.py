@@ -65,3 +65,8 @@ def test_a_group_runs_in_one_worker_and_long_tests_go_first(tmp_path):
     # collected last, run first: one on each worker (xdist's default would hand out the group first, the
     # scope with the most tests, whence --no-loadscope-reorder in the Makefile)
     assert sorted(first.values()) == ["long0", "long1"], (first, runs)
+    # then the group (one unit of work sharing a fixture), before the free tests: at most one free test (handed to
+    # the other worker at the same time) starts before it; the group collected first of the free tests would come last
+    start = {name: t for _, name, t in runs}
+    free = sorted(start[f"free{i}"] for i in range(6))
+    assert start["grouped0"] < free[1], runs
