@@ -250,12 +250,17 @@ class GenerationTask(Task):
 
     @staticmethod
     def _token_losses(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Next-token cross-entropy (rows, L − 1) and its mask (the scored positions)."""
+        """Next-token cross-entropy (rows, L − 1), 0 where nothing is scored, and its mask (the scored positions).
+
+        Only the scored positions' logits are gathered and scored: the prompt and the padding (label −100) are most
+        of a row, and reshaping every shifted position's logits copied a (rows·(L − 1), V) tensor, the largest of an
+        evaluation. Each position's value is the same cross-entropy of its own logits as before."""
         logits = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
-        lg, y = logits[:, :-1], labels[:, 1:]
+        y = labels[:, 1:]
         mask = y != -100
-        ce = F.cross_entropy(lg.reshape(-1, lg.shape[-1]), y.clamp_min(0).reshape(-1), reduction="none").view(y.shape)
-        return ce * mask, mask
+        ce = logits.new_zeros(y.shape)
+        ce[mask] = F.cross_entropy(logits[:, :-1][mask], y[mask], reduction="none")
+        return ce, mask
 
     def example_losses(self, logits: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """(S·b,) each row's mean cross-entropy over its own target tokens (0 for a row without any): one example's
