@@ -154,7 +154,7 @@ class Driver:
         summary["wall_s_parts"] = parts
         if self._stopped is not None:
             summary["stopped"] = self._stopped
-        if private:
+        if private or _secagg(cfg):  # as Report.save_adapters, which writes the global adapter only
             summary["adapters"] = SECAGG_ADAPTERS
         if self.write:
             self.report.save_adapters(out / "adapters")

@@ -722,6 +722,7 @@ def test_a_deployments_server_app_runs_secagg(tmp_path, monkeypatch):
     run_as_serverapp(lambda grid: llm_flower._deployment_main(grid, ctx), grid)
     _assert_no_record_left_its_node(grid)
     assert sorted(p.name for p in (tmp_path / "run" / "adapters").iterdir()) == ["global.safetensors"]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["adapters"].startswith("global only (SecAgg+")
     rounds = [json.loads(line) for line in (tmp_path / "run" / "rounds.jsonl").read_text().splitlines()][1:]
     assert len(rounds) == len(sums) == ROUNDS and all(r["participants"] == [0, 1, 2] for r in rounds)
     for r, summed in zip(rounds, sums):
