@@ -760,8 +760,14 @@ def test_a_signal_stops_a_secagg_run_after_its_round_without_a_checkpoint(tmp_pa
     out = tmp_path / "run"
     cfg = load_config("tiny-smoke", [*BASE, *SECAGG, "train.rounds=3", f"output_dir={out}"])
     grid = _grid()
-    with pytest.raises(Interrupted) as stopped:
-        _one_process_secagg(cfg, tmp_path, grid)
+    # SIGINT as a terminal's process has it: an earlier test of this worker may have left another handler, or
+    # SIG_IGN, which the driver respects (seen in CI's long tier: the run was then not interrupted)
+    old_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(Interrupted) as stopped:
+            _one_process_secagg(cfg, tmp_path, grid)
+    finally:
+        signal.signal(signal.SIGINT, old_handler)
     _assert_no_record_left_its_node(grid)
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == ["config.json", "rounds.jsonl", "run.json"]
     state = json.loads((out / "run.json").read_text())
