@@ -99,7 +99,8 @@ def register_compare(subparsers: argparse._SubParsersAction) -> None:
                "  compare.md    the table: test metric (clients' mean ± std over seeds), global model, MB/round, wall s\n"
                "  compare.png   the table's bars and each method's validation score over its grid\n"
                "  compare.json  every run's validation score, the choices, the chosen runs' numbers\n"
-               "  runs/<method>/lr_<lr>/seed_<s>/   every run's folder (fedlora run's files)\n"
+               "  runs/<method>/lr_<lr>/seed_<s>/   every run's folder (fedlora run's files; with --grid\n"
+               "                                   runs/<method>/lr_<lr>/<KEY>_<V>/seed_<s>/)\n"
                "example: fedlora compare minilm-debian --methods fedavg,rolora,pf2lora --lr-grid 1e-3,5e-3 \\\n"
                "             --lr-grid pf2lora=2e-3,5e-3 --seeds 2 --set train.rounds=5 --out runs/cmp")
     cp.add_argument("config", help="config file, or a bundled config's name (fedlora run --list-configs)")
@@ -107,6 +108,10 @@ def register_compare(subparsers: argparse._SubParsersAction) -> None:
     cp.add_argument("--lr-grid", action="append", required=True, metavar="LRS",
                     help="step sizes (method.lr) to choose from: 1e-3,5e-3 for every method, or pf2lora=1e-3,2e-3 "
                          "for one (repeatable)")
+    cp.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,…",
+                    help="also choose a config key's value on validation: its values are crossed with every step "
+                         "size, the best (step size, values) pair wins, e.g. --grid privacy.clip_norm=2,5,10 "
+                         "(repeatable: the keys are crossed)")
     cp.add_argument("--seeds", type=int, default=2, help="seeds per step size: the config's seed + 0 … N−1 (default 2)")
     cp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a field of CONFIG for every run, e.g. --set train.rounds=5 (repeatable)")
@@ -124,7 +129,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from fedlora.io import write_bytes_atomic, write_json_atomic
     from fedlora.methods import available_methods
 
-    from .compare import COMPARE_WRITES, parse_lr_grid, plot_compare, run_compare, to_markdown
+    from .compare import COMPARE_WRITES, parse_lr_grid, parse_value_grid, plot_compare, run_compare, to_markdown
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if not methods:
@@ -136,17 +141,19 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     if len(set(methods)) != len(methods):
         raise ConfigError("--methods: a method is listed twice")
     grids = parse_lr_grid(args.lr_grid, methods)
+    parse_value_grid(args.grid, args.set)  # its own mistakes refused before the folder is claimed
     if args.seeds < 1:
         raise ConfigError(f"--seeds: at least 1, got {args.seeds}")
     folder = claim_output_dir(args.out, writes=COMPARE_WRITES, overwrite=args.overwrite)
     out = folder.path
     try:
-        res = run_compare(args.config, args.set, methods, grids, args.seeds, out, progress=args.progress)
+        res = run_compare(args.config, args.set, methods, grids, args.seeds, out, grid=args.grid, progress=args.progress)
     except BaseException:
         folder.remove_if_empty()
         raise
     command = "fedlora compare " + shlex.join([args.config, "--methods", args.methods] +
                                               [x for g in args.lr_grid for x in ("--lr-grid", g)] +
+                                              [x for g in args.grid for x in ("--grid", g)] +
                                               ["--seeds", str(args.seeds)] + [x for s in args.set for x in ("--set", s)] +
                                               ["--out", args.out])
     res["command"] = command
@@ -472,6 +479,16 @@ def _wall_text(summary) -> str:
     return f"{summary['wall_s']:.1f} s ({each} s: stopped and resumed {len(parts) - 1}×)"
 
 
+def _wrote(out) -> str:
+    """The run's closing line: what it wrote into ``out``, in a fixed order — only what is there (a run without
+    checkpoints, ``train.checkpoint_every: 0`` or SecAgg+, has no checkpoints/)."""
+    from pathlib import Path
+
+    names = ("config.json", "run.json", "rounds.jsonl", "summary.json", "rounds.png", "adapters", "checkpoints")
+    there = [n + "/" * (Path(out, n).is_dir()) for n in names if Path(out, n).exists()]
+    return f"wrote {out}/{', '.join(there)}"
+
+
 def _report(summary, out) -> None:
     from fedlora.errors import plural
 
@@ -488,7 +505,7 @@ def _report(summary, out) -> None:
             print(f"{name} test {m} (mean of clients {t['clients']}): round 0 {t['round0_test']['mean'][m]:.4f} → "
                   f"final {t['final_test']['mean'][m]:.4f}")
         print(f"bytes up {summary['bytes_up_total']:,}, down {summary['bytes_down_total']:,}")
-        print(f"wrote {out}/config.json, run.json, rounds.jsonl, summary.json, rounds.png, adapters/, checkpoints/")
+        print(_wrote(out))
         return
     m = summary["main_metric"]
     skipped = summary["n_clients_without_test"]
@@ -500,7 +517,7 @@ def _report(summary, out) -> None:
     if "final_global" in summary:
         print(f"global model test {m}: round 0 {summary['round0_global'][m]:.4f} → final {summary['final_global'][m]:.4f}")
     print(f"bytes up {summary['bytes_up_total']:,}, down {summary['bytes_down_total']:,}")
-    print(f"wrote {out}/config.json, run.json, rounds.jsonl, summary.json, rounds.png, adapters/, checkpoints/")
+    print(_wrote(out))
 
 
 def _cmd_export(args: argparse.Namespace) -> int:

@@ -19,6 +19,21 @@ def test_run_a_bundled_config_end_to_end(tmp_path, capsys):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["config"]["train"]["rounds"] == 1 and cfg["config"]["output_dir"] == str(out)
     assert len((out / "rounds.jsonl").read_text().splitlines()) == 2  # round 0 (evaluation) + round 1
+    # the closing line names what the folder holds, and only that
+    entries = ", ".join(p.name + "/" * p.is_dir() for p in sorted(out.iterdir(), key=lambda p: _WROTE.index(p.name)))
+    assert text.splitlines()[-1] == f"wrote {out}/{entries}" and "checkpoints/" in entries
+
+
+_WROTE = ["config.json", "run.json", "rounds.jsonl", "summary.json", "rounds.png", "adapters", "checkpoints"]
+
+
+def test_the_closing_line_names_no_checkpoints_a_run_did_not_write(tmp_path, capsys):
+    out = tmp_path / "nock"
+    assert main(["run", "tiny-smoke", "--out", str(out), "--no-progress", "--set", "train.rounds=1",
+                 "--set", "train.checkpoint_every=0"]) == 0
+    assert not (out / "checkpoints").exists()
+    assert capsys.readouterr().out.splitlines()[-1] == \
+        f"wrote {out}/config.json, run.json, rounds.jsonl, summary.json, rounds.png, adapters/"
 
 
 def test_own_csv_with_labels_of_its_own(tmp_path, capsys):
