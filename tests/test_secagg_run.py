@@ -763,10 +763,12 @@ def test_a_signal_stops_a_secagg_run_after_its_round_without_a_checkpoint(tmp_pa
     # SIGINT as a terminal's process has it: an earlier test of this worker may have left another handler, or
     # SIG_IGN, which the driver respects (seen in CI's long tier: the run was then not interrupted)
     old_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    old_mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # and delivered, not held back
     try:
         with pytest.raises(Interrupted) as stopped:
             _one_process_secagg(cfg, tmp_path, grid)
     finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         signal.signal(signal.SIGINT, old_handler)
     _assert_no_record_left_its_node(grid)
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == ["config.json", "rounds.jsonl", "run.json"]
