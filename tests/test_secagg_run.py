@@ -627,6 +627,33 @@ def test_a_value_outside_the_clipping_range_fails_the_round_with_the_clients_lin
         _one_process_secagg(cfg, tmp_path)
 
 
+def _secagg_and_embedded_rounds(tmp_path, sets, *, reference: bool = False):
+    """A one-process SecAgg+ run of tiny-smoke with ``sets``, then the embedded run with the same ``sets``: after
+    every round the server's state, the round record and (before the final broadcast) the clients' records —
+    states[:ROUNDS] the SecAgg+ run's, states[ROUNDS:] the embedded one's — with ``reference`` what the round's
+    clients started from (``Server._dp_reference``); and the SecAgg+ run's ``trains`` (``_one_process_secagg``)."""
+    from fedlora.llm.config import load_config
+    from fedlora.llm.runtime import FederatedRun
+    from fedlora.server import Server
+
+    states = []
+    orig = Server.run_round
+
+    def run_round(self, executor, round_idx=None):
+        ref = self._dp_reference(0) if reference else None  # the broadcast adapter in round 1
+        rec = orig(self, executor, round_idx)
+        states.append({"state": {k: v.clone() for k, v in self.states[0].items()}, "record": rec,
+                       "clients": _oracle_records(executor) if self.round < self.rounds else None, "reference": ref})
+        return rec
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Server, "run_round", run_round)
+        cfg = load_config("tiny-smoke", [*BASE, *SECAGG, *sets, f"output_dir={tmp_path / 'secagg'}"])
+        _, trains = _one_process_secagg(cfg, tmp_path)
+        FederatedRun(load_config("tiny-smoke", [*BASE, *sets, f"output_dir={tmp_path / 'embedded'}"])).run()
+    return states, trains
+
+
 # ---------------------------------------------------------------------------------------------------------
 # client-level DP with SecAgg+: each client clips its own update, the server adds the noise to the sum
 DP = ["privacy.level=client", "privacy.noise_multiplier=0.8", "privacy.clip_norm=0.02"]
@@ -641,26 +668,9 @@ def test_client_dp_clipped_on_the_clients_releases_the_embedded_private_aggregat
     both runs, u·(3X + 4D + 2|P|) with D = |P − R| (the summation's two additions and the cast of the sum: X each;
     + noise and /qK: D each; + R: |P|; each in both runs); the clients' records are the embedded run's to the bit,
     and ε is the same."""
-    from fedlora.llm.config import load_config
-    from fedlora.llm.runtime import FederatedRun
-    from fedlora.server import SUMMED, Server
+    from fedlora.server import SUMMED
 
-    states = []
-    orig = Server.run_round
-
-    def run_round(self, executor, round_idx=None):
-        reference = self._dp_reference(0)  # what the round's clients start from (the broadcast adapter in round 1)
-        rec = orig(self, executor, round_idx)
-        states.append({"state": {k: v.clone() for k, v in self.states[0].items()}, "record": rec,
-                       "clients": _oracle_records(executor) if self.round < self.rounds else None,
-                       "reference": reference})
-        return rec
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(Server, "run_round", run_round)
-        cfg = load_config("tiny-smoke", [*BASE, *SECAGG, *DP, f"output_dir={tmp_path / 'secagg'}"])
-        _, trains = _one_process_secagg(cfg, tmp_path)
-        FederatedRun(load_config("tiny-smoke", [*BASE, *DP, f"output_dir={tmp_path / 'embedded'}"])).run()
+    states, trains = _secagg_and_embedded_rounds(tmp_path, DP, reference=True)
     sec, emb = states[0], states[ROUNDS]
     assert sec["record"]["privacy"]["epsilon"] == emb["record"]["privacy"]["epsilon"] > 0
     assert emb["record"]["privacy"]["clipped"] == 3  # every update was clipped (there on the server, here on clients)
@@ -796,24 +806,9 @@ def test_sample_level_dp_with_secagg_is_the_embedded_private_run_within_the_boun
     """DP-SGD runs on the clients, each from its own noise stream: under SecAgg+ round 1's clients train exactly
     as in the embedded private run (losses, records bit for bit, the same ε), and the server's state is the
     embedded one within the round's SecAgg+ bound (``upload_bound`` at the round's weights and uploads)."""
-    from fedlora.llm.config import load_config
-    from fedlora.llm.runtime import FederatedRun
-    from fedlora.server import SUMMED, Server
+    from fedlora.server import SUMMED
 
-    states = []
-    orig = Server.run_round
-
-    def run_round(self, executor, round_idx=None):
-        rec = orig(self, executor, round_idx)
-        states.append({"state": {k: v.clone() for k, v in self.states[0].items()}, "record": rec,
-                       "clients": _oracle_records(executor) if self.round < self.rounds else None})
-        return rec
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(Server, "run_round", run_round)
-        cfg = load_config("tiny-smoke", [*BASE, *SECAGG, *SAMPLE_DP, f"output_dir={tmp_path / 'secagg'}"])
-        _, trains = _one_process_secagg(cfg, tmp_path)
-        FederatedRun(load_config("tiny-smoke", [*BASE, *SAMPLE_DP, f"output_dir={tmp_path / 'embedded'}"])).run()
+    states, trains = _secagg_and_embedded_rounds(tmp_path, SAMPLE_DP)
     sec, emb = states[0], states[ROUNDS]
     assert sec["record"]["privacy"] == emb["record"]["privacy"] and emb["record"]["privacy"]["epsilon"] > 0
     for key in ("participants", "train_loss", "ranks", "bytes_down"):
