@@ -8,12 +8,16 @@ Protocol, in three phases whose order is the point:
    level, Per-FedAvg's outer step; ``method.options`` of the config are its own method's, the other methods
    take their defaults unless ``--set method.options=…`` gives options for all) for every seed
    (``seed`` = the config's + 0 … n−1: the split, the initialisation and the sampling change together); each run
-   is a complete ``fedlora run`` folder under ``runs/<method>/lr_<lr>/seed_<s>``;
-2. **choice** (``choose_step_size``): per method, the step size with the best **validation** score — the task's
+   is a complete ``fedlora run`` folder under ``runs/<method>/lr_<lr>/seed_<s>``. ``--grid KEY=V1,V2,…``
+   (``parse_value_grid``, repeatable) crosses any other config key's values with every step size: the runs are
+   then ``runs/<method>/lr_<lr>/<KEY>_<V>/…/seed_<s>`` (one folder level per key, in the order given);
+2. **choice** (``choose_step_size``): per method, the step size (with ``--grid``: the (step size, values) pair)
+   with the best **validation** score — the task's
    main metric on each client's validation rows (carved from its training share, never trained on;
    ``federation.val_fraction``) after the last round, the unweighted mean over the clients that have validation
    rows, then the mean over seeds; ties go to the smaller step; a run whose score is not finite (diverged) counts
-   as the worst. Only validation numbers reach this function;
+   as the worst; with ``--grid`` ties go to the smaller step, then to the earlier value (numbers: the smaller).
+   Only validation numbers reach this function;
 3. **report**: the test numbers of the chosen step size's runs only — the clients' mean test metric (mean ± std
    over seeds), the global model's where the method has one, bytes per round (up + down, all clients), wall time
    per run — into ``compare.json``, ``compare.md`` (the table) and ``compare.png`` (the table's bars and every
@@ -30,8 +34,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from fedlora.errors import ConfigError, did_you_mean, plural
 
-__all__ = ["COMPARE_WRITES", "parse_lr_grid", "validation_score", "choose_step_size", "read_test", "run_compare",
-           "to_markdown", "plot_compare"]
+__all__ = ["COMPARE_WRITES", "parse_lr_grid", "parse_value_grid", "check_value_grid", "validation_score",
+           "choose_step_size", "read_test", "run_compare", "to_markdown", "plot_compare"]
 
 #: what ``fedlora compare`` writes into its ``--out``
 COMPARE_WRITES = ("compare.json", "compare.md", "compare.png", "runs")
@@ -79,6 +83,111 @@ def parse_lr_grid(entries: Sequence[str], methods: Sequence[str]) -> dict[str, t
     return {m: tuple(sorted(own.get(m, common))) for m in methods}  # type: ignore[arg-type]
 
 
+#: keys ``--grid`` cannot vary: compare sets them itself, each from its own flag
+_OWN_KEYS = {"method.name": "--methods", "method.lr": "--lr-grid", "seed": "--seeds", "output_dir": "--out"}
+
+
+def _split_values(text: str) -> list[str]:
+    """``"2,5,10"`` → its values; a comma inside brackets or braces belongs to its value (``[query, value],[query]``)."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        depth += (ch in "[{(") - (ch in "]})")
+        if ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return [v.strip() for v in out + [cur]]
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _value_text(v: Any) -> str:
+    """A grid value as compare's labels and folders write it: numbers as ``%g``, text bare, anything else as JSON."""
+    if _is_number(v):
+        return f"{v:g}"
+    return v if isinstance(v, str) else json.dumps(v, separators=(",", ":"))
+
+
+def _folder_part(key: str, v: Any) -> str:
+    """One folder level of a grid value: ``privacy.clip_norm_5`` (characters a path should not hold become _)."""
+    return "".join(c if c.isalnum() or c in "._-+=" else "_" for c in f"{key}_{_value_text(v)}")
+
+
+def parse_value_grid(entries: Sequence[str], overrides: Sequence[str] = ()) -> dict[str, list[tuple[str, Any]]]:
+    """``--grid`` values → ``{key: [(text, value), …]}`` in the order the keys were given: each ``KEY=V1,V2,…``
+    a config key and the values (read as ``--set`` reads one, YAML) to cross with every step size; numbers are
+    sorted (ties in the choice go to the smaller), other values keep their order. One line for: no ``=``, no
+    value, a value listed twice, a key given twice, a key compare sets itself (``method.name``, ``method.lr``,
+    ``seed``, ``output_dir``: their own flags), a key that ``--set`` also gives (or a section holding it). Whether
+    the key exists and each value validates is checked against the config (``run_compare``), before any run."""
+    from fedlora.io import yaml_load
+
+    def norm(k: str) -> str:
+        return k.strip().replace("-", "_")
+
+    set_keys = [norm(o.partition("=")[0]) for o in overrides]
+    grid: dict[str, list[tuple[str, Any]]] = {}
+    for e in entries:
+        key, sep, values = e.partition("=")
+        key = norm(key)
+        if not sep or not key:
+            raise ConfigError(f"--grid {e!r}: expected KEY=V1,V2,… (e.g. --grid privacy.clip_norm=2,5,10)")
+        if key in _OWN_KEYS:
+            raise ConfigError(f"--grid {key}: compare sets {key} itself; give its values with {_OWN_KEYS[key]}")
+        if key in grid:
+            raise ConfigError(f"--grid {key}: the key is given twice; list all its values in one --grid {key}=V1,V2,…")
+        clash = [s for s in set_keys if s == key or key.startswith(s + ".") or s.startswith(key + ".")]
+        if clash:
+            raise ConfigError(f"--grid {key}: --set {clash[0]} sets it too; give it in one place (a fixed value: --set, "
+                              f"values to choose from: --grid)")
+        texts = [v for v in _split_values(values) if v]
+        if not texts:
+            raise ConfigError(f"--grid {e!r}: no value given (e.g. --grid {key}=V1,V2)")
+        vals = []
+        for t in texts:
+            try:
+                v = yaml_load(t)
+            except Exception:  # what --set does with text YAML cannot read: the text itself
+                v = t
+            vals.append((t, json.loads(json.dumps(v, default=str))))
+        if len({float(v) if _is_number(v) else json.dumps(v, sort_keys=True) for _, v in vals}) != len(vals):
+            raise ConfigError(f"--grid {e!r}: a value is listed twice")
+        if len({_folder_part(key, v) for _, v in vals}) != len(vals):
+            raise ConfigError(f"--grid {e!r}: two values would share a run folder ({key}_…); write them apart")
+        if all(_is_number(v) for _, v in vals):
+            vals.sort(key=lambda tv: tv[1])
+        grid[key] = vals
+    return grid
+
+
+def check_value_grid(config: str, overrides: Sequence[str], grid: Mapping[str, Sequence[tuple[str, Any]]]) -> None:
+    """Each grid value against the config with ``overrides`` (the config's own key and value checks), one line
+    naming the --grid entry; before any run."""
+    from .config import load_config
+
+    for key, vals in grid.items():
+        for text, _ in vals:
+            try:
+                load_config(config, list(overrides) + [f"{key}={text}"])
+            except ConfigError as e:
+                raise ConfigError(f"--grid {key}={text}: {e}") from None
+
+
+def _combos(grid: Mapping[str, Sequence[tuple[str, Any]]]) -> list[tuple[int, ...]]:
+    """Every crossing of the grid's values, as indices, in order (the first key slowest)."""
+    import itertools
+
+    return list(itertools.product(*(range(len(v)) for v in grid.values())))
+
+
+def _cand_label(lr: float, grid: Mapping[str, Sequence[tuple[str, Any]]], combo: Sequence[int]) -> str:
+    """compare.json's name of a candidate: ``"0.001"`` (no --grid, as before) or ``"0.001 privacy.clip_norm=5"``."""
+    return " ".join([f"{lr:g}"] + [f"{k}={_value_text(vals[i][1])}" for (k, vals), i in zip(grid.items(), combo)])
+
+
 def validation_score(summary: Mapping[str, Any], metric: str) -> float:
     """The clients' unweighted mean of ``metric`` on their validation rows after the last round (from a run's
     summary.json ``final_clients``; clients without validation rows left out). NaN when no client has one."""
@@ -86,19 +195,21 @@ def validation_score(summary: Mapping[str, Any], metric: str) -> float:
     return float(sum(vals) / len(vals)) if vals else float("nan")
 
 
-def choose_step_size(val: Mapping[float, Sequence[float]]) -> float:
-    """The step size with the best mean validation score over seeds (higher is better); ties go to the smaller
-    step; a non-finite score (a diverged run) is the worst. ``val``: step size → its runs' validation scores.
-    Nothing else is read: the test split cannot take part in the choice."""
+def choose_step_size(val: Mapping[Any, Sequence[float]]) -> Any:
+    """The candidate with the best mean validation score over seeds (higher is better); a non-finite score (a
+    diverged run) is the worst; ties go to the smallest candidate. ``val``: candidate → its runs' validation
+    scores; a candidate is a step size, or with ``--grid`` a tuple (step size, index of each key's value) — ties
+    then go to the smaller step, then to the earlier value. Nothing else is read: the test split cannot take part
+    in the choice."""
     if not val:
         raise ConfigError("choose_step_size: no step size to choose from")
 
-    def key(lr: float):
-        scores = list(val[lr])
+    def key(c):
+        scores = list(val[c])
         mean = sum(scores) / len(scores) if scores else float("nan")
-        return (mean if math.isfinite(mean) else -math.inf, -lr)
+        return mean if math.isfinite(mean) else -math.inf
 
-    return max(sorted(val), key=key)
+    return max(sorted(val), key=key)  # max keeps the first of equal scores: the smallest candidate
 
 
 def read_test(run_dir: Path, metric: str) -> dict[str, Any]:
@@ -125,13 +236,16 @@ def _mean_std(xs: Sequence[float]) -> tuple[float, float]:
 
 
 def run_compare(config: str, overrides: Sequence[str], methods: Sequence[str], grids: Mapping[str, Sequence[float]],
-                seeds: int, out: Path, *, progress: bool = False, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """The three phases (module docstring) into ``out`` (claimed by the caller). Returns compare.json's content."""
+                seeds: int, out: Path, *, grid: Sequence[str] = (), progress: bool = False,
+                log: Callable[[str], None] = print) -> dict[str, Any]:
+    """The three phases (module docstring) into ``out`` (claimed by the caller). ``grid``: ``--grid`` entries
+    (``parse_value_grid``), crossed with every step size. Returns compare.json's content."""
     from .config import describe_method, load_config
     from .runtime import FederatedRun
 
     if seeds < 1:
         raise ConfigError(f"--seeds: at least 1, got {seeds}")
+    values = parse_value_grid(grid, overrides)
     base = load_config(config, list(overrides))
     if base.federation.client_models is not None:
         raise ConfigError("compare: federation.client_models (heterogeneous client models) runs H²Tune only, so "
@@ -139,31 +253,42 @@ def run_compare(config: str, overrides: Sequence[str], methods: Sequence[str], g
     if base.federation.val_fraction <= 0:
         raise ConfigError("compare: federation.val_fraction is 0, so no client has validation rows to choose a "
                           "step size on (and the test split is never used to choose); set it > 0 (default 0.1)")
+    check_value_grid(config, overrides, values)
+    combos = _combos(values)
+
+    def cand(lr: float, combo: tuple[int, ...]):  # choose_step_size's key: the step size alone without --grid
+        return (lr, *combo) if values else lr
+
     cfgs = {}
-    own_options = any(o.split("=", 1)[0].strip().startswith("method.options") for o in overrides)
+    own_options = any(o.split("=", 1)[0].strip().startswith("method.options") for o in overrides) or \
+        any(k.startswith("method.options") for k in values)
     for m in methods:  # every config is built and validated before the first run: a bad one costs nothing
         # the config's method.options are its own method's (PF2LoRA's client_rank …): another method starts
-        # from its defaults, unless --set gave method.options for all
+        # from its defaults, unless --set (or --grid) gave method.options for all
         reset = [] if (m == base.method.name or own_options) else ["method.options={}"]
         for lr in grids[m]:
-            for i in range(seeds):
-                folder = out / "runs" / m / _lr_name(lr) / f"seed_{base.seed + i}"
-                cfgs[m, lr, i] = load_config(config, list(overrides) + reset + [
-                    f"method.name={m}", f"method.lr={lr!r}", f"seed={base.seed + i}",
-                    f"output_dir={json.dumps(str(folder))}"])
-                describe_method(cfgs[m, lr, i])  # its options resolve (one line otherwise, before any run)
+            for combo in combos:
+                sets = [f"{k}={vals[i][0]}" for (k, vals), i in zip(values.items(), combo)]
+                sub = Path(*[_folder_part(k, vals[i][1]) for (k, vals), i in zip(values.items(), combo)])
+                for i in range(seeds):
+                    folder = out / "runs" / m / _lr_name(lr) / sub / f"seed_{base.seed + i}"
+                    cfgs[m, cand(lr, combo), i] = load_config(config, list(overrides) + reset + sets + [
+                        f"method.name={m}", f"method.lr={lr!r}", f"seed={base.seed + i}",
+                        f"output_dir={json.dumps(str(folder))}"])
+                    describe_method(cfgs[m, cand(lr, combo), i])  # its options resolve (one line otherwise)
     metric = None
-    val: dict[str, dict[float, list[float]]] = {m: {lr: [] for lr in grids[m]} for m in methods}
-    folders: dict[tuple[str, float, int], Path] = {}
+    val: dict[str, dict[Any, list[float]]] = {m: {cand(lr, c): [] for lr in grids[m] for c in combos} for m in methods}
+    folders: dict[tuple[str, Any, int], Path] = {}
     n, t0 = len(cfgs), time.perf_counter()
-    for j, ((m, lr, i), cfg) in enumerate(cfgs.items()):  # phase 1: the grid
+    for j, ((m, c, i), cfg) in enumerate(cfgs.items()):  # phase 1: the grid
         summary = FederatedRun(cfg, progress=progress).run()
         metric = metric or summary["main_metric"]
         data_name = summary["task"]  # the task, or the user's file where data.path replaced its data
         score = validation_score(summary, metric)
-        val[m][lr].append(score)
-        folders[m, lr, i] = Path(cfg.output_dir)
-        log(f"[{j + 1}/{n}] {m} lr={lr:g} seed={cfg.seed}: validation {metric} {score:.4f} "
+        val[m][c].append(score)
+        folders[m, c, i] = Path(cfg.output_dir)
+        what = f"lr={c:g}" if not values else "lr=" + _cand_label(c[0], values, c[1:])
+        log(f"[{j + 1}/{n}] {m} {what} seed={cfg.seed}: validation {metric} {score:.4f} "
             f"({time.perf_counter() - t0:.0f} s so far)")
     chosen = {m: choose_step_size(val[m]) for m in methods}  # phase 2: validation only
     rows = []
@@ -172,18 +297,34 @@ def run_compare(config: str, overrides: Sequence[str], methods: Sequence[str], g
         t_mean, t_std = _mean_std([t["test"] for t in tests])
         glob = [t["global"] for t in tests if t["global"] is not None]
         g = _mean_std(glob) if len(glob) == len(tests) else None
-        rows.append({"method": m, "lr": chosen[m], "grid": list(grids[m]),
-                     "val": {f"{lr:g}": [v if math.isfinite(v) else None for v in val[m][lr]] for lr in grids[m]},
-                     "test_mean": t_mean, "test_std": t_std, "test_per_seed": [t["test"] for t in tests],
-                     "global_mean": g[0] if g else None, "global_std": g[1] if g else None,
-                     "bytes_per_round": statistics.fmean(t["bytes_per_round"] for t in tests),
-                     "wall_s": statistics.fmean(t["wall_s"] for t in tests),
-                     "runs": [str(folders[m, chosen[m], i]) for i in range(seeds)]})
-    return {"schema_version": 1, "config": config, "overrides": list(overrides), "metric": metric,
-            "task": data_name, "model": model_label(base), "clients": base.federation.clients,
-            "rounds": base.train.rounds, "seeds": [base.seed + i for i in range(seeds)],
-            "selection": "the clients' mean validation metric after the last round, mean over seeds; ties → smaller",
-            "methods": rows}
+        lr, combo = (chosen[m][0], chosen[m][1:]) if values else (chosen[m], ())
+        row = {"method": m, "lr": lr, "grid": list(grids[m])}
+        if values:  # the chosen value of every --grid key
+            row["values"] = {k: vals[i][1] for (k, vals), i in zip(values.items(), combo)}
+        row.update({
+            "val": {_cand_label(c if not values else c[0], values, () if not values else c[1:]):
+                    [v if math.isfinite(v) else None for v in scores] for c, scores in val[m].items()},
+            "test_mean": t_mean, "test_std": t_std, "test_per_seed": [t["test"] for t in tests],
+            "global_mean": g[0] if g else None, "global_std": g[1] if g else None,
+            "bytes_per_round": statistics.fmean(t["bytes_per_round"] for t in tests),
+            "wall_s": statistics.fmean(t["wall_s"] for t in tests),
+            "runs": [str(folders[m, chosen[m], i]) for i in range(seeds)]})
+        rows.append(row)
+    res = {"schema_version": 1, "config": config, "overrides": list(overrides), "metric": metric,
+           "task": data_name, "model": model_label(base), "clients": base.federation.clients,
+           "rounds": base.train.rounds, "seeds": [base.seed + i for i in range(seeds)],
+           "selection": "the clients' mean validation metric after the last round, mean over seeds; ties → smaller",
+           "methods": rows}
+    if values:  # absent without --grid: compare.json as before
+        res["grid"] = {k: [v for _, v in vals] for k, vals in values.items()}
+        res["selection"] = ("the (step size, --grid values) pair with the best clients' mean validation metric after "
+                            "the last round, mean over seeds; ties → the smaller step, then the earlier value")
+    return res
+
+
+def _chosen_label(r: Mapping[str, Any]) -> str:
+    """The key of the chosen candidate in a compare.json row's ``val``."""
+    return " ".join([f"{r['lr']:g}"] + [f"{k}={_value_text(v)}" for k, v in r.get("values", {}).items()])
 
 
 def model_label(cfg) -> str:
@@ -208,18 +349,23 @@ def _spread(mean: float, std: float, n: int) -> str:
 def to_markdown(res: Mapping[str, Any], command: str) -> str:
     """compare.md: the table (clients' mean ± std over seeds at each method's chosen step size)."""
     m, n = res["metric"], len(res["seeds"])
+    keys = res.get("grid", {})  # --grid: one column per key, its chosen value (and its values)
+    what = "Step size" + (" and " + ", ".join(keys) if keys else "")
     lines = [f"# `fedlora compare`: {res['model']} on {res['task']}, {plural(res['clients'], 'client')}, "
              f"{plural(res['rounds'], 'round')}, seed{'s' * (n != 1)} {', '.join(map(str, res['seeds']))}", "", f"`{command}`", "",
-             f"Step size per method chosen on the clients' validation {m} (never the test split); test numbers "
+             f"{what} per method chosen on the clients' validation {m} (never the test split); test numbers "
              f"are the clients' mean" + (" (mean ± std over seeds)." if n > 1 else " (one seed: no spread)."), "",
-             f"| method | step size (grid) | test {m}, clients' mean | global model | validation {m} at the chosen step "
-             f"| MB / round | wall s / run |", "|---|---|---|---|---|---|---|"]
+             f"| method | step size (grid) | " + "".join(f"{k} (grid) | " for k in keys) +
+             f"test {m}, clients' mean | global model | validation {m} at the chosen step "
+             f"| MB / round | wall s / run |", "|---|---|---|---|---|---|---|" + "---|" * len(keys)]
     for r in res["methods"]:
         grid = ", ".join(f"{x:g}" for x in r["grid"])
         g = _spread(r["global_mean"], r["global_std"], n) if r["global_mean"] is not None else "—"
-        v = _val_mean(r["val"][f"{r['lr']:g}"])
-        lines.append(f"| {r['method']} | **{r['lr']:g}** ({grid}) | {_spread(r['test_mean'], r['test_std'], n)} | {g} | "
-                     f"{v:.4f} | {r['bytes_per_round'] / 1e6:.3f} | {r['wall_s']:.1f} |")
+        v = _val_mean(r["val"][_chosen_label(r)])
+        cols = "".join(f"**{_value_text(r['values'][k])}** ({', '.join(_value_text(x) for x in keys[k])}) | "
+                       for k in keys)
+        lines.append(f"| {r['method']} | **{r['lr']:g}** ({grid}) | {cols}{_spread(r['test_mean'], r['test_std'], n)} | "
+                     f"{g} | {v:.4f} | {r['bytes_per_round'] / 1e6:.3f} | {r['wall_s']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -246,10 +392,18 @@ def plot_compare(res: Mapping[str, Any], path: Path) -> None:
     ax.set_title("at each method's chosen step size")
     ax.legend(fontsize=8)
     for r in rows:
-        grid = r["grid"]
-        means = [_val_mean(r["val"][f"{lr:g}"]) for lr in grid]
-        line, = bx.plot(grid, means, marker="o", label=r["method"])
-        bx.scatter([r["lr"]], [_val_mean(r["val"][f"{r['lr']:g}"])], s=90, color=line.get_color(), zorder=3)
+        grid, chosen = r["grid"], r.get("values", {})
+        tail = "".join(f" {k}={_value_text(v)}" for k, v in chosen.items())  # the chosen --grid values
+        means = [_val_mean(r["val"][f"{lr:g}{tail}"]) for lr in grid]
+        line, = bx.plot(grid, means, marker="o", label=r["method"] + (f" ({tail.strip()})" if tail else ""))
+        bx.scatter([r["lr"]], [_val_mean(r["val"][_chosen_label(r)])], s=90, color=line.get_color(), zorder=3)
+        others = {}  # with --grid: the other values' curves, faint
+        for label, scores in r["val"].items():
+            lr, _, rest = label.partition(" ")
+            if rest != tail.strip():
+                others.setdefault(rest, []).append((float(lr), _val_mean(scores)))
+        for pts in others.values():
+            bx.plot([x for x, _ in pts], [y for _, y in pts], ls=":", lw=1, alpha=0.5, color=line.get_color())
     bx.set_xscale("log")
     from matplotlib.ticker import NullFormatter
 
@@ -258,7 +412,8 @@ def plot_compare(res: Mapping[str, Any], path: Path) -> None:
                                                                                                for lr in r["grid"]})])
     bx.set_xlabel("step size (method.lr)")
     bx.set_ylabel(f"validation {res['metric']} (clients' mean, mean over seeds)")
-    bx.set_title("choice on the validation split (large dot: chosen)")
+    bx.set_title("choice on the validation split (large dot: chosen" +
+                 ("; dotted: the other --grid values)" if res.get("grid") else ")"))
     bx.legend(fontsize=7, ncol=2)
     fig.suptitle(f"{res['model']} on {res['task']}: {plural(res['clients'], 'client')}, {plural(res['rounds'], 'round')}, "
                  f"{len(res['seeds'])} seed{'s' * (len(res['seeds']) != 1)}", fontsize=10)

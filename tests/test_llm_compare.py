@@ -132,3 +132,95 @@ def test_a_config_of_one_method_compares_others_with_their_own_defaults(tmp_path
            for m in ("fedavg", "pf2lora")}
     assert cfg["fedavg"]["options"] == {} and cfg["pf2lora"]["options"]["client_rank"] == 4
     assert cfg["fedavg"]["lr"] == cfg["pf2lora"]["lr"] == 1e-3
+
+
+# --- --grid: any config key's values crossed with the step sizes (issue 29 item 5) ---------------------------
+def test_value_grid_parsing_sorts_numbers_and_keeps_brackets():
+    g = C.parse_value_grid(["privacy.clip_norm=10,2,5", "model.target_modules=[query, value],[query]"])
+    assert list(g) == ["privacy.clip_norm", "model.target_modules"]
+    assert g["privacy.clip_norm"] == [("2", 2), ("5", 5), ("10", 10)]  # numbers sorted: ties go to the smaller
+    assert g["model.target_modules"] == [("[query, value]", ["query", "value"]), ("[query]", ["query"])]
+    assert C._folder_part("model.target_modules", ["query", "value"]) == "model.target_modules___query___value__"
+
+
+def test_the_choice_over_pairs_is_the_joint_argmax_not_the_marginals():
+    """(lr, C index) candidates: lr 1e-3 has the best mean over its C values and C index 0 the best over the step
+    sizes, yet the best pair is (1e-2, 1); ties go to the smaller step, then the earlier value."""
+    val = {(1e-3, 0): [0.6], (1e-3, 1): [0.6], (1e-2, 0): [0.6], (1e-2, 1): [0.7], (1e-1, 0): [0.9, 0.3],
+           (1e-1, 1): [0.1]}
+    assert C.choose_step_size(val) == (1e-2, 1)
+    assert C.choose_step_size({(1e-2, 1): [0.5], (1e-2, 0): [0.5], (1e-3, 1): [0.5]}) == (1e-3, 1)
+    assert C.choose_step_size({(1e-3, 0): [math.nan], (1e-3, 1): [0.0]}) == (1e-3, 1)
+
+
+def test_compare_grid_chooses_the_best_pair_on_validation(tmp_path, monkeypatch):
+    """tiny-smoke with sample-level DP (σ fixed): the step size crossed with privacy.clip_norm. Every run's
+    folder names its pair and its config.json holds it; the choice is the argmax of the validation means
+    recomputed from the four pairs' summary.json (two seeds each); the test numbers are the chosen pair's runs'."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "cmp"
+    sets = ["train.rounds=2", "privacy.level=sample", "privacy.noise_multiplier=0.3", "privacy.delta=1e-5"]
+    assert main(["compare", "tiny-smoke", "--methods", "fedavg", "--lr-grid", "1e-3,5e-2", "--grid",
+                 "privacy.clip_norm=5,0.05", "--seeds", "2", *[x for s in sets for x in ("--set", s)],
+                 "--out", str(out)]) == 0
+    res = json.loads((out / "compare.json").read_text())
+    assert res["grid"] == {"privacy.clip_norm": [0.05, 5]} and "--grid privacy.clip_norm=5,0.05" in res["command"]
+    row, = res["methods"]
+    val, tests = {}, {}
+    for lr in (1e-3, 5e-2):
+        for c in (0.05, 5):
+            scores = []
+            for s in (0, 1):
+                run = out / "runs" / "fedavg" / f"lr_{lr:g}" / f"privacy.clip_norm_{c:g}" / f"seed_{s}"
+                cfg = json.loads((run / "config.json").read_text())["config"]
+                assert (cfg["method"]["lr"], cfg["privacy"]["clip_norm"], cfg["seed"]) == (lr, c, s)  # what it ran
+                summ = json.loads((run / "summary.json").read_text())
+                assert summ["privacy"]["clip_norm"] == c
+                per = [v["val"]["accuracy"] for v in summ["final_clients"].values() if v["val"]]
+                scores.append(sum(per) / len(per))
+                tests.setdefault((lr, c), []).append(summ["final_test"]["mean"]["accuracy"])
+            assert row["val"][f"{lr:g} privacy.clip_norm={c:g}"] == pytest.approx(scores, abs=1e-12)
+            val[lr, c] = statistics.fmean(scores)
+    best = max(val.values())
+    assert len(set(val.values())) > 1  # the grid matters: not every pair scores the same
+    assert (row["lr"], row["values"]["privacy.clip_norm"]) == min(k for k, v in val.items() if v == best)
+    assert row["test_per_seed"] == tests[row["lr"], row["values"]["privacy.clip_norm"]]
+    assert row["runs"] == [str(out / "runs" / "fedavg" / f"lr_{row['lr']:g}" /
+                               f"privacy.clip_norm_{row['values']['privacy.clip_norm']:g}" / f"seed_{s}") for s in (0, 1)]
+    table = (out / "compare.md").read_text()
+    assert "| privacy.clip_norm (grid) |" in table
+    assert f"**{row['values']['privacy.clip_norm']:g}** (0.05, 5)" in table
+    assert (out / "compare.png").stat().st_size > 10_000
+
+
+def test_without_grid_compare_json_has_no_grid_fields(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "cmp"
+    assert main(["compare", "tiny-smoke", "--methods", "fedavg", "--lr-grid", "1e-3", "--seeds", "1", "--set",
+                 "train.rounds=1", "--out", str(out)]) == 0
+    res = json.loads((out / "compare.json").read_text())
+    assert "grid" not in res and "values" not in res["methods"][0] and list(res["methods"][0]["val"]) == ["0.001"]
+    assert [p.relative_to(out).as_posix() for p in (out / "runs").glob("*/*/*")] == ["runs/fedavg/lr_0.001/seed_0"]
+
+
+def test_bad_grid_input_is_one_line_before_any_run(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    dp = ["--set", "privacy.level=sample", "--set", "privacy.noise_multiplier=0.5"]
+    cases = [
+        (["--grid", "privacy.clip_norm"], "expected KEY=V1,V2"),
+        (["--grid", "privacy.clip_norm="], "no value given"),
+        (["--grid", "privacy.clip_norm=1,1.0"], "a value is listed twice"),
+        (["--grid", "train.rounds=1", "--grid", "train.rounds=2"], "the key is given twice"),
+        (["--grid", "method.lr=1e-3,1e-2"], "give its values with --lr-grid"),
+        (["--grid", "seed=1,2"], "give its values with --seeds"),
+        (["--grid", "train.rounds=1,2", "--set", "train.rounds=3"], "--set train.rounds sets it too"),
+        (["--grid", "privacy.clip_nrm=1,2"], "unknown key 'privacy.clip_nrm'"),
+        (["--grid", "privacy.clip_norm=1,-2", *dp], "--grid privacy.clip_norm=-2: privacy.clip_norm"),
+        (["--grid", "train.rounds=2,zero"], "--grid train.rounds=zero: "),
+    ]
+    for args, match in cases:
+        assert main(["compare", "tiny-smoke", "--methods", "fedavg", "--lr-grid", "1e-3", *args,
+                     "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert match in err and len(err.strip().splitlines()) == 1, (args, err)
+        assert not out.exists()
