@@ -114,3 +114,24 @@ def test_bad_sweep_settings_are_one_line_before_any_run(tmp_path, capsys):
         out.mkdir()
         (out / "mine.txt").write_text("x")
         mod.sweep(config="tiny-smoke", methods=["fedavg"], epsilons=[math.inf], seeds=1, lr_grid=[1e-3], out=out)
+
+
+def test_resume_redoes_an_eps_folder_a_stopped_compare_left(tmp_path, monkeypatch):
+    """--resume: an ε folder without compare.json (the compare stopped) holds only compare's files: it is cleared and
+    its compare run again; a folder holding anything else is refused, never cleared."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    mod = _script()
+    out = tmp_path / "sweep"
+    half = out / "eps_inf" / "runs" / "fedavg"
+    half.mkdir(parents=True)
+    (half / "left.txt").write_text("a stopped run")
+    kw = dict(config="tiny-smoke", methods=["fedavg"], epsilons=[math.inf], seeds=1, lr_grid=[1e-3], rounds=1,
+              local_steps=1, out=out, resume=True, log=lambda line: None)
+    res = mod.sweep(**kw)
+    assert not (half / "left.txt").exists() and (out / "eps_inf" / "compare.json").is_file()
+    assert res["rows"][0]["runs"] == [str(out / "eps_inf" / "runs" / "fedavg" / "lr_0.001" / "seed_0")]
+    (out / "eps_inf" / "compare.json").unlink()
+    (out / "eps_inf" / "mine.txt").write_text("x")
+    with pytest.raises(ConfigError, match="mine.txt"):
+        mod.sweep(**kw)
+    assert (out / "eps_inf" / "mine.txt").exists()
