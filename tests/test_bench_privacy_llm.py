@@ -27,6 +27,7 @@ ARGS = ["--config", "tiny-smoke", "--methods", "fedavg,ffa", "--epsilons", "inf,
         "1e-3", "--clip-norms", "0.05,5", "--rounds", "2", "--local-steps", "2", "--set", "train.batch_size=64"]
 
 
+@pytest.mark.long  # a bench script's smoke run, as the other bench smokes (eight tiny-smoke runs: 6–14 s)
 def test_smoke_sweep_reports_the_chosen_runs_and_the_verdict(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     mod = _script()
