@@ -55,37 +55,28 @@ def _eps_text(e: float) -> str:
     return "∞" if math.isinf(e) else f"{e:g}"
 
 
-def parse_epsilons(text: str) -> list[float]:
-    """``"inf,6,3,1"`` → [inf, 6, 3, 1] (the order kept: the table's columns)."""
-    out = []
-    for t in (x.strip() for x in text.split(",") if x.strip()):
-        try:
-            e = float(t)
-        except ValueError:
-            raise ConfigError(f"--epsilons: {t!r} is not a number (ε > 0, or inf for no DP)") from None
-        if math.isnan(e) or e <= 0:
-            raise ConfigError(f"--epsilons: ε must be > 0 (or inf for no DP), got {t!r}")
-        out.append(e)
-    if not out:
-        raise ConfigError("--epsilons: give at least one ε, e.g. --epsilons inf,6,3,1")
-    if len(set(out)) != len(out):
-        raise ConfigError("--epsilons: an ε is listed twice")
-    return out
-
-
-def _numbers(text: str, flag: str) -> list[float]:
+def _numbers(text: str, flag: str, *, what: str = "values are positive numbers", infinite: bool = False) -> list[float]:
+    """``"a,b,…"`` → the positive numbers, in order (``infinite``: ``inf`` allowed too); one line naming ``flag``
+    for anything else, an empty list or a repeat."""
     vals = []
     for t in (x.strip() for x in text.split(",") if x.strip()):
         try:
             v = float(t)
         except ValueError:
             raise ConfigError(f"{flag}: {t!r} is not a number") from None
-        if not math.isfinite(v) or v <= 0:
-            raise ConfigError(f"{flag}: values are positive numbers, got {t!r}")
+        if math.isnan(v) or v <= 0 or (math.isinf(v) and not infinite):
+            raise ConfigError(f"{flag}: {what}, got {t!r}")
         vals.append(v)
     if not vals:
         raise ConfigError(f"{flag}: give at least one value")
+    if len(set(vals)) != len(vals):
+        raise ConfigError(f"{flag}: a value is listed twice")
     return vals
+
+
+def parse_epsilons(text: str) -> list[float]:
+    """``"inf,6,3,1"`` → [inf, 6, 3, 1] (the order kept: the table's columns)."""
+    return _numbers(text, "--epsilons", what="ε must be > 0 (or inf for no DP)", infinite=True)
 
 
 def jsonable(x: Any) -> Any:

@@ -102,7 +102,7 @@ def test_verdict_compares_the_drops_from_each_methods_own_no_dp_accuracy():
 def test_bad_sweep_settings_are_one_line_before_any_run(tmp_path, capsys):
     mod = _script()
     out = tmp_path / "sweep"
-    for extra, match in ((["--epsilons", "inf,0"], "ε must be > 0"), (["--epsilons", "3,3"], "listed twice"),
+    for extra, match in ((["--epsilons", "inf,0"], "ε must be > 0"), (["--epsilons", "3,3"], "--epsilons: a value is listed twice"),
                          (["--clip-norms", "0,5"], "--clip-norms: values are positive"),
                          (["--methods", "fedavg,hetlora"], "sample-level DP does not apply to hetlora"),
                          (["--delta", "1"], "--delta: must be in (0, 1)"),
