@@ -358,7 +358,7 @@ class Report:
         local, cfg = self.run_.local, self.cfg
         meta = {"method": self.method.name, "clients": str(cfg.federation.clients),
                 "config_sha256": config_digest(cfg.to_dict())}
-        if cfg.privacy.secagg.enabled:  # the server holds the global state only (SECAGG_ADAPTERS)
+        if _secagg(cfg):  # the server holds the global state only (SECAGG_ADAPTERS)
             path = folder / GLOBAL_ADAPTER
             adapter = local.global_adapter(self.server.states[0])
             write_bytes_atomic(path, save({n: v.contiguous() for n, v in adapter.items()},
