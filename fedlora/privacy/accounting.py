@@ -273,11 +273,16 @@ def noise_multiplier_for(target_epsilon, delta, sampling_rate, steps) -> float:
     """The smallest σ (within the library's tolerance, 1e-6) whose ``steps`` Poisson-subsampled Gaussian steps
     at rate q spend at most ``target_epsilon`` at ``delta``: ``dp_accounting.calibrate_dp_mechanism`` over a
     fresh ``RdpAccountant`` — the target mode that derives σ from (ε, δ, sampling rate, steps)."""
+    return _calibrated(check_epsilon(target_epsilon, "target_epsilon"), check_delta(delta),
+                       check_sampling_rate(sampling_rate), check_steps(steps))
+
+
+@functools.lru_cache(maxsize=256)
+def _calibrated(eps: float, d: float, q: float, n: int) -> float:
+    """``noise_multiplier_for`` on checked values, remembered: the calibration takes ~0.1 s per try and tens of
+    tries, and a grid (``fedlora compare --grid privacy.clip_norm=…``) asks it the same (ε, δ, q, steps) for
+    every run of a seed — the library's answer is a pure function of them."""
     import dp_accounting
 
-    eps = check_epsilon(target_epsilon, "target_epsilon")
-    d = check_delta(delta)
-    q = check_sampling_rate(sampling_rate)
-    n = check_steps(steps)
     with _quiet_absl():
         return float(dp_accounting.calibrate_dp_mechanism(_accountant, lambda s: _event(q, s, n), eps, d))
