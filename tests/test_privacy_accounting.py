@@ -126,6 +126,21 @@ def test_noise_multiplier_for_reaches_the_target(target, q, steps):
     assert eps_at == pytest.approx(target, rel=1e-4)
 
 
+def test_noise_multiplier_for_asks_the_library_once_per_setting(monkeypatch):
+    """A compare grid over C asks the same (ε, δ, q, steps) for every run: the library calibrates each setting
+    once; another number of steps (or q, ε, δ) is calibrated anew and needs more noise."""
+    from fedlora.privacy import accounting
+
+    calls, real = [], dp_accounting.calibrate_dp_mechanism
+    monkeypatch.setattr(dp_accounting, "calibrate_dp_mechanism", lambda *a, **k: calls.append(a) or real(*a, **k))
+    accounting._calibrated.cache_clear()
+    first = noise_multiplier_for(2.0, 1e-5, 0.05, 37)
+    assert noise_multiplier_for(2, 1e-5, 0.05, 37) == first and len(calls) == 1   # ε = 2 as an int: one setting
+    more = {"steps": noise_multiplier_for(2.0, 1e-5, 0.05, 74), "q": noise_multiplier_for(2.0, 1e-5, 0.1, 37),
+            "epsilon": noise_multiplier_for(1.0, 1e-5, 0.05, 37), "delta": noise_multiplier_for(2.0, 1e-7, 0.05, 37)}
+    assert len(calls) == 5 and all(s > first for s in more.values()), more
+
+
 def test_delta_from_data_size():
     assert delta_from_data_size(60000) == 1 / 120000
     assert delta_from_data_size(1) == 0.5
