@@ -50,7 +50,7 @@ import torch
 from . import flower_client
 from .errors import ConfigError
 from .payload import Payload
-from .secagg import SecAggQuantisation, flatten_payload
+from .secagg import SecAggQuantisation, flatten_payload, share_settings
 
 __all__ = ["SecAggRound", "SecAggRoundFailed", "run_secagg_simulation", "secagg_client_app", "SecAggClient", "testbed_upload",
            "testbed_uploads", "SecAggExecutor", "secagg_client_mod"]
@@ -259,8 +259,9 @@ def run_secagg_simulation(rounds: Sequence[SecAggRound], n_clients: int, quant: 
     quant.check_clients(n_clients)
     if n_clients < 3:
         raise ConfigError(f"secagg: SecAgg+ needs at least 3 clients (Flower's num_shares > 2), got {n_clients}")
-    shares = n_clients if num_shares is None else num_shares
-    threshold = max(2, shares // 2 + 1) if reconstruction_threshold is None else reconstruction_threshold
+    shares, threshold = share_settings("auto" if num_shares is None else num_shares,
+                                       "auto" if reconstruction_threshold is None else reconstruction_threshold,
+                                       n_clients)
     record = SecAggRecord()
     box: dict[str, BaseException] = {}
     app = ServerApp()
@@ -542,11 +543,13 @@ class SecAggExecutor(_flower_executor()):
         state = RecordDict({"config": ConfigRecord({"current_round": int(rnd) + 1}), "parameters": ArrayRecord()})
         ctx = LegacyContext(Context(run_id=0, node_id=0, node_config={}, state=state, run_config={}),
                             config=ServerConfig(num_rounds=1), strategy=strategy)
+        shares, threshold = share_settings(self.secagg.get("num_shares", "auto"),
+                                           self.secagg.get("reconstruction_threshold", "auto"), len(clients))
         n = len(clients)
         record = self.secagg_record
         record.errors.clear()
         record.masked_nbytes.clear()
-        workflow = SecAggPlusWorkflow(num_shares=n, reconstruction_threshold=max(2, n // 2 + 1),
+        workflow = SecAggPlusWorkflow(num_shares=shares, reconstruction_threshold=threshold,
                                       max_weight=float(quant.max_weight), clipping_range=float(quant.clipping_range),
                                       quantization_range=int(quant.quantization_range),
                                       modulus_range=int(quant.modulus_range), timeout=self.timeout)

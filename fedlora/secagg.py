@@ -60,7 +60,7 @@ from .methods.base import Method
 from .payload import Payload
 
 __all__ = ["SUM_METHODS", "REFUSED", "secagg_refusal", "secagg_weighting", "check_secagg", "SecAggQuantisation",
-           "choose_max_weight", "flatten_payload", "summed_payload", "integer_weights"]
+           "choose_max_weight", "flatten_payload", "summed_payload", "integer_weights", "share_settings"]
 
 #: methods whose server aggregate is Σ_k p_k T_k of every uploaded tensor T, applied to that sum: name →
 #: (weighting, what is summed). "data": p_k ∝ the client's data size (Flower's num_examples); "uniform":
@@ -134,6 +134,41 @@ def check_secagg(method, runtime: str, n_clients: int) -> None:
                           f"got {runtime!r}")
     if isinstance(n_clients, bool) or not isinstance(n_clients, int) or n_clients < 3:
         raise ConfigError(f"secure aggregation (SecAgg+) needs at least 3 clients per round, got {n_clients!r}")
+
+
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def share_settings(num_shares, reconstruction_threshold, n_clients: int) -> tuple[int, int]:
+    """SecAgg+'s (k, t) for a round of ``n_clients`` participants (Bell, Bonawitz, Gascón, Lepoint, Raykova, "Secure
+    Single-Server Aggregation with (Poly)Logarithmic Overhead", ACM CCS 2020, §3–4: each client's mask seeds are
+    secret-shared over its neighbourhood of k clients, itself included, and rebuilt from any t of the shares).
+
+    ``num_shares``: ``"auto"`` = every participant (k = N: the complete graph, SecAgg's), or an integer
+    3 ≤ k ≤ N — below N, odd (Flower's graph is a ring: each client and (k−1)/2 neighbours on each side; an even k
+    Flower raises by one with a warning, so it is refused here instead). ``reconstruction_threshold``: ``"auto"``
+    = a majority of the neighbourhood, max(2, ⌊k/2⌋ + 1), or an integer 2 ≤ t < k (Flower's bounds). A higher t
+    needs more colluding clients to unmask one upload, and lets fewer of a neighbourhood drop out. Returns (k, t);
+    one line naming the field otherwise."""
+    n = n_clients
+    if num_shares == "auto":
+        k = n
+    elif not _count(num_shares) or not 3 <= num_shares <= n:
+        raise ConfigError(f"secagg.num_shares: 'auto' (every participant, {n}) or an integer from 3 to the "
+                          f"{n} clients of a round, got {num_shares!r}")
+    elif num_shares < n and num_shares % 2 == 0:
+        raise ConfigError(f"secagg.num_shares: below the round's {n} clients it must be odd (each client and "
+                          f"(k−1)/2 neighbours on each side; Flower would raise {num_shares} to {num_shares + 1}), "
+                          f"got {num_shares}")
+    else:
+        k = num_shares
+    if reconstruction_threshold == "auto":
+        return k, max(2, k // 2 + 1)
+    if not _count(reconstruction_threshold) or not 2 <= reconstruction_threshold < k:
+        raise ConfigError(f"secagg.reconstruction_threshold: 'auto' (a majority, {max(2, k // 2 + 1)}) or an integer "
+                          f"from 2 to num_shares − 1 ({k - 1}), got {reconstruction_threshold!r}")
+    return k, reconstruction_threshold
 
 
 def integer_weights(weights: Sequence[float]) -> list[int]:

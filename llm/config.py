@@ -227,13 +227,21 @@ class SecAggConfig:
     quantization_range: Q; each value is stochastically rounded to a grid of step 2c/Q.
     modulus_range: M, a power of 2 ≤ 2³² above N·Q (N the clients per round: the masked sum must not wrap).
     max_weight: W; ``auto`` (default) = the largest client's data size, the tightest bound
-        (``fedlora.secagg.choose_max_weight``), or a number ≥ every client's data size."""
+        (``fedlora.secagg.choose_max_weight``), or a number ≥ every client's data size.
+    num_shares: k, the clients each one's mask seeds are shared with, itself included; ``auto`` (default) = every
+        participant (the complete graph), or an odd integer from 3 to the clients per round (SecAgg+'s sparse
+        graph: each client's cost grows with k, not with the round's clients).
+    reconstruction_threshold: t, the shares that rebuild a client's masks; ``auto`` (default) = a majority of k,
+        or an integer from 2 to k − 1: unmasking one upload takes t colluding clients, and a round survives
+        while every neighbourhood keeps t of its clients (``fedlora.secagg.share_settings``)."""
 
     enabled: bool = False
     clipping_range: float = 8.0
     quantization_range: int = 2 ** 22
     modulus_range: int = 2 ** 32
     max_weight: float | str = "auto"
+    num_shares: int | str = "auto"
+    reconstruction_threshold: int | str = "auto"
 
 
 @dataclass
@@ -515,7 +523,7 @@ def check_secagg_config(cfg: RunConfig, method_cls) -> None:
     _bool(s.enabled, "privacy.secagg.enabled")
     if not s.enabled:
         return
-    from fedlora.secagg import SecAggQuantisation, secagg_refusal
+    from fedlora.secagg import SecAggQuantisation, secagg_refusal, share_settings
 
     if s.max_weight != "auto":
         _num(s.max_weight, "privacy.secagg.max_weight", 0.0, strict=True)
@@ -539,6 +547,7 @@ def check_secagg_config(cfg: RunConfig, method_cls) -> None:
                           f"{f.sample_fraction} draws {n}")
     try:
         quant.check_clients(n)
+        share_settings(s.num_shares, s.reconstruction_threshold, n)
     except ConfigError as e:
         raise ConfigError(f"privacy.{e}") from None
     if f.client_models is not None:

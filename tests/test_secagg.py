@@ -11,7 +11,7 @@ from fedlora.errors import ConfigError
 from fedlora.methods.base import available_methods, get_method
 from fedlora.payload import Payload
 from fedlora.secagg import (REFUSED, SUM_METHODS, SecAggQuantisation, check_secagg, choose_max_weight,
-                            flatten_payload, secagg_refusal, secagg_weighting, summed_payload)
+                            flatten_payload, secagg_refusal, secagg_weighting, share_settings, summed_payload)
 
 F64 = torch.float64
 
@@ -175,11 +175,29 @@ def test_a_value_outside_the_clipping_range_is_a_one_line_error_on_the_client():
     (lambda: check_secagg("hetlora", "flower", 3), "cannot serve method 'hetlora': its server weights each client"),
     (lambda: check_secagg("fedavg", "embedded", 3), "needs runtime 'flower' (its clients mask their uploads), got 'embedded'"),
     (lambda: check_secagg("ffa", "flower", 2), "at least 3 clients per round, got 2"),
+    (lambda: share_settings(2, "auto", 5), "num_shares: 'auto' (every participant, 5) or an integer from 3 to"),
+    (lambda: share_settings(6, "auto", 5), "from 3 to the 5 clients of a round, got 6"),
+    (lambda: share_settings(True, "auto", 5), "got True"),
+    (lambda: share_settings(4, "auto", 7), "below the round's 7 clients it must be odd"),
+    (lambda: share_settings("all", "auto", 5), "got 'all'"),
+    (lambda: share_settings(5, 5, 5), "reconstruction_threshold: 'auto' (a majority, 3) or an integer from 2 to "
+                                      "num_shares − 1 (4), got 5"),
+    (lambda: share_settings(3, 1, 5), "got 1"),
+    (lambda: share_settings("auto", 2.0, 5), "got 2.0"),
 ])
 def test_bad_settings_are_one_line(make, says):
     with pytest.raises(ConfigError) as e:
         make()
     assert says in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("k, t, n, expect", [
+    ("auto", "auto", 3, (3, 2)), ("auto", "auto", 4, (4, 3)), ("auto", "auto", 10, (10, 6)),
+    (5, "auto", 10, (5, 3)), (3, "auto", 9, (3, 2)), (5, 4, 9, (5, 4)), (6, 2, 6, (6, 2)),  # k = N may be even
+])
+def test_share_settings_default_to_the_complete_graph_and_a_majority_and_keep_what_is_given(k, t, n, expect):
+    """Bell et al.'s (k, t): k = N (every participant shares with every other) and t = a majority by default."""
+    assert share_settings(k, t, n) == expect
 
 
 def test_a_run_that_may_use_secagg_passes_the_check():

@@ -438,6 +438,12 @@ def _refused(argv, tmp_path, capsys, words):
       "--set", "train.checkpoint_every=0", "--set", "privacy.secagg.clipping_range=-1"],
      ["privacy.secagg.clipping_range", "> 0"]),
     (["--runtime", "flower", "--set", "privacy.secagg.enable=true"], ["unknown key 'privacy.secagg.enable'", "enabled"]),
+    (["--runtime", "flower", "--set", "privacy.secagg.enabled=true", "--set", "federation.sample_fraction=1.0",
+      "--set", "train.checkpoint_every=0", "--set", "privacy.secagg.num_shares=4"],
+     ["privacy.secagg.num_shares", "from 3 to the 3 clients of a round, got 4"]),
+    (["--runtime", "flower", "--set", "privacy.secagg.enabled=true", "--set", "federation.sample_fraction=1.0",
+      "--set", "train.checkpoint_every=0", "--set", "privacy.secagg.reconstruction_threshold=3"],
+     ["privacy.secagg.reconstruction_threshold", "from 2 to num_shares − 1 (2), got 3"]),
 ])
 def test_bad_secagg_runs_are_refused_in_one_line_before_anything(argv, words, tmp_path, capsys):
     _refused(argv, tmp_path, capsys, words)
@@ -612,6 +618,38 @@ def test_a_client_left_out_of_the_sum_is_its_failure_and_the_mean_is_over_the_ot
     for n in names:
         assert float((summed[n].double() - exact[n]).abs().max()) <= bound, n
         assert torch.equal(run.server.states[0][n], summed[n])  # round 2 is the last: the run's final state
+
+
+@pytest.mark.long  # one tiny-smoke round of 5 clients in one process, no Ray (≈ 10 s)
+def test_num_shares_and_threshold_reach_flowers_setup_and_the_sparse_graph_sums_within_the_bound(tmp_path):
+    """``privacy.secagg.num_shares: 3``, ``reconstruction_threshold: 2`` over 5 clients: Flower's setup stage tells
+    every node k = 3, t = 2 (SecAgg+'s sparse graph: each node shares with itself and one neighbour on each side),
+    and the masks still cancel — the server's aggregate is the clients' weighted mean within the bound."""
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
+
+    from fedlora.llm.config import load_config
+    from fedlora.server import SUMMED
+
+    cfg = load_config("tiny-smoke", [*BASE, *SECAGG, "federation.clients=5", "train.rounds=1",
+                                     "privacy.secagg.num_shares=3", "privacy.secagg.reconstruction_threshold=2",
+                                     f"output_dir={tmp_path / 'run'}"])
+    grid = _grid(5)
+    _, trains = _one_process_secagg(cfg, tmp_path, grid=grid)
+    setups = [m.content.config_records[RECORD_KEY_CONFIGS] for m in grid.sent
+              if RECORD_KEY_CONFIGS in m.content.config_records
+              and m.content.config_records[RECORD_KEY_CONFIGS][Key.STAGE] == Stage.SETUP]
+    assert len(setups) == 5
+    assert {(int(c[Key.SAMPLE_NUMBER]), int(c[Key.SHARE_NUMBER]), int(c[Key.THRESHOLD])) for c in setups} == {(5, 3, 2)}
+    train = trains[0]
+    summed = train["out"][SUMMED].upload.tensors
+    names = sorted(summed)
+    ups = {k: {n: train["clients"][k][f"param:{n}"].double() for n in names} for k in range(5)}
+    w = [train["weights"][k] for k in range(5)]
+    exact = {n: sum(w[k] * ups[k][n] for k in range(5)) / sum(w) for n in names}
+    X = max(float(t.abs().max()) for u in ups.values() for t in u.values())
+    bound = train["quant"].upload_bound(w, X, torch.float32)
+    for n in names:
+        assert float((summed[n].double() - exact[n]).abs().max()) <= bound, n
 
 
 def test_a_value_outside_the_clipping_range_fails_the_round_with_the_clients_line(tmp_path):
