@@ -147,8 +147,9 @@ def check(steps: Sequence[Mapping[str, Any]]) -> None:
                     raise ConfigError(f"ε = {_eps_text(st['epsilon'])}, {m}: {e}") from None
 
 
-def run_step(st: Mapping[str, Any], *, resume: bool, log: Callable[[str], None]) -> dict[str, Any]:
-    """One ε: its compare (or, with ``resume``, the compare.json a finished one left, when its settings match)."""
+def run_step(st: Mapping[str, Any], *, resume: bool, log: Callable[[str], None], jobs: int = 1) -> dict[str, Any]:
+    """One ε: its compare (or, with ``resume``, the compare.json a finished one left, when its settings match);
+    ``jobs`` runs at once (not part of the settings: the numbers do not depend on it)."""
     from fedlora.io import claim_output_dir, write_bytes_atomic, write_json_atomic
     from fedlora.llm.compare import COMPARE_WRITES, plot_compare, run_compare, to_markdown
 
@@ -166,7 +167,7 @@ def run_step(st: Mapping[str, Any], *, resume: bool, log: Callable[[str], None])
     try:
         t0 = time.perf_counter()
         res = run_compare(st["config"], st["overrides"], st["methods"], st["grids"], st["seeds"], folder,
-                          grid=st["grid"], log=log)
+                          grid=st["grid"], jobs=jobs, log=log)
     except BaseException:
         claimed.remove_if_empty()
         raise
@@ -308,7 +309,7 @@ def sweep(*, config: str = "minilm-debian", methods: Sequence[str] = METHODS,
           epsilons: Sequence[float] = (math.inf, 6.0, 3.0, 1.0), delta: float = 1e-5,
           clip_norms: Sequence[float] = (2.0, 5.0, 10.0), lr_grid: Sequence[float] = LR_GRID,
           ffa_factor: float = 10.0, seeds: int = 2, rounds: int | None = None, local_steps: int | None = None,
-          threads: int = 1, sets: Sequence[str] = (),
+          threads: int = 1, jobs: int = 1, sets: Sequence[str] = (),
           out: Path, resume: bool = False, command: str = "", log: Callable[[str], None] = print) -> dict[str, Any]:
     """Every ε's compare (``run_step``), then the table's rows, the verdicts and the files (module docstring).
     Returns privacy_utility_llm.json's content."""
@@ -320,8 +321,8 @@ def sweep(*, config: str = "minilm-debian", methods: Sequence[str] = METHODS,
             raise ConfigError(f"--methods: unknown method {m!r}; registered: {', '.join(available_methods())}")
     if not methods or len(set(methods)) != len(methods):
         raise ConfigError("--methods: name each method once, at least one")
-    if seeds < 1 or threads < 1 or any(v is not None and v < 1 for v in (rounds, local_steps)):
-        raise ConfigError("--seeds, --rounds, --local-steps and --threads: at least 1 each")
+    if seeds < 1 or threads < 1 or jobs < 1 or any(v is not None and v < 1 for v in (rounds, local_steps)):
+        raise ConfigError("--seeds, --rounds, --local-steps, --threads and --jobs: at least 1 each")
     if not 0 < delta < 1:
         raise ConfigError(f"--delta: must be in (0, 1), got {delta!r}")
     if not math.isfinite(ffa_factor) or ffa_factor <= 0:
@@ -340,7 +341,7 @@ def sweep(*, config: str = "minilm-debian", methods: Sequence[str] = METHODS,
                           f"choose another folder")
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    results = [run_step(st, resume=resume, log=log) for st in steps]
+    results = [run_step(st, resume=resume, log=log, jobs=jobs) for st in steps]
     rows = collect(steps, results)
     first = results[0]
     res = {"schema_version": 1, "command": command, "model": first["model"], "task": first["task"],
@@ -377,6 +378,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="train.local_steps (default: the config's, 10 for minilm-debian)")
     ap.add_argument("--threads", type=int, default=1,
                     help="train.threads (default 1: no oversubscription on a shared CPU)")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="runs at once, each its own process (fedlora compare --jobs; default 1): --jobs 2 on 2 cores")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="any other config field for every run, e.g. --set data.max_train_samples=400")
     ap.add_argument("--out", required=True, help="output folder (new or empty, unless --resume)")
@@ -390,7 +393,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     epsilons=parse_epsilons(a.epsilons), delta=a.delta,
                     clip_norms=_numbers(a.clip_norms, "--clip-norms"), lr_grid=_numbers(a.lr_grid, "--lr-grid"),
                     ffa_factor=a.ffa_factor, seeds=a.seeds, rounds=a.rounds, local_steps=a.local_steps,
-                    threads=a.threads, sets=a.set, out=Path(a.out), resume=a.resume, command=command)
+                    threads=a.threads, jobs=a.jobs, sets=a.set, out=Path(a.out), resume=a.resume, command=command)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -118,7 +118,10 @@ def register_compare(subparsers: argparse._SubParsersAction) -> None:
     cp.add_argument("--out", default="runs/compare-llm", help="output folder (default runs/compare-llm); must be new "
                                                               "or empty, unless --overwrite")
     cp.add_argument("--overwrite", action="store_true", help="clear --out first (only a folder of compare's files)")
-    cp.add_argument("--progress", action="store_true", help="a progress bar per run")
+    cp.add_argument("--jobs", type=int, default=1, metavar="N",
+                    help="runs at once, each in its own process with train.threads threads (default 1); the numbers "
+                         "do not depend on it, e.g. --jobs 4 --set train.threads=2 on 8 cores")
+    cp.add_argument("--progress", action="store_true", help="a progress bar per run (--jobs 1 only)")
     cp.set_defaults(handler=_cmd_compare)
 
 
@@ -144,10 +147,16 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     parse_value_grid(args.grid, args.set)  # its own mistakes refused before the folder is claimed
     if args.seeds < 1:
         raise ConfigError(f"--seeds: at least 1, got {args.seeds}")
+    if args.jobs < 1:
+        raise ConfigError(f"--jobs: the runs at once, an integer ≥ 1, got {args.jobs}")
+    if args.progress and args.jobs > 1:
+        raise ConfigError("--progress: one bar per run needs --jobs 1 (runs in worker processes would draw over "
+                          "each other)")
     folder = claim_output_dir(args.out, writes=COMPARE_WRITES, overwrite=args.overwrite)
     out = folder.path
     try:
-        res = run_compare(args.config, args.set, methods, grids, args.seeds, out, grid=args.grid, progress=args.progress)
+        res = run_compare(args.config, args.set, methods, grids, args.seeds, out, grid=args.grid, progress=args.progress,
+                          jobs=args.jobs)
     except BaseException:
         folder.remove_if_empty()
         raise

@@ -30,7 +30,7 @@ import math
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from fedlora.errors import ConfigError, did_you_mean, plural
 
@@ -235,16 +235,49 @@ def _mean_std(xs: Sequence[float]) -> tuple[float, float]:
     return float(statistics.fmean(xs)), float(statistics.stdev(xs)) if len(xs) > 1 else 0.0
 
 
+def _run_one(cfg) -> dict[str, Any]:
+    """One grid run in a worker process of ``run_compare(jobs > 1)``: its summary.json content."""
+    from .runtime import FederatedRun
+
+    return FederatedRun(cfg).run()
+
+
+def _grid_runs(cfgs: Mapping[Any, Any], jobs: int, progress: bool) -> Iterator[tuple[Any, dict[str, Any]]]:
+    """(key, summary) of every config of ``cfgs``: in order, in this process (``jobs`` = 1), or as they finish, in
+    ``jobs`` worker processes (spawned: a fresh interpreter each, nothing inherited but the environment). A run
+    is the same in either: it seeds everything itself, with ``train.threads`` threads. A run's error stops the
+    others not yet started and is raised here."""
+    if jobs == 1:
+        from .runtime import FederatedRun
+
+        for key, cfg in cfgs.items():
+            yield key, FederatedRun(cfg, progress=progress).run()
+        return
+    import concurrent.futures as cf
+    import multiprocessing
+
+    with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(_run_one, cfg): key for key, cfg in cfgs.items()}
+        try:
+            for fut in cf.as_completed(futures):
+                yield futures[fut], fut.result()
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+
+
 def run_compare(config: str, overrides: Sequence[str], methods: Sequence[str], grids: Mapping[str, Sequence[float]],
-                seeds: int, out: Path, *, grid: Sequence[str] = (), progress: bool = False,
+                seeds: int, out: Path, *, grid: Sequence[str] = (), progress: bool = False, jobs: int = 1,
                 log: Callable[[str], None] = print) -> dict[str, Any]:
     """The three phases (module docstring) into ``out`` (claimed by the caller). ``grid``: ``--grid`` entries
-    (``parse_value_grid``), crossed with every step size. Returns compare.json's content."""
+    (``parse_value_grid``), crossed with every step size. ``jobs``: runs at once (``_grid_runs``; the results do
+    not depend on it). Returns compare.json's content."""
     from .config import describe_method, load_config
-    from .runtime import FederatedRun
 
     if seeds < 1:
         raise ConfigError(f"--seeds: at least 1, got {seeds}")
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ConfigError(f"--jobs: the runs at once, an integer ≥ 1, got {jobs!r}")
     values = parse_value_grid(grid, overrides)
     base = load_config(config, list(overrides))
     if base.federation.client_models is not None:
@@ -277,19 +310,18 @@ def run_compare(config: str, overrides: Sequence[str], methods: Sequence[str], g
                         f"output_dir={json.dumps(str(folder))}"])
                     describe_method(cfgs[m, cand(lr, combo), i])  # its options resolve (one line otherwise)
     metric = None
-    val: dict[str, dict[Any, list[float]]] = {m: {cand(lr, c): [] for lr in grids[m] for c in combos} for m in methods}
-    folders: dict[tuple[str, Any, int], Path] = {}
+    scores: dict[tuple[str, Any, int], float] = {}
+    folders = {key: Path(cfg.output_dir) for key, cfg in cfgs.items()}
     n, t0 = len(cfgs), time.perf_counter()
-    for j, ((m, c, i), cfg) in enumerate(cfgs.items()):  # phase 1: the grid
-        summary = FederatedRun(cfg, progress=progress).run()
+    for j, ((m, c, i), summary) in enumerate(_grid_runs(cfgs, jobs, progress)):  # phase 1: the grid
         metric = metric or summary["main_metric"]
         data_name = summary["task"]  # the task, or the user's file where data.path replaced its data
-        score = validation_score(summary, metric)
-        val[m][c].append(score)
-        folders[m, c, i] = Path(cfg.output_dir)
+        scores[m, c, i] = validation_score(summary, metric)
         what = f"lr={c:g}" if not values else "lr=" + _cand_label(c[0], values, c[1:])
-        log(f"[{j + 1}/{n}] {m} {what} seed={cfg.seed}: validation {metric} {score:.4f} "
+        log(f"[{j + 1}/{n}] {m} {what} seed={cfgs[m, c, i].seed}: validation {metric} {scores[m, c, i]:.4f} "
             f"({time.perf_counter() - t0:.0f} s so far)")
+    val = {m: {cand(lr, c): [scores[m, cand(lr, c), i] for i in range(seeds)] for lr in grids[m] for c in combos}
+           for m in methods}  # per candidate the seeds in order, whichever run finished first
     chosen = {m: choose_step_size(val[m]) for m in methods}  # phase 2: validation only
     rows = []
     for m in methods:  # phase 3: the chosen runs' test numbers

@@ -30,9 +30,14 @@ ARGS = ["--config", "tiny-smoke", "--methods", "fedavg,ffa", "--epsilons", "inf,
 @pytest.mark.long  # a bench script's smoke run, as the other bench smokes (eight tiny-smoke runs: 6–14 s)
 def test_smoke_sweep_reports_the_chosen_runs_and_the_verdict(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from fedlora.llm.runtime import FederatedRun
+
     mod = _script()
     out = tmp_path / "sweep"
-    assert mod.main(ARGS + ["--out", str(out)]) == 0
+    here = []
+    monkeypatch.setattr(FederatedRun, "run", lambda self, *a, **k: here.append(self) or None)
+    assert mod.main(ARGS + ["--jobs", "2", "--out", str(out)]) == 0
+    assert here == []  # --jobs 2: every run in compare's worker processes, none in this one
     res = json.loads((out / "privacy_utility_llm.json").read_text())
     assert res["settings"]["epsilons"] == ["inf", 3.0] and res["runs"] == 2 + 2 * 2
     rows = {(r["method"], r["epsilon"]): r for r in res["rows"]}
@@ -105,7 +110,7 @@ def test_bad_sweep_settings_are_one_line_before_any_run(tmp_path, capsys):
     for extra, match in ((["--epsilons", "inf,0"], "ε must be > 0"), (["--epsilons", "3,3"], "--epsilons: a value is listed twice"),
                          (["--clip-norms", "0,5"], "--clip-norms: values are positive"),
                          (["--methods", "fedavg,hetlora"], "sample-level DP does not apply to hetlora"),
-                         (["--delta", "1"], "--delta: must be in (0, 1)"),
+                         (["--delta", "1"], "--delta: must be in (0, 1)"), (["--jobs", "0"], "and --jobs: at least 1 each"),
                          (["--set", "privacy.clip_norm=3"], "--set privacy.clip_norm sets it too")):
         assert mod.main(ARGS + extra + ["--out", str(out)]) == 2
         err = capsys.readouterr().err

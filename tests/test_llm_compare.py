@@ -108,6 +108,8 @@ def test_bad_compare_input_is_one_line_and_writes_nothing(tmp_path, capsys):
         (["--methods", "fedavg", "--lr-grid", "1e-3", "--seeds", "0"], "--seeds: at least 1"),
         (["--methods", "fedavg", "--lr-grid", "1e-3", "--set", "federation.val_fraction=0"], "val_fraction is 0"),
         (["--methods", "fedavg", "--lr-grid", "1e-3", "--set", "train.rounds=0"], "train.rounds"),
+        (["--methods", "fedavg", "--lr-grid", "1e-3", "--jobs", "0"], "--jobs: the runs at once, an integer ≥ 1, got 0"),
+        (["--methods", "fedavg", "--lr-grid", "1e-3", "--jobs", "2", "--progress"], "needs --jobs 1"),
     ]
     for args, match in cases:
         assert main(["compare", "tiny-smoke", *args, "--out", str(out)]) == 2
@@ -224,3 +226,47 @@ def test_bad_grid_input_is_one_line_before_any_run(tmp_path, capsys):
         err = capsys.readouterr().err
         assert match in err and len(err.strip().splitlines()) == 1, (args, err)
         assert not out.exists()
+
+
+def _without_wall(x):
+    """``x`` without its wall-clock fields (``wall_s``, ``wall_s_*``): what must not depend on how runs were spread."""
+    if isinstance(x, dict):
+        return {k: _without_wall(v) for k, v in x.items() if not k.startswith("wall_s")}
+    if isinstance(x, list):
+        return [_without_wall(v) for v in x]
+    return x
+
+
+@pytest.mark.long  # two worker processes start (spawn: ≈ 5 s of imports each) besides the one-process compare
+def test_jobs_spread_the_runs_over_processes_and_change_no_number(tmp_path, monkeypatch):
+    """``--jobs 2``: the same compare.json (every validation score, choice and test number) and the same round
+    records of every run, to the bit, as ``--jobs 1`` — and with ``--jobs 2`` no run ran in this process."""
+    from fedlora.llm.runtime import FederatedRun
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    here, real_run = [], FederatedRun.run
+
+    def run(self, *a, **k):
+        here.append(self.cfg.output_dir)
+        return real_run(self, *a, **k)
+
+    monkeypatch.setattr(FederatedRun, "run", run)
+    args = ["compare", "tiny-smoke", "--methods", "fedavg,ffa", "--lr-grid", "1e-3,5e-2", "--seeds", "1",
+            "--set", "train.rounds=1"]
+    assert main([*args, "--out", str(tmp_path / "one")]) == 0
+    assert len(here) == 4
+    assert main([*args, "--jobs", "2", "--out", str(tmp_path / "two")]) == 0
+    assert len(here) == 4  # the four runs of --jobs 2 ran in the workers
+
+    def read(d):
+        text = (tmp_path / d / "compare.json").read_text().replace(str(tmp_path / d), "OUT")
+        return _without_wall({k: v for k, v in json.loads(text).items() if k != "command"})
+
+    assert read("one") == read("two")
+    runs = sorted((tmp_path / "one" / "runs").glob("*/*/seed_0"))
+    assert len(runs) == 4
+    for run_dir in runs:
+        twin = tmp_path / "two" / run_dir.relative_to(tmp_path / "one")
+        recs = [[_without_wall(json.loads(line)) for line in (r / "rounds.jsonl").read_text().splitlines()]
+                for r in (run_dir, twin)]
+        assert len(recs[0]) == 2 and recs[0] == recs[1], run_dir
