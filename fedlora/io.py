@@ -105,9 +105,23 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
         raise
 
 
-def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
-    """``obj`` as JSON (NaN refused), written atomically (``write_bytes_atomic``)."""
-    write_bytes_atomic(path, json.dumps(obj, indent=1, allow_nan=False).encode())
+def _has_nan(obj: Any) -> bool:
+    if isinstance(obj, float):
+        return obj != obj
+    if isinstance(obj, dict):
+        return any(_has_nan(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_has_nan(v) for v in obj)
+    return False
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any, *, infinity: bool = False) -> None:
+    """``obj`` as JSON (NaN refused), written atomically (``write_bytes_atomic``). ``infinity``: ±∞ written as
+    ``Infinity`` / ``-Infinity`` (what Python's json reads back, and what rounds.jsonl holds) instead of refused —
+    for values that may legitimately be infinite, such as ε without noise (σ = 0)."""
+    if infinity and _has_nan(obj):
+        raise ValueError("Out of range float values are not JSON compliant: nan")
+    write_bytes_atomic(path, json.dumps(obj, indent=1, allow_nan=infinity).encode())
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

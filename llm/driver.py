@@ -158,7 +158,7 @@ class Driver:
             summary["adapters"] = SECAGG_ADAPTERS
         if self.write:
             self.report.save_adapters(out / "adapters")
-            write_json_atomic(out / "summary.json", summary)
+            write_json_atomic(out / "summary.json", summary, infinity=True)  # ε = ∞ when σ = 0, as in rounds.jsonl
             try:
                 self.report.plot(self.history, evals, out / "rounds.png")
             except Exception as e:  # a figure must never lose a run's results

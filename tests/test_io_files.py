@@ -147,3 +147,18 @@ def test_resume_is_refused_in_one_line_until_runs_write_checkpoints(tmp_path):
             claim_output_dir(out, writes=WRITES, resume=True)
         assert str(e.value) == RESUME_LATER and "--overwrite" in RESUME_LATER and "issue" not in RESUME_LATER
     assert not (tmp_path / "new").exists()
+
+
+def test_json_writes_refuse_nan_and_write_infinity_only_when_asked(tmp_path):
+    """summary.json may hold ε = ∞ (σ = 0): ``infinity=True`` writes it as rounds.jsonl does; NaN stays refused."""
+    import json
+    import math
+
+    with pytest.raises(ValueError, match="not JSON compliant"):
+        write_json_atomic(tmp_path / "a.json", {"eps": math.inf})
+    write_json_atomic(tmp_path / "a.json", {"eps": math.inf, "x": [1.0, -math.inf]}, infinity=True)
+    assert json.loads((tmp_path / "a.json").read_text()) == {"eps": math.inf, "x": [1.0, -math.inf]}
+    for bad in ({"m": {"loss": math.nan}}, [1.0, [math.nan]], math.nan):
+        with pytest.raises(ValueError, match="nan"):
+            write_json_atomic(tmp_path / "b.json", bad, infinity=True)
+    assert not (tmp_path / "b.json").exists()

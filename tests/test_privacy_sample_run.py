@@ -122,3 +122,19 @@ def test_the_plan_derives_sigma_for_the_worst_client_and_refuses_a_budget_the_fi
     with pytest.raises(ConfigError, match="the first round alone spends") as e:
         privacy_plan(bad, 3, sizes, steps)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("level", ["sample", "client"])
+def test_a_run_without_noise_ends_with_epsilon_infinity_in_its_summary(level, tmp_path):
+    """σ = 0 (``noise_multiplier: 0``, clipping without noise — an ablation): no guarantee, ε = ∞ in every round
+    record AND in summary.json, which the run used to fail to write at its very end (JSON has no infinity)."""
+    import math
+
+    from _run_helpers import tiny_run
+
+    out = tiny_run(tmp_path / level, f"privacy.level={level}", "privacy.noise_multiplier=0", "train.rounds=2")
+    summary = json.loads((out / "summary.json").read_text())
+    assert json.loads((out / "run.json").read_text())["status"] == "complete"
+    assert summary["privacy"]["noise_multiplier"] == 0 and math.isinf(summary["privacy"]["epsilon"])
+    assert summary["privacy"]["rounds_run"] == 2
+    assert [math.isinf(r["privacy"]["epsilon"]) for r in _lines(out)[1:]] == [True, True]
