@@ -1,0 +1,43 @@
+"""bench/dp_grad_norms.py: the norms it reports are the ones DP-SGD's clipping sees — a run clipped at a C just
+above the largest reported norm is the unclipped run to the bit, one clipped at half of it is not."""
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("dp_grad_norms", ROOT / "bench" / "dp_grad_norms.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _records(out):
+    return [{k: v for k, v in json.loads(line).items() if k != "wall_s"}
+            for line in (out / "rounds.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.long  # a bench script's smoke, as the others: four tiny-smoke runs of 2 rounds (≈ 15 s)
+def test_the_reported_norms_are_what_the_clipping_sees(tmp_path, monkeypatch, capsys):
+    from fedlora.llm import run
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    mod = _script()
+    assert mod.main(["tiny-smoke", "--rounds", "2", "--clip-norms", "0.5,1e9", "--out", str(tmp_path / "n.json")]) == 0
+    res = json.loads((tmp_path / "n.json").read_text())
+    assert "| all |" in capsys.readouterr().out
+    top = res["all"]["max"]
+    assert res["all"]["examples"] == sum(r["examples"] for r in res["per_round"].values()) > 0
+    assert res["all"]["clipped_fraction"]["1e+09"] == 0.0 and 0 < res["all"]["quantiles"]["0.5"] <= top
+    runs = {}
+    for name, c in (("none", 1e12), ("above", top * (1 + 1e-6)), ("half", top / 2)):
+        run("tiny-smoke", mod.overrides(tmp_path / name, rounds=2, clip_norm=c), progress=False)
+        runs[name] = _records(tmp_path / name)
+    assert runs["above"] == runs["none"]  # C above every reported norm: nothing was clipped
+    assert runs["half"] != runs["none"]  # half the largest: that example at least was clipped
+    assert not math.isnan(res["all"]["mean"])
