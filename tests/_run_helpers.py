@@ -1,5 +1,7 @@
 """Small runs and spies that several test modules share: a finished tiny-smoke run, one stopped by a real
-Ctrl-C in its round loop, and a record of what a run predicts on its test rows."""
+Ctrl-C in its round loop, a record of what a run predicts on its test rows, and a script of the repository loaded
+as a module."""
+import importlib.util
 import json
 from pathlib import Path
 from typing import Sequence
@@ -8,6 +10,16 @@ import numpy as np
 import pytest
 
 FAST = ["train.local_steps=1", "eval.batch_size=64"]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script(path: str, name: str | None = None):
+    """The repository's script ``path`` (e.g. ``"bench/dp_grad_norms.py"``: not a package module) loaded as a fresh
+    module named ``name`` (default: the file's stem)."""
+    spec = importlib.util.spec_from_file_location(name or Path(path).stem, ROOT / path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def tiny_run(out: Path, *overrides: str) -> Path:

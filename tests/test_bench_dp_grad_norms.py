@@ -1,20 +1,16 @@
 """bench/dp_grad_norms.py: the norms it reports are the ones DP-SGD's clipping sees — a run clipped at a C just
 above the largest reported norm is the unclipped run to the bit, one clipped at half of it is not."""
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("dp_grad_norms", ROOT / "bench" / "dp_grad_norms.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from _run_helpers import load_script
+
+    return load_script("bench/dp_grad_norms.py")
 
 
 def _records(out):

@@ -204,10 +204,9 @@ def test_smoke_fails_on_wrong_multi_op(runs):
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("kernels_gpu_for_test", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from _run_helpers import load_script
+
+    return load_script(str(SCRIPT.relative_to(ROOT)), "kernels_gpu_for_test")
 
 
 def _row(variant="fused", p="fwd+bwd", ms=1.5, rel=1e-3, grad=2e-3, **extra):

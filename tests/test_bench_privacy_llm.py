@@ -2,7 +2,6 @@
 compare per ε (ε = ∞ without DP, a finite ε with sample-level DP at that target and δ = 1e-5, C chosen from the
 grid), FFA-LoRA's step-size grid 10× the others', the table's numbers those of the chosen runs, the verdict per
 ε, --resume keeping finished ε folders; and the verdict's arithmetic on hand-made rows."""
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -11,15 +10,13 @@ import pytest
 
 from fedlora.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("privacy_utility_llm", ROOT / "bench" / "privacy_utility_llm.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from _run_helpers import load_script
+
+    return load_script("bench/privacy_utility_llm.py")
 
 
 # every client's whole share in each step (q = 1): σ's calibration then takes milliseconds, not seconds per run

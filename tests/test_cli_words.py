@@ -4,7 +4,6 @@ negative number taken as a value, the model a table names, no spread for one see
 anything is announced, and the config field reference the help points to (kept true to the code)."""
 import ast
 import dataclasses
-import importlib.util
 import json
 import logging
 import re
@@ -122,10 +121,9 @@ def test_list_configs_does_not_stop_at_an_abbreviation(tmp_path, monkeypatch, ca
 
 # --- fedlora run --help points to the field reference, which matches the code -----------------------
 def _reference_module():
-    spec = importlib.util.spec_from_file_location("config_reference", ROOT / "tools" / "config_reference.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from _run_helpers import load_script
+
+    return load_script("tools/config_reference.py")
 
 
 def test_run_help_links_the_config_field_reference_not_a_source_file(capsys):
