@@ -24,8 +24,9 @@ Then ``privacy_utility_llm.json`` (every (method, ε): test accuracy mean ± std
 step size and C, σ, the ε reached, the drop from ε = ∞), ``privacy_utility_llm.md`` (the table and one verdict line
 per finite ε: does FFA-LoRA lose less accuracy than FedAvg-LoRA?) and ``privacy_utility_llm.png`` (accuracy against
 ε per method; the drop from ε = ∞ per method). ``--resume`` keeps every ε folder that holds a compare.json of the
-same settings and redoes the others (a folder a stopped compare left half-written is cleared first): a long
-job can be stopped and restarted. Every setting is checked (one line) before the first run.
+same settings, and runs the others' compares keeping each finished run of the same settings (``fedlora compare
+--resume``): a long job can be stopped and restarted, or grown — more seeds, methods or clipping norms — running only
+what is new. Every setting is checked (one line) before the first run.
 """
 from __future__ import annotations
 
@@ -148,7 +149,8 @@ def check(steps: Sequence[Mapping[str, Any]]) -> None:
 
 
 def run_step(st: Mapping[str, Any], *, resume: bool, log: Callable[[str], None], jobs: int = 1) -> dict[str, Any]:
-    """One ε: its compare (or, with ``resume``, the compare.json a finished one left, when its settings match);
+    """One ε: its compare (or, with ``resume``, the compare.json a finished one left, when its settings match;
+    otherwise its compare again, keeping every finished run of the same settings — ``run_compare(reuse=True)``);
     ``jobs`` runs at once (not part of the settings: the numbers do not depend on it)."""
     from fedlora.io import claim_output_dir, write_bytes_atomic, write_json_atomic
     from fedlora.llm.compare import COMPARE_WRITES, plot_compare, run_compare, to_markdown
@@ -160,14 +162,14 @@ def run_step(st: Mapping[str, Any], *, resume: bool, log: Callable[[str], None],
         if res.get("command") == command:
             log(f"[privacy-llm] ε = {_eps_text(st['epsilon'])}: kept {done} (--resume)")
             return res
-        raise ConfigError(f"--resume: {done} is a compare of other settings ({res.get('command')!r}); "
-                          f"choose another --out or remove {folder}")
-    # a folder that a stopped compare left holds only compare's files (runs/): cleared and redone
-    claimed = claim_output_dir(folder, writes=COMPARE_WRITES, overwrite=resume)
+        log(f"[privacy-llm] ε = {_eps_text(st['epsilon'])}: other settings than {done}; its runs of the same "
+            "settings are kept (--resume)")
+    # a folder a stopped (or smaller) compare left holds only compare's files: its finished runs are kept
+    claimed = claim_output_dir(folder, writes=COMPARE_WRITES, overwrite=resume, clear=False)
     try:
         t0 = time.perf_counter()
         res = run_compare(st["config"], st["overrides"], st["methods"], st["grids"], st["seeds"], folder,
-                          grid=st["grid"], jobs=jobs, log=log)
+                          grid=st["grid"], jobs=jobs, reuse=resume, log=log)
     except BaseException:
         claimed.remove_if_empty()
         raise
@@ -383,7 +385,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="any other config field for every run, e.g. --set data.max_train_samples=400")
     ap.add_argument("--out", required=True, help="output folder (new or empty, unless --resume)")
-    ap.add_argument("--resume", action="store_true", help="keep the finished ε folders of --out, redo the others")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the finished ε folders of --out and every finished run of the same settings; run the rest")
     a = ap.parse_args(argv)
     import shlex
 

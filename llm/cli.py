@@ -118,6 +118,10 @@ def register_compare(subparsers: argparse._SubParsersAction) -> None:
     cp.add_argument("--out", default="runs/compare-llm", help="output folder (default runs/compare-llm); must be new "
                                                               "or empty, unless --overwrite")
     cp.add_argument("--overwrite", action="store_true", help="clear --out first (only a folder of compare's files)")
+    cp.add_argument("--resume", action="store_true",
+                    help="keep every finished run in --out of exactly the same settings and run the others: a stopped "
+                         "compare goes on, a grown one (more seeds, methods, step sizes or --grid values) runs only "
+                         "what is new")
     cp.add_argument("--jobs", type=int, default=1, metavar="N",
                     help="runs at once, each in its own process with train.threads threads (default 1); the numbers "
                          "do not depend on it, e.g. --jobs 4 --set train.threads=2 on 8 cores")
@@ -149,14 +153,18 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         raise ConfigError(f"--seeds: at least 1, got {args.seeds}")
     if args.jobs < 1:
         raise ConfigError(f"--jobs: the runs at once, an integer ≥ 1, got {args.jobs}")
+    if args.resume and args.overwrite:
+        raise ConfigError("--resume keeps the finished runs of --out and --overwrite clears them: give one")
     if args.progress and args.jobs > 1:
         raise ConfigError("--progress: one bar per run needs --jobs 1 (runs in worker processes would draw over "
                           "each other)")
-    folder = claim_output_dir(args.out, writes=COMPARE_WRITES, overwrite=args.overwrite)
+    # --resume: the folder must hold only compare's files, as for --overwrite, but nothing is cleared
+    folder = claim_output_dir(args.out, writes=COMPARE_WRITES, overwrite=args.overwrite or args.resume,
+                              clear=not args.resume)
     out = folder.path
     try:
         res = run_compare(args.config, args.set, methods, grids, args.seeds, out, grid=args.grid, progress=args.progress,
-                          jobs=args.jobs)
+                          jobs=args.jobs, reuse=args.resume)
     except BaseException:
         folder.remove_if_empty()
         raise

@@ -25,8 +25,10 @@ Protocol, in three phases whose order is the point:
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -242,6 +244,24 @@ def _run_one(cfg) -> dict[str, Any]:
     return FederatedRun(cfg).run()
 
 
+def finished_run(cfg) -> dict[str, Any] | None:
+    """The summary of the finished run in ``cfg.output_dir`` when it ran exactly ``cfg`` (run.json ``complete``,
+    config.json's config equal to ``cfg``'s), else None. The code is not compared: a run kept is the numbers the
+    code of its day gave."""
+    from .runfolder import read_status
+
+    folder = Path(cfg.output_dir)
+    try:
+        if read_status(folder) != "complete":
+            return None
+        saved = json.loads((folder / "config.json").read_text())["config"]
+        if saved != json.loads(json.dumps(cfg.to_dict(), allow_nan=True)):
+            return None
+        return json.loads((folder / "summary.json").read_text())
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _grid_runs(cfgs: Mapping[Any, Any], jobs: int, progress: bool) -> Iterator[tuple[Any, dict[str, Any]]]:
     """(key, summary) of every config of ``cfgs``: in order, in this process (``jobs`` = 1), or as they finish, in
     ``jobs`` worker processes (spawned: a fresh interpreter each, nothing inherited but the environment). A run
@@ -268,10 +288,12 @@ def _grid_runs(cfgs: Mapping[Any, Any], jobs: int, progress: bool) -> Iterator[t
 
 def run_compare(config: str, overrides: Sequence[str], methods: Sequence[str], grids: Mapping[str, Sequence[float]],
                 seeds: int, out: Path, *, grid: Sequence[str] = (), progress: bool = False, jobs: int = 1,
-                log: Callable[[str], None] = print) -> dict[str, Any]:
+                reuse: bool = False, log: Callable[[str], None] = print) -> dict[str, Any]:
     """The three phases (module docstring) into ``out`` (claimed by the caller). ``grid``: ``--grid`` entries
     (``parse_value_grid``), crossed with every step size. ``jobs``: runs at once (``_grid_runs``; the results do
-    not depend on it). Returns compare.json's content."""
+    not depend on it). ``reuse`` (``--resume``): a run whose folder already holds it finished (``finished_run``) is
+    read, not run again; any other folder of a run is removed and the run made afresh. Returns compare.json's
+    content."""
     from .config import describe_method, load_config
 
     if seeds < 1:
@@ -312,14 +334,25 @@ def run_compare(config: str, overrides: Sequence[str], methods: Sequence[str], g
     metric = None
     scores: dict[tuple[str, Any, int], float] = {}
     folders = {key: Path(cfg.output_dir) for key, cfg in cfgs.items()}
+    kept = {}
+    if reuse:
+        for key, cfg in cfgs.items():
+            summary = finished_run(cfg)
+            if summary is not None:
+                kept[key] = summary
+            elif folders[key].exists():  # a stopped run, or one of other settings: compare's own, made afresh
+                shutil.rmtree(folders[key])
+    todo = {key: cfg for key, cfg in cfgs.items() if key not in kept}
     n, t0 = len(cfgs), time.perf_counter()
-    for j, ((m, c, i), summary) in enumerate(_grid_runs(cfgs, jobs, progress)):  # phase 1: the grid
+    if kept:
+        log(f"kept {len(kept)} finished run(s) of the same settings (--resume); {len(todo)} to run")
+    for j, ((m, c, i), summary) in enumerate(itertools.chain(kept.items(), _grid_runs(todo, jobs, progress))):  # phase 1: the grid
         metric = metric or summary["main_metric"]
         data_name = summary["task"]  # the task, or the user's file where data.path replaced its data
         scores[m, c, i] = validation_score(summary, metric)
         what = f"lr={c:g}" if not values else "lr=" + _cand_label(c[0], values, c[1:])
         log(f"[{j + 1}/{n}] {m} {what} seed={cfgs[m, c, i].seed}: validation {metric} {scores[m, c, i]:.4f} "
-            f"({time.perf_counter() - t0:.0f} s so far)")
+            f"({'kept' if (m, c, i) in kept else f'{time.perf_counter() - t0:.0f} s so far'})")
     val = {m: {cand(lr, c): [scores[m, cand(lr, c), i] for i in range(seeds)] for lr in grids[m] for c in combos}
            for m in methods}  # per candidate the seeds in order, whichever run finished first
     chosen = {m: choose_step_size(val[m]) for m in methods}  # phase 2: validation only

@@ -119,20 +119,27 @@ def test_bad_sweep_settings_are_one_line_before_any_run(tmp_path, capsys):
         mod.sweep(config="tiny-smoke", methods=["fedavg"], epsilons=[math.inf], seeds=1, lr_grid=[1e-3], out=out)
 
 
-def test_resume_redoes_an_eps_folder_a_stopped_compare_left(tmp_path, monkeypatch):
-    """--resume: an ε folder without compare.json (the compare stopped) holds only compare's files: it is cleared and
-    its compare run again; a folder holding anything else is refused, never cleared."""
+def test_resume_redoes_a_stopped_run_and_a_grown_sweep_runs_only_what_is_new(tmp_path, monkeypatch):
+    """--resume: a run folder a stopped compare left (no run.json) is made afresh; a sweep grown by a seed keeps the
+    finished runs of its ε folder and runs only the new seed's; a folder holding anything else is refused, never
+    cleared."""
+    from fedlora.llm.runtime import FederatedRun
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     mod = _script()
     out = tmp_path / "sweep"
-    half = out / "eps_inf" / "runs" / "fedavg"
+    half = out / "eps_inf" / "runs" / "fedavg" / "lr_0.001" / "seed_0"
     half.mkdir(parents=True)
     (half / "left.txt").write_text("a stopped run")
     kw = dict(config="tiny-smoke", methods=["fedavg"], epsilons=[math.inf], seeds=1, lr_grid=[1e-3], rounds=1,
               local_steps=1, out=out, resume=True, log=lambda line: None)
     res = mod.sweep(**kw)
     assert not (half / "left.txt").exists() and (out / "eps_inf" / "compare.json").is_file()
-    assert res["rows"][0]["runs"] == [str(out / "eps_inf" / "runs" / "fedavg" / "lr_0.001" / "seed_0")]
+    assert res["rows"][0]["runs"] == [str(half)]
+    ran, real_run = [], FederatedRun.run
+    monkeypatch.setattr(FederatedRun, "run", lambda self, *a, **k: ran.append(self.cfg.seed) or real_run(self, *a, **k))
+    res = mod.sweep(**{**kw, "seeds": 2})
+    assert ran == [1] and len(res["rows"][0]["test_per_seed"]) == 2
     (out / "eps_inf" / "compare.json").unlink()
     (out / "eps_inf" / "mine.txt").write_text("x")
     with pytest.raises(ConfigError, match="mine.txt"):

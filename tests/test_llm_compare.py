@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from pathlib import Path
 
 import pytest
 
@@ -110,6 +111,7 @@ def test_bad_compare_input_is_one_line_and_writes_nothing(tmp_path, capsys):
         (["--methods", "fedavg", "--lr-grid", "1e-3", "--set", "train.rounds=0"], "train.rounds"),
         (["--methods", "fedavg", "--lr-grid", "1e-3", "--jobs", "0"], "--jobs: the runs at once, an integer ≥ 1, got 0"),
         (["--methods", "fedavg", "--lr-grid", "1e-3", "--jobs", "2", "--progress"], "needs --jobs 1"),
+        (["--methods", "fedavg", "--lr-grid", "1e-3", "--resume", "--overwrite"], "--resume keeps the finished runs"),
     ]
     for args, match in cases:
         assert main(["compare", "tiny-smoke", *args, "--out", str(out)]) == 2
@@ -226,6 +228,48 @@ def test_bad_grid_input_is_one_line_before_any_run(tmp_path, capsys):
         err = capsys.readouterr().err
         assert match in err and len(err.strip().splitlines()) == 1, (args, err)
         assert not out.exists()
+
+
+def test_resume_keeps_the_finished_runs_of_the_same_settings_and_runs_only_the_rest(tmp_path, monkeypatch):
+    """``--resume`` over a smaller compare: its finished run is read, not run (its files untouched), a stopped run is
+    made afresh, only the new runs run — and compare.json is what one compare of the whole grid gives."""
+    from fedlora.llm.config import load_config
+    from fedlora.llm.runtime import FederatedRun
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    ran, real_run = [], FederatedRun.run
+
+    def run(self, *a, **k):
+        ran.append(Path(self.cfg.output_dir).relative_to(tmp_path).as_posix())
+        return real_run(self, *a, **k)
+
+    monkeypatch.setattr(FederatedRun, "run", run)
+    base = ["compare", "tiny-smoke", "--methods", "fedavg", "--set", "train.rounds=1"]
+    small, grown = ["--lr-grid", "1e-3,5e-2", "--seeds", "1"], ["--lr-grid", "1e-3,5e-2", "--seeds", "2"]
+    assert main([*base, *small, "--out", str(tmp_path / "cmp")]) == 0
+    kept = tmp_path / "cmp" / "runs" / "fedavg" / "lr_0.001" / "seed_0"
+    stopped = tmp_path / "cmp" / "runs" / "fedavg" / "lr_0.05" / "seed_0"
+    before = (kept / "summary.json").stat().st_mtime_ns, (kept / "rounds.jsonl").read_bytes()
+    state = json.loads((stopped / "run.json").read_text())
+    (stopped / "run.json").write_text(json.dumps({**state, "status": "interrupted"}))  # as a Ctrl-C leaves it
+    ran.clear()
+    assert main([*base, *grown, "--out", str(tmp_path / "cmp")]) == 2  # without --resume: refused, nothing run
+    assert main([*base, *grown, "--resume", "--out", str(tmp_path / "cmp")]) == 0
+    assert sorted(ran) == ["cmp/runs/fedavg/lr_0.001/seed_1", "cmp/runs/fedavg/lr_0.05/seed_0",
+                           "cmp/runs/fedavg/lr_0.05/seed_1"]
+    assert ((kept / "summary.json").stat().st_mtime_ns, (kept / "rounds.jsonl").read_bytes()) == before
+    assert main([*base, *grown, "--out", str(tmp_path / "whole")]) == 0
+
+    def read(d):
+        text = (tmp_path / d / "compare.json").read_text().replace(str(tmp_path / d), "OUT")
+        return _without_wall({k: v for k, v in json.loads(text).items() if k != "command"})
+
+    assert read("cmp") == read("whole")
+    # a finished run is kept only for exactly its own settings
+    same = load_config("tiny-smoke", ["train.rounds=1", "method.lr=0.001", "seed=0", f"output_dir={kept}"])
+    assert C.finished_run(same) is not None
+    assert C.finished_run(load_config("tiny-smoke", ["train.rounds=2", "method.lr=0.001", "seed=0",
+                                                     f"output_dir={kept}"])) is None
 
 
 def _without_wall(x):
