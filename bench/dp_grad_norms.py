@@ -41,6 +41,13 @@ def overrides(out: Path, *, method: str | None = None, lr: float | None = None, 
             f"output_dir={json.dumps(str(out))}"]
 
 
+def part_of(name: str) -> str:
+    """The part of the model a trained tensor belongs to: ``lora_A``, ``lora_B``, ``head`` (a trained classifier
+    head's weight and bias) or, for anything else, its last name component."""
+    last = name.rsplit(".", 1)[-1]
+    return "head" if last.startswith("head_") else last
+
+
 def measure(config: str, *, method: str | None = None, lr: float | None = None, rounds: int = 2,
             sets: Sequence[str] = (), clip_norms: Sequence[float] = (0.5, 1.0, 2.0, 5.0, 10.0)) -> dict[str, Any]:
     """Run ``config`` (``rounds`` rounds, ``method``/``lr`` if given, ``sets`` as ``--set``) with DP-SGD's batches but
@@ -56,6 +63,7 @@ def measure(config: str, *, method: str | None = None, lr: float | None = None, 
     if not clip_norms or any(not math.isfinite(c) or c <= 0 for c in clip_norms):
         raise ConfigError(f"--clip-norms: positive numbers, got {list(clip_norms)}")
     norms: dict[int, list[np.ndarray]] = {}
+    parts: dict[str, list[np.ndarray]] = {}  # part → every example's norm over that part's tensors alone
     real_privatise = dpsgd.privatise
 
     def privatise(sdp, per, clients):  # DP-SGD's release of one step: each slot's examples, before clipping
@@ -63,6 +71,9 @@ def measure(config: str, *, method: str | None = None, lr: float | None = None, 
         for p in range(len(clients)):
             if per[names[0]].shape[1]:
                 norms.setdefault(int(sdp.round), []).append(per_sample_norms({n: per[n][p] for n in names}).numpy())
+                for part in sorted({part_of(n) for n in names}):
+                    parts.setdefault(part, []).append(
+                        per_sample_norms({n: per[n][p] for n in names if part_of(n) == part}).numpy())
         return real_privatise(sdp, per, clients)
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -83,7 +94,12 @@ def measure(config: str, *, method: str | None = None, lr: float | None = None, 
     return {"config": config, "method": cfg.method.name, "lr": cfg.method.lr, "rounds": rounds,
             "batch_size": cfg.train.batch_size, "local_steps": cfg.train.local_steps, "sets": list(sets),
             "final_test": summary["final_test"]["mean"], "per_round": {str(r + 1): stats(np.concatenate(norms[r]))
-                                                                      for r in sorted(norms)}, "all": stats(every)}
+                                                                      for r in sorted(norms)}, "all": stats(every),
+            # each part's share of the squared norm (mean over examples) and its own median: which tensors C clips
+            "by_part": {part: {"median": float(np.median(np.concatenate(v))),
+                               "share_of_squared_norm": float(np.mean(np.concatenate(v) ** 2 / np.maximum(every ** 2,
+                                                                                                           1e-300)))}
+                        for part, v in sorted(parts.items())}}
 
 
 def to_text(res: dict[str, Any]) -> str:
@@ -96,6 +112,8 @@ def to_text(res: dict[str, Any]) -> str:
     for name, s in [*res["per_round"].items(), ("all", res["all"])]:
         lines.append(f"| {name} | {s['examples']} | " + " | ".join(f"{s['quantiles'][q]:.3g}" for q in qs) + " | " +
                      " | ".join(f"{s['clipped_fraction'][c]:.0%}" for c in cs) + " |")
+    lines.append("by part: " + "; ".join(f"{part} median {v['median']:.3g}, {v['share_of_squared_norm']:.0%} of the "
+                                         "squared norm" for part, v in res["by_part"].items()))
     return "\n".join(lines)
 
 

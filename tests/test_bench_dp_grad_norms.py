@@ -37,3 +37,6 @@ def test_the_reported_norms_are_what_the_clipping_sees(tmp_path, monkeypatch, ca
     assert runs["above"] == runs["none"]  # C above every reported norm: nothing was clipped
     assert runs["half"] != runs["none"]  # half the largest: that example at least was clipped
     assert not math.isnan(res["all"]["mean"])
+    # tiny-smoke's FedAvg-LoRA trains A, B and the head: the parts' squared norms add up to the whole
+    assert set(res["by_part"]) == {"lora_A", "lora_B", "head"}
+    assert sum(v["share_of_squared_norm"] for v in res["by_part"].values()) == pytest.approx(1.0, abs=1e-9)
