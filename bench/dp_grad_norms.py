@@ -88,7 +88,8 @@ def measure(config: str, *, method: str | None = None, lr: float | None = None, 
 
     def stats(xs: np.ndarray) -> dict[str, Any]:
         return {"examples": int(xs.size), "quantiles": {f"{q:g}": float(np.quantile(xs, q)) for q in QUANTILES},
-                "mean": float(xs.mean()), "max": float(xs.max()), "clipped_fraction": {f"{c:g}": float((xs > c).mean()) for c in clip_norms}}
+                "mean": float(xs.mean()), "max": float(xs.max()),
+                "clipped_fraction": {f"{c:g}": float((xs > c).mean()) for c in clip_norms}}
 
     every = np.concatenate([x for r in sorted(norms) for x in norms[r]])
     return {"config": config, "method": cfg.method.name, "lr": cfg.method.lr, "rounds": rounds,

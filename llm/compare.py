@@ -346,7 +346,8 @@ def run_compare(config: str, overrides: Sequence[str], methods: Sequence[str], g
     n, t0 = len(cfgs), time.perf_counter()
     if kept:
         log(f"kept {len(kept)} finished run(s) of the same settings (--resume); {len(todo)} to run")
-    for j, ((m, c, i), summary) in enumerate(itertools.chain(kept.items(), _grid_runs(todo, jobs, progress))):  # phase 1: the grid
+    runs = itertools.chain(kept.items(), _grid_runs(todo, jobs, progress))
+    for j, ((m, c, i), summary) in enumerate(runs):  # phase 1: the grid
         metric = metric or summary["main_metric"]
         data_name = summary["task"]  # the task, or the user's file where data.path replaced its data
         scores[m, c, i] = validation_score(summary, metric)
