@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from fedlora.errors import ConfigError
+from fedlora.errors import ConfigError, plural
 
 #: the methods of issue 29 item 5, in table order
 METHODS = ("fedavg", "ffa", "rolora", "fedsvd", "fedsb")
@@ -260,7 +260,7 @@ def to_markdown(res: Mapping[str, Any]) -> str:
     lines += ["", "**Does FFA-LoRA lose less accuracy under DP than FedAvg-LoRA here?**", ""]
     lines += [f"- {v}" for v in res["verdicts"]]
     lines += ["", f"Per ε: `{res['compares'][0]['command']}` (and the others in privacy_utility_llm.json); "
-              f"the sweep: `{res['command']}`; {res['runs']} runs, {res['wall_s']:.0f} s."]
+              f"the sweep: `{res['command']}`; {plural(res['runs'], 'run')}, {res['wall_s']:.0f} s."]
     return "\n".join(lines) + "\n"
 
 
