@@ -84,12 +84,12 @@ def test_smoke_sweep_reports_the_chosen_runs_and_the_verdict(tmp_path, monkeypat
 def test_verdict_compares_the_drops_from_each_methods_own_no_dp_accuracy():
     mod = _script()
 
-    def rows(ffa_eps, avg_eps):
+    def rows(ffa_eps, avg_eps, seeds=2):
         out = []
         for m, (inf, at3) in {"fedavg": (0.90, avg_eps), "ffa": (0.60, ffa_eps)}.items():
             for e, acc in ((math.inf, inf), (3.0, at3)):
-                out.append({"method": m, "epsilon": e, "test_mean": acc, "test_std": 0.01,
-                            "drop": None if math.isinf(e) else inf - acc})
+                out.append({"method": m, "epsilon": e, "test_mean": acc, "test_std": 0.01 if seeds > 1 else 0.0,
+                            "test_per_seed": [acc] * seeds, "drop": None if math.isinf(e) else inf - acc})
         return out
 
     yes, = mod.verdicts(rows(ffa_eps=0.58, avg_eps=0.80))  # FFA drops 0.02, FedAvg 0.10 (still ahead in accuracy)
@@ -99,6 +99,8 @@ def test_verdict_compares_the_drops_from_each_methods_own_no_dp_accuracy():
     close, = mod.verdicts(rows(ffa_eps=0.595, avg_eps=0.89))
     assert "? yes" in close and "within the seeds' spread" in close
     assert mod.verdicts([r for r in rows(0.5, 0.5) if r["method"] == "fedavg"])[0].startswith("No verdict")
+    one, = mod.verdicts(rows(ffa_eps=0.58, avg_eps=0.80, seeds=1))  # one seed: no spread, so no claim about it
+    assert "? yes" in one and "one seed, so no spread" in one and "std" not in one
 
 
 def test_bad_sweep_settings_are_one_line_before_any_run(tmp_path, capsys):
