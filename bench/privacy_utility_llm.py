@@ -224,12 +224,12 @@ def verdicts(rows: Sequence[Mapping[str, Any]]) -> list[str]:
         yes = f["drop"] < a["drop"]
         diff = abs(f["drop"] - a["drop"])
         if min(len(c["test_per_seed"]) for c in cells) < 2:  # one seed: no spread to weigh the difference against
-            against = "one seed, so no spread over seeds to weigh it against"
+            against = "comes from one seed: there is no spread over seeds to weigh it against"
         else:
-            against = f"{'within' if diff <= spread else 'larger than'} the seeds' spread, std ≤ {spread:.4f}"
+            against = f"is {'within' if diff <= spread else 'larger than'} the seeds' spread, std ≤ {spread:.4f}"
         out.append(f"ε = {_eps_text(e)}: does FFA-LoRA lose less accuracy than FedAvg-LoRA? {'yes' if yes else 'no'} "
                    f"(drop from ε = ∞: FFA-LoRA {f['drop']:+.4f}, FedAvg-LoRA "
-                   f"{a['drop']:+.4f}; the difference {diff:.4f} is {against})")
+                   f"{a['drop']:+.4f}; the difference {diff:.4f} {against})")
     return out
 
 
@@ -264,7 +264,9 @@ def to_markdown(res: Mapping[str, Any]) -> str:
     lines += ["", "**Does FFA-LoRA lose less accuracy under DP than FedAvg-LoRA here?**", ""]
     lines += [f"- {v}" for v in res["verdicts"]]
     lines += ["", f"Per ε: `{res['compares'][0]['command']}` (and the others in privacy_utility_llm.json); "
-              f"the sweep: `{res['command']}`; {plural(res['runs'], 'run')}, {res['wall_s']:.0f} s."]
+              f"the sweep: `{res['command']}`; {plural(res['runs'], 'run')}; the compares took "
+              f"{sum(c['wall_s'] or 0.0 for c in res['compares']):.0f} s in all (this invocation {res['wall_s']:.0f} s: "
+              "a folder kept by --resume counts its compare's own time)."]
     return "\n".join(lines) + "\n"
 
 

@@ -100,7 +100,7 @@ def test_verdict_compares_the_drops_from_each_methods_own_no_dp_accuracy():
     assert "? yes" in close and "within the seeds' spread" in close
     assert mod.verdicts([r for r in rows(0.5, 0.5) if r["method"] == "fedavg"])[0].startswith("No verdict")
     one, = mod.verdicts(rows(ffa_eps=0.58, avg_eps=0.80, seeds=1))  # one seed: no spread, so no claim about it
-    assert "? yes" in one and "one seed, so no spread" in one and "std" not in one
+    assert "? yes" in one and "comes from one seed: there is no spread" in one and "std" not in one
 
 
 def test_bad_sweep_settings_are_one_line_before_any_run(tmp_path, capsys):
