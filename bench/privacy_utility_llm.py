@@ -165,7 +165,8 @@ def run_step(st: Mapping[str, Any], *, resume: bool, log: Callable[[str], None],
         log(f"[privacy-llm] ε = {_eps_text(st['epsilon'])}: other settings than {done}; its runs of the same "
             "settings are kept (--resume)")
     # a folder a stopped (or smaller) compare left holds only compare's files: its finished runs are kept
-    claimed = claim_output_dir(folder, writes=COMPARE_WRITES, overwrite=resume, clear=False)
+    claimed = claim_output_dir(folder, writes=COMPARE_WRITES, overwrite=resume, clear=False, keep=True,
+                               overwrite_flag="--resume")
     try:
         t0 = time.perf_counter()
         res = run_compare(st["config"], st["overrides"], st["methods"], st["grids"], st["seeds"], folder,

@@ -313,7 +313,7 @@ class OutputDir:
 def claim_output_dir(path: str | os.PathLike, flag: str = "--out", *, writes: Iterable[str],
                      overwrite: bool = False, resume: bool = False,
                      overwrite_flag: str = "--overwrite", clear: bool = True,
-                     mine: Mapping[str, Callable[[Path], bool]] | None = None) -> OutputDir:
+                     mine: Mapping[str, Callable[[Path], bool]] | None = None, keep: bool = False) -> OutputDir:
     """Claim ``path`` as the results folder of a command that writes the entries ``writes`` (file and
     folder names): refuse a folder that already holds anything, so that two experiments never mix in
     one folder (a second run with fewer clients would keep the first run's ``adapters/client_2…``).
@@ -324,7 +324,8 @@ def claim_output_dir(path: str | os.PathLike, flag: str = "--out", *, writes: It
     * ``overwrite``: every entry of the folder is removed before any work — but only when every entry
       is one the command writes (``writes``, the atomic writer's leftover temp files). A folder holding
       anything else (your own files, another command's results), the filesystem root or the home folder
-      is never cleared: refused in one line naming what is foreign.
+      is never cleared: refused in one line naming what is foreign. ``keep``: the flag (``overwrite_flag``, e.g.
+      ``--resume``) keeps this command's entries instead of clearing them (with ``clear=False``); its refusal says so.
     * ``resume``: refused in one line (``RESUME_LATER``): a command that keeps no checkpoints cannot resume.
     * ``mine``: entry name → a check of the file's content; an entry it names is this command's only when
       the check passes (``fedlora flower app``: a ``pyproject.toml`` it did not write — a project's own — is
@@ -358,7 +359,8 @@ def claim_output_dir(path: str | os.PathLike, flag: str = "--out", *, writes: It
             foreign = [e for e in entries if not _mine(p / e, writes, mine)]
             foreign = [f"{e} (not one this command wrote)" if _ours(e, writes) else e for e in foreign]
             if foreign:
-                raise ConfigError(f"{flag}: {overwrite_flag} clears only a folder of this command's results, and "
+                raise ConfigError(f"{flag}: {overwrite_flag} {'goes on only in' if keep else 'clears only'} a folder of "
+                                  "this command's results, and "
                                   f"{str(p)!r} also holds {_listing(foreign)}; move those away or choose another folder")
     created = None
     for a in (p, *p.parents):  # the topmost folder that does not exist yet: what this claim creates

@@ -160,7 +160,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
                           "each other)")
     # --resume: the folder must hold only compare's files, as for --overwrite, but nothing is cleared
     folder = claim_output_dir(args.out, writes=COMPARE_WRITES, overwrite=args.overwrite or args.resume,
-                              clear=not args.resume)
+                              clear=not args.resume, keep=args.resume,
+                              overwrite_flag="--resume" if args.resume else "--overwrite")
     out = folder.path
     try:
         res = run_compare(args.config, args.set, methods, grids, args.seeds, out, grid=args.grid, progress=args.progress,

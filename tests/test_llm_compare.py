@@ -122,6 +122,10 @@ def test_bad_compare_input_is_one_line_and_writes_nothing(tmp_path, capsys):
     (out / "notes.txt").write_text("mine")
     assert main(["compare", "tiny-smoke", "--methods", "fedavg", "--lr-grid", "1e-3", "--out", str(out)]) == 2
     assert "is not empty" in capsys.readouterr().err
+    assert main(["compare", "tiny-smoke", "--methods", "fedavg", "--lr-grid", "1e-3", "--resume", "--out", str(out)]) == 2
+    err = capsys.readouterr().err  # --resume never touches a folder of other files, and says so as itself
+    assert "--resume goes on only in a folder of this command's results" in err and "notes.txt" in err
+    assert (out / "notes.txt").read_text() == "mine"
 
 
 def test_a_config_of_one_method_compares_others_with_their_own_defaults(tmp_path, monkeypatch):
