@@ -55,7 +55,6 @@ def measure(config: str, *, method: str | None = None, lr: float | None = None, 
     overall and, per C of ``clip_norms``, the fraction of examples above it."""
     from fedlora.llm.config import load_config
     from fedlora.llm.runtime import FederatedRun
-    from fedlora.privacy import dpsgd
     from fedlora.privacy.clipping import per_sample_norms
 
     if rounds < 1:
@@ -64,25 +63,24 @@ def measure(config: str, *, method: str | None = None, lr: float | None = None, 
         raise ConfigError(f"--clip-norms: positive numbers, got {list(clip_norms)}")
     norms: dict[int, list[np.ndarray]] = {}
     parts: dict[str, list[np.ndarray]] = {}  # part → every example's norm over that part's tensors alone
-    real_privatise = dpsgd.privatise
 
-    def privatise(sdp, per, clients):  # DP-SGD's release of one step: each slot's examples, before clipping
-        names = list(per)
-        for p in range(len(clients)):
-            if per[names[0]].shape[1]:
-                norms.setdefault(int(sdp.round), []).append(per_sample_norms({n: per[n][p] for n in names}).numpy())
-                for part in sorted({part_of(n) for n in names}):
-                    parts.setdefault(part, []).append(
-                        per_sample_norms({n: per[n][p] for n in names if part_of(n) == part}).numpy())
-        return real_privatise(sdp, per, clients)
+    def observe(rnd, client, per):  # DP-SGD's release of one step, one client's examples before clipping
+        # a slot's batch is padded to its pass's largest Poisson draw with rows whose gradient is exactly 0
+        # (fedlora.privacy.dpsgd.private_gradients): those are not examples
+        whole = per_sample_norms(per)
+        real = whole > 0
+        if not real.any():
+            return
+        norms.setdefault(rnd, []).append(whole[real].numpy())
+        for part in sorted({part_of(n) for n in per}):
+            parts.setdefault(part, []).append(per_sample_norms({n: t[real.to(t.device)] for n, t in per.items()
+                                                                if part_of(n) == part}).numpy())
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(config, overrides(Path(tmp) / "run", method=method, lr=lr, rounds=rounds, sets=sets))
-        dpsgd.privatise = privatise
-        try:
-            summary = FederatedRun(cfg).run()
-        finally:
-            dpsgd.privatise = real_privatise
+        run = FederatedRun(cfg).prepare()
+        run.slots.sample_dp.observe = observe  # the run's own DP-SGD (a level: sample config always has one)
+        summary = run.run()
     if not norms:
         raise ConfigError(f"{config}: no DP-SGD step recorded a gradient (no trained tensor?)")
 

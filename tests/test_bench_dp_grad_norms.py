@@ -37,6 +37,10 @@ def test_the_reported_norms_are_what_the_clipping_sees(tmp_path, monkeypatch, ca
     assert runs["above"] == runs["none"]  # C above every reported norm: nothing was clipped
     assert runs["half"] != runs["none"]  # half the largest: that example at least was clipped
     assert not math.isnan(res["all"]["mean"])
+    # two clients per pass: each slot's Poisson batch is padded to the pass's largest — the padding is no example
+    paired = mod.measure("tiny-smoke", rounds=2, sets=["federation.clients_per_pass=2"], clip_norms=[0.5])
+    assert paired["all"]["examples"] == res["all"]["examples"]
+    assert paired["all"]["quantiles"] == pytest.approx(res["all"]["quantiles"], rel=1e-4)
     # tiny-smoke's FedAvg-LoRA trains A, B and the head: the parts' squared norms add up to the whole
     assert set(res["by_part"]) == {"lora_A", "lora_B", "head"}
     assert sum(v["share_of_squared_norm"] for v in res["by_part"].values()) == pytest.approx(1.0, abs=1e-9)

@@ -165,6 +165,37 @@ def test_private_gradient_is_clip_sum_noise_over_expected_batch():
         torch.testing.assert_close(got[n], want[n], rtol=1e-9, atol=1e-12, msg=n)
 
 
+def test_observe_sees_each_slots_examples_before_clipping_and_changes_nothing():
+    """``SampleDP.observe`` (bench/dp_grad_norms.py's hook) gets, per slot, the round, the client and its per-example
+    gradients as a loop over single examples gives them — before clipping — and the release is the same with it."""
+    S, b = 3, 5
+    model = _tiny(S)
+    x, y = _data(S, b)
+    mask = torch.ones(S * b, dtype=F64)
+    names = list(_params(model))
+
+    def sdp():
+        s = SampleDP(clip_norm=0.05, noise_multiplier=0.6, sampling_rate=0.2, seed=5)
+        s.set_client_sizes({4: 30, 7: 20, 9: 12})
+        s.at(2, 1)
+        return s
+
+    seen = []
+    watched = sdp()
+    watched.observe = lambda rnd, k, per: seen.append((rnd, k, per))
+    got = private_gradients(watched, model, lambda: _summed(model, x, y, mask, S), names, [4, 7, 9])
+    plain = private_gradients(sdp(), model, lambda: _summed(model, x, y, mask, S), names, [4, 7, 9])
+    loop = _loop_grads(model, x, y, S, b)
+    assert [(r, k) for r, k, _ in seen] == [(2, 4), (2, 7), (2, 9)]
+    for p, (_, _, per) in enumerate(seen):
+        assert sorted(per) == sorted(names)
+        for n in names:
+            torch.testing.assert_close(per[n], loop[n][p], rtol=1e-9, atol=1e-12, msg=n)
+    assert max(float(sum(per[n][i].pow(2).sum() for n in names).sqrt()) for _, _, per in seen for i in range(b)) > 0.05
+    for n in names:
+        torch.testing.assert_close(got[n], plain[n], rtol=0, atol=0, msg=n)
+
+
 def test_a_clients_gradient_does_not_depend_on_its_pass_mates():
     """Client 7 in slot 1 of three (its batch padded to the pass's 5 rows) = client 7 alone (its own 3 rows)."""
     S, b = 3, 5

@@ -82,6 +82,10 @@ class SampleDP:
         #: the synthetic testbed's stacked federations: the seed of each slot's (replica's) federation, which then
         #: keys that slot's streams instead of ``seed`` (``set_slot_seeds``); None: every slot uses ``seed``
         self.slot_seeds: list[int] | None = None
+        #: a diagnostic's hook, None in every run: ``privatise`` calls ``observe(round, client, per)`` with each slot's
+        #: per-example gradients (name → (n, *shape)) BEFORE clipping — what the clipping sees. Not private: a
+        #: function of every example (``bench/dp_grad_norms.py`` uses it to choose C on public or proxy data)
+        self.observe: Callable[[int, int, dict[str, torch.Tensor]], None] | None = None
 
     def __repr__(self) -> str:
         return (f"SampleDP(clip_norm={self.clip_norm!r}, noise_multiplier={self.noise_multiplier!r}, "
@@ -271,6 +275,8 @@ def privatise(sdp: SampleDP, per: Mapping[str, torch.Tensor], clients: Sequence[
     result: dict[str, list[torch.Tensor]] = {n: [] for n in names}
     for p, k in enumerate(clients):
         if per[names[0]].shape[1]:
+            if sdp.observe is not None:
+                sdp.observe(int(sdp.round), k, {n: per[n][p] for n in names})
             clipped = clip_per_sample({n: per[n][p] for n in names}, sdp.clip_norm)
         else:  # no example at all: the noise alone
             clipped = {n: per[n].new_zeros(per[n].shape[2:]) for n in names}
