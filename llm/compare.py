@@ -246,16 +246,17 @@ def _run_one(cfg) -> dict[str, Any]:
 
 def finished_run(cfg) -> dict[str, Any] | None:
     """The summary of the finished run in ``cfg.output_dir`` when it ran exactly ``cfg`` (run.json ``complete``,
-    config.json's config equal to ``cfg``'s), else None. The code is not compared: a run kept is the numbers the
-    code of its day gave."""
+    config.json's config, read through today's schema — a field added since takes its default — equal to ``cfg``'s),
+    else None. The code is not compared: a run kept is the numbers the code of its day gave."""
+    from .config import saved_config_today
     from .runfolder import read_status
 
     folder = Path(cfg.output_dir)
     try:
         if read_status(folder) != "complete":
             return None
-        saved = json.loads((folder / "config.json").read_text())["config"]
-        if saved != json.loads(json.dumps(cfg.to_dict(), allow_nan=True)):
+        saved = saved_config_today(json.loads((folder / "config.json").read_text())["config"])
+        if json.loads(json.dumps(saved, allow_nan=True)) != json.loads(json.dumps(cfg.to_dict(), allow_nan=True)):
             return None
         return json.loads((folder / "summary.json").read_text())
     except (OSError, ValueError, KeyError, TypeError):

@@ -22,7 +22,7 @@ from .decoding import DECODING, QA_DECODING, check_decoding, check_qa_decoding
 
 __all__ = ["ModelConfig", "DataConfig", "MethodConfig", "FederationConfig", "TrainConfig", "EvalConfig",
            "PrivacyConfig", "SecAggConfig", "RunConfig", "load_config", "apply_overrides", "bundled_configs", "resolve_config", "build_method", "describe_method", "HEAD_MODES",
-           "coerce_number", "group_configs"]
+           "coerce_number", "group_configs", "saved_config_today"]
 
 HEAD_MODES = ("auto", "frozen", "shared", "personal")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
@@ -822,6 +822,15 @@ def resolve_config(name_or_path: str | Path) -> Path:
         return bundled[str(name_or_path)]
     raise ConfigError(f"config: no file {str(name_or_path)!r} and no bundled config of that name"
                       f"{did_you_mean(str(name_or_path), list(bundled))}; bundled: {', '.join(bundled)}")
+
+
+def saved_config_today(saved: Mapping[str, Any]) -> dict[str, Any]:
+    """A config as a run folder's config.json holds it (``RunConfig.to_dict()`` of its day), read through today's
+    schema: a field added since takes its default. Every new field's default leaves a run's numbers as they were
+    (the goldens' rule: a feature is off until asked for), so this is the config that run IS today — what a later
+    ``compare --resume`` or ``run --resume`` compares, not the raw dict, which lacks the new fields. A
+    ``ConfigError`` when it no longer builds (a field removed or renamed since)."""
+    return RunConfig.from_dict(saved).to_dict()
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:

@@ -27,7 +27,7 @@ from fedlora.payload import Payload
 from fedlora.server import ClientExecutor
 from fedlora.state import record_nbytes
 
-from .runfolder import GLOBAL_ADAPTER, MERGED_UPDATE, RUN_WRITES, config_digest
+from .runfolder import GLOBAL_ADAPTER, MERGED_UPDATE, RUN_WRITES, config_digest, config_digests
 from .slots import first_line
 
 __all__ = ["Driver", "Report", "CHECKPOINTS", "abandon", "resume_point", "comparable", "config_differences"]
@@ -526,7 +526,7 @@ def resume_point(run_dir, config=None, overrides: Sequence[str] = ()):
     from fedlora.checkpoint import load_checkpoint
     from fedlora.errors import ConfigError
 
-    from .config import RunConfig, apply_overrides, load_config
+    from .config import RunConfig, apply_overrides, load_config, saved_config_today
     from .runfolder import read_run_config, read_status
 
     folder = Path(run_dir)
@@ -543,13 +543,18 @@ def resume_point(run_dir, config=None, overrides: Sequence[str] = ()):
         given = config
     else:
         given = load_config(config, overrides)
-    diff = config_differences(comparable(saved), comparable(given.to_dict()))
+    try:  # a field added since the run was written reads as its default, which the run ran with
+        today = saved_config_today(saved)
+    except ConfigError as e:
+        raise ConfigError(f"--resume: the config in {str(folder / 'config.json')!r} no longer builds ({e}); "
+                          f"start the run again") from None
+    diff = config_differences(comparable(today), comparable(given.to_dict()))
     if diff:
         raise ConfigError(f"--resume: the config differs from the run's in {', '.join(diff[:8])}"
                           f"{' …' if len(diff) > 8 else ''}; a resumed run continues the same run — start a "
                           f"new one (another --out) to change them")
     ckpt = load_checkpoint(folder / CHECKPOINTS)
-    if ckpt.meta.get("config_sha256") != config_digest(comparable(saved)):
+    if ckpt.meta.get("config_sha256") not in config_digests(saved, without_output_dir=True):
         raise ConfigError(f"--resume: the checkpoint {str(ckpt.path)!r} belongs to another config than "
                           f"{str(folder / 'config.json')!r}")
     cfg = RunConfig.from_dict({**given.to_dict(), "output_dir": str(folder)})

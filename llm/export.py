@@ -42,7 +42,7 @@ from fedlora.peft_adapters import peft_key
 from .inject import SlotLoRALinear, _conv1d_type
 from .model import load_tokenizer, resolve_model_path
 # EXPORT_WRITES, claim_export_dir, MERGED_UPDATE and config_digest are the run folder's; fedlora.llm.export's too
-from .runfolder import EXPORT_WRITES, GLOBAL_ADAPTER, MERGED_UPDATE, claim_export_dir, client_view, config_digest, read_run_config  # noqa: F401
+from .runfolder import EXPORT_WRITES, GLOBAL_ADAPTER, MERGED_UPDATE, claim_export_dir, client_view, config_digest, config_digests, read_run_config  # noqa: F401
 from .task_kinds import task_from_resolved
 
 __all__ = ["lora_factors", "export_peft", "export_merged", "load_run_adapter", "load_run_base_model",
@@ -125,9 +125,9 @@ def load_run_adapter(run_dir: str | Path, client: int | None) -> tuple[dict[str,
         who = "no global adapter" if client is None else f"no adapter of client {client}"
         raise ConfigError(f"export: {who} in {str(run_dir)!r} (run.json says the run is "
                           f"complete, but adapters/ lacks the file); found: {', '.join(have) or 'none'}")
-    digest = config_digest(info["config"])
+    digests = config_digests(info["config"])
     meta, tensors = _read_safetensors(ad)
-    if meta.get("config_sha256") != digest or meta.get("client") != ("global" if client is None else str(client)):
+    if meta.get("config_sha256") not in digests or meta.get("client") != ("global" if client is None else str(client)):
         raise ConfigError(f"export: {str(ad)!r} was not written by the run of {str(cfg_path)!r} (another run, or "
                           f"an older fedlora, left it in the folder): re-run into an empty folder")
     info = info if client is None else client_view(info, client)  # heterogeneous client models: the client's own base model, task and layers
@@ -137,7 +137,7 @@ def load_run_adapter(run_dir: str | Path, client: int | None) -> tuple[dict[str,
             raise ConfigError(f"export: {str(mu)!r} is missing: client {client}'s model is its adapter plus the "
                               f"update merged into the base, which that file holds")
         mmeta, merged = _read_safetensors(mu)
-        if mmeta.get("config_sha256") != digest or mmeta.get("form") not in ("lora", "dense"):
+        if mmeta.get("config_sha256") not in digests or mmeta.get("form") not in ("lora", "dense"):
             raise ConfigError(f"export: {str(mu)!r} was not written by the run of {str(cfg_path)!r}: re-run into "
                               f"an empty folder")
         leaves = {"lora": {"lora_A": "merged_A", "lora_B": "merged_B"}, "dense": {"weight": "merged_weight"}}[mmeta["form"]]

@@ -35,7 +35,7 @@ from .tasks import TASKS
 RUN_WRITES = ("config.json", "run.json", "rounds.jsonl", "summary.json", "rounds.png", "adapters", "clients",
               "checkpoints")
 
-__all__ = ["RunFolder", "read_run", "read_run_config", "read_status", "client_view", "EXPORT_WRITES", "claim_export_dir",
+__all__ = ["RunFolder", "read_run", "read_run_config", "config_digests", "read_status", "client_view", "EXPORT_WRITES", "claim_export_dir",
            "MERGED_UPDATE", "config_digest", "data_label"]
 
 #: FLoRA: the update merged into the run's shared base (in ``adapters/``, one for all clients)
@@ -57,6 +57,23 @@ def config_digest(config: Mapping[str, Any]) -> str:
     the saved adapters carry it, so export knows they belong to the config.json beside them."""
     canon = json.dumps(json.loads(json.dumps(config)), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canon.encode()).hexdigest()
+
+
+def config_digests(saved: Mapping[str, Any], *, without_output_dir: bool = False) -> set[str]:
+    """The digests that tie a file to config.json's config ``saved``: of it as written and as read today
+    (``saved_config_today``: fields added since at their defaults) — a run resumed by a newer fedlora writes its
+    later checkpoints and adapters with the config as it is today, the folder's config.json staying as written.
+    ``without_output_dir``: of the config without ``output_dir`` (what checkpoints carry: a run folder may move)."""
+    from .config import saved_config_today
+
+    forms = [dict(saved)]
+    try:
+        forms.append(saved_config_today(saved))
+    except ConfigError:  # no longer builds: only its own digest ties files to it
+        pass
+    if without_output_dir:
+        forms = [{k: v for k, v in f.items() if k != "output_dir"} for f in forms]
+    return {config_digest(f) for f in forms}
 
 
 def _json_file(path: Path, what: str) -> Any:

@@ -274,6 +274,13 @@ def test_resume_keeps_the_finished_runs_of_the_same_settings_and_runs_only_the_r
     assert C.finished_run(same) is not None
     assert C.finished_run(load_config("tiny-smoke", ["train.rounds=2", "method.lr=0.001", "seed=0",
                                                      f"output_dir={kept}"])) is None
+    # a run written before a field existed (its config.json lacks it) is read with the field at its default: kept
+    info = json.loads((kept / "config.json").read_text())
+    del info["config"]["privacy"]["secagg"]["num_shares"]
+    (kept / "config.json").write_text(json.dumps(info))
+    assert C.finished_run(same) is not None
+    assert C.finished_run(load_config("tiny-smoke", ["train.rounds=2", "method.lr=0.001", "seed=0",
+                                                     f"output_dir={kept}"])) is None
 
 
 def _without_wall(x):

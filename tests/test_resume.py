@@ -42,16 +42,16 @@ def _argv(method: str, out: Path, *extra: str) -> list[str]:
     return ["run", "tiny-smoke", "--set", f"method.name={method}", *SETS, *extra, "--out", str(out), "--no-progress"]
 
 
-def _stop_in_round_3(monkeypatch) -> None:
-    """Every FederatedRun prepared from now on stops (KeyboardInterrupt: Ctrl-C) in the middle of round 3:
-    when its last participant is about to train, after the others trained and stored their records."""
+def _stop_in_round_3(monkeypatch, stop: int = 2) -> None:
+    """Every FederatedRun prepared from now on stops (KeyboardInterrupt: Ctrl-C) in the middle of round 3 (0-based
+    ``stop``): when its last participant is about to train, after the others trained and stored their records."""
     real = FederatedRun.prepare_clients
 
     def prepare_clients(self):
         real(self)
 
         def hook(client, rnd):
-            if rnd == 2 and client == self.federation.participants(rnd, 0)[-1]:
+            if rnd == stop and client == self.federation.participants(rnd, 0)[-1]:
                 raise KeyboardInterrupt
 
         self.slots.client_hook = hook
@@ -283,6 +283,39 @@ def test_resume_with_the_runs_own_config_finishes_it_and_then_refuses_it_as_comp
     assert_same_run(runs / "whole", out)
     _refused(capsys, ["run", "--resume", str(out)],
              f"--resume: the run in {str(out)!r} is complete (run.json); nothing to resume", out)
+
+
+@pytest.mark.xdist_group("resume_runs")
+def test_a_run_written_before_a_field_existed_resumes_ends_as_the_whole_run_and_exports(runs, tmp_path, monkeypatch,
+                                                                                         capsys):
+    """A run stopped under an older fedlora — config.json and checkpoints without a field added since (SecAgg+'s
+    share graph, ``privacy.secagg.num_shares``/``reconstruction_threshold``) — resumes under today's code (the field
+    at its default, which is how the run ran), ends where the whole run ends, and its adapters (written with the
+    config as it is today) export from the folder whose config.json stays as written."""
+    from fedlora.llm.config import RunConfig
+
+    real = RunConfig.to_dict
+
+    def older(self):  # what the fedlora of before the field wrote
+        d = real(self)
+        for name in ("num_shares", "reconstruction_threshold"):
+            del d["privacy"]["secagg"][name]
+        return d
+
+    out = tmp_path / "old"
+    with monkeypatch.context() as m:
+        m.setattr(RunConfig, "to_dict", older)
+        _interrupted(m, capsys, "fedavg", out)
+    assert "num_shares" not in json.loads((out / "config.json").read_text())["config"]["privacy"]["secagg"]
+    with monkeypatch.context() as m:  # resumed today and stopped again in round 4: its round-3 checkpoint is today's
+        _stop_in_round_3(m, stop=3)
+        assert main(["run", "--resume", str(out), "--no-progress"]) == 130
+    assert (out / "checkpoints" / "round_000003").is_dir()
+    assert main(["run", "--resume", str(out), "--no-progress"]) == 0
+    capsys.readouterr()
+    assert_same_run(runs / "whole", out)
+    assert main(["export", str(out), "--client", "1", "--out", str(tmp_path / "exported")]) == 0
+    assert (tmp_path / "exported" / "adapter_model.safetensors").is_file()
 
 
 @pytest.mark.xdist_group("resume_runs")
