@@ -257,8 +257,6 @@ def run_secagg_simulation(rounds: Sequence[SecAggRound], n_clients: int, quant: 
     if not rounds:
         raise ConfigError("secagg: no rounds to run")
     quant.check_clients(n_clients)
-    if n_clients < 3:
-        raise ConfigError(f"secagg: SecAgg+ needs at least 3 clients (Flower's num_shares > 2), got {n_clients}")
     shares, threshold = share_settings("auto" if num_shares is None else num_shares,
                                        "auto" if reconstruction_threshold is None else reconstruction_threshold,
                                        n_clients)

@@ -59,7 +59,7 @@ from .errors import ConfigError
 from .methods.base import Method
 from .payload import Payload
 
-__all__ = ["SUM_METHODS", "REFUSED", "secagg_refusal", "secagg_weighting", "check_secagg", "SecAggQuantisation",
+__all__ = ["SUM_METHODS", "REFUSED", "secagg_refusal", "secagg_weighting", "SecAggQuantisation",
            "choose_max_weight", "flatten_payload", "summed_payload", "integer_weights", "share_settings"]
 
 #: methods whose server aggregate is Σ_k p_k T_k of every uploaded tensor T, applied to that sum: name →
@@ -122,20 +122,6 @@ def secagg_weighting(method) -> str:
     return SUM_METHODS[_name(method)][0]
 
 
-def check_secagg(method, runtime: str, n_clients: int) -> None:
-    """What a run asking for SecAgg+ must satisfy, checked before any training (one line each): a method a sum
-    serves, the Flower runtime (the only one whose clients mask their uploads), at least 3 clients per round
-    (Flower's SecAgg+ needs num_shares > 2; with 2, each would learn the other's upload from the sum)."""
-    why = secagg_refusal(method)
-    if why is not None:
-        raise ConfigError(why)
-    if runtime != "flower":
-        raise ConfigError(f"secure aggregation (SecAgg+) needs runtime 'flower' (its clients mask their uploads), "
-                          f"got {runtime!r}")
-    if isinstance(n_clients, bool) or not isinstance(n_clients, int) or n_clients < 3:
-        raise ConfigError(f"secure aggregation (SecAgg+) needs at least 3 clients per round, got {n_clients!r}")
-
-
 def _count(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -150,8 +136,12 @@ def share_settings(num_shares, reconstruction_threshold, n_clients: int) -> tupl
     Flower raises by one with a warning, so it is refused here instead). ``reconstruction_threshold``: ``"auto"``
     = a majority of the neighbourhood, max(2, ⌊k/2⌋ + 1), or an integer 2 ≤ t < k (Flower's bounds). A higher t
     needs more colluding clients to unmask one upload, and lets fewer of a neighbourhood drop out. Returns (k, t);
-    one line naming the field otherwise."""
+    one line naming the field otherwise — and for fewer than 3 participants, which SecAgg+ cannot serve (Flower's
+    num_shares > 2; with 2, each would learn the other's upload from the sum)."""
     n = n_clients
+    if not _count(n) or n < 3:
+        raise ConfigError(f"secure aggregation (SecAgg+) needs at least 3 clients per round (with 2, each would learn "
+                          f"the other's upload from the sum), got {n!r}")
     if num_shares == "auto":
         k = n
     elif not _count(num_shares) or not 3 <= num_shares <= n:

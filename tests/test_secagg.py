@@ -10,7 +10,7 @@ import torch
 from fedlora.errors import ConfigError
 from fedlora.methods.base import available_methods, get_method
 from fedlora.payload import Payload
-from fedlora.secagg import (REFUSED, SUM_METHODS, SecAggQuantisation, check_secagg, choose_max_weight,
+from fedlora.secagg import (REFUSED, SUM_METHODS, SecAggQuantisation, choose_max_weight,
                             flatten_payload, secagg_refusal, secagg_weighting, share_settings, summed_payload)
 
 F64 = torch.float64
@@ -172,9 +172,9 @@ def test_a_value_outside_the_clipping_range_is_a_one_line_error_on_the_client():
     (lambda: SecAggQuantisation(max_weight=10).weight_quanta([2.5]), "whole number"),
     (lambda: flatten_payload(Payload({"i.indices": torch.arange(3)})), "not a float tensor"),
     (lambda: summed_payload({"a": ((2,), F64)}, [np.zeros(3)]), "shape (3,), expected (2,)"),
-    (lambda: check_secagg("hetlora", "flower", 3), "cannot serve method 'hetlora': its server weights each client"),
-    (lambda: check_secagg("fedavg", "embedded", 3), "needs runtime 'flower' (its clients mask their uploads), got 'embedded'"),
-    (lambda: check_secagg("ffa", "flower", 2), "at least 3 clients per round, got 2"),
+    (lambda: share_settings("auto", "auto", 2), "at least 3 clients per round (with 2, each would learn the other's "
+                                                "upload from the sum), got 2"),
+    (lambda: share_settings(3, 2, 2), "at least 3 clients per round"),
     (lambda: share_settings(2, "auto", 5), "num_shares: 'auto' (every participant, 5) or an integer from 3 to"),
     (lambda: share_settings(6, "auto", 5), "from 3 to the 5 clients of a round, got 6"),
     (lambda: share_settings(True, "auto", 5), "got True"),
@@ -200,9 +200,9 @@ def test_share_settings_default_to_the_complete_graph_and_a_majority_and_keep_wh
     assert share_settings(k, t, n) == expect
 
 
-def test_a_run_that_may_use_secagg_passes_the_check():
-    check_secagg("fedavg", "flower", 3)
-    check_secagg(get_method("h2tune"), "flower", 10)
+def test_a_method_a_sum_serves_is_not_refused():
+    assert secagg_refusal("fedavg") is None and secagg_refusal(get_method("h2tune")) is None
+    assert "cannot serve method 'hetlora': its server weights each client" in secagg_refusal("hetlora")
 
 
 def test_flatten_and_sum_keep_names_shapes_and_dtypes():
