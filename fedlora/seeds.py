@@ -39,7 +39,8 @@ purpose                           ids         value (``s`` = the seed given)
                                               round and federation g (``fedlora.privacy.client_dp``)
 ``DP_SAMPLE``                     kind,       the crc32 hash: sample-level DP-SGD's Poisson batch
                                   client,     (kind "batch") and noise (kind "noise") of a client at
-                                  round, step a local step (``fedlora.privacy.dpsgd``)
+                                  round, step a local step (``fedlora.privacy.dpsgd``); a step's further
+                                              releases p ≥ 1 (private Per-FedAvg) "batch.p", "noise.p"
 ================================  ==========  ==========================================================
 
 ``clients_drawn(fraction, n)`` is the one formula of how many clients a round draws

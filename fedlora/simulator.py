@@ -131,7 +131,7 @@ def run_rounds(
             raise ConfigError("run_rounds: sample_dp must be the one the method trains with (method.set_sample_dp)")
         plan = PrivacyPlan(level="sample", delta=check_delta(dp_delta), noise_multiplier=sample_dp.noise_multiplier,
                            sample_rates=[sample_dp.rate(k) for k in range(K)], sample_steps=[local_steps] * K,
-                           clip_norm=sample_dp.clip_norm)
+                           clip_norm=sample_dp.clip_norm, releases_per_step=int(method.sample_dp_releases))
     server = Server(method, weighted, [method.initial_server_state(federation.replicas_of(g)[0])
                                        for g in range(federation.n_groups)], rounds, privacy=plan)
     executor = StackedExecutor(method, federation, objective, sample, local_steps, on_payload, sample_dp)

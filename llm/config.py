@@ -509,7 +509,7 @@ def check_privacy(cfg: RunConfig, method_cls) -> None:
             raise ConfigError(f"federation.min_clients: must be 1 under client-level DP (clients are drawn by Poisson "
                               f"sampling, so a round's number of clients is random), got {cfg.federation.min_clients}")
     else:
-        why = method_cls.sample_dp_refusal
+        why = method_cls.sample_dp_refusal_for(dict(cfg.method.options or {}))
         if why is not None:
             raise ConfigError(f"privacy.level: sample-level DP does not apply to {name}: {why}")
 

@@ -26,7 +26,7 @@ def privacy_plan(cfg: RunConfig, n_clients: int, sizes: Sequence[int] | None = N
 
     Sample level (``sizes``: each client's training rows n_k, ``steps``: its local steps per round): client k's
     batches are Poisson samples at q_k = min(1, b/n_k) (b = ``train.batch_size``, the expected batch size), each
-    round composing its steps; δ = 1/(2·min n_k) when auto; σ given, or the smallest σ with which EVERY client
+    round composing its steps (× the method's ``sample_dp_releases`` per step); δ = 1/(2·min n_k) when auto; σ given, or the smallest σ with which EVERY client
     ends the planned rounds within ``target_epsilon`` were it drawn in every round (the worst client's σ)."""
     p = cfg.privacy
     if p.level == "none":
@@ -60,15 +60,18 @@ def _sample_plan(cfg: RunConfig, sizes, steps) -> PrivacyPlan:
     rates = [min(1.0, b / int(n)) for n in sizes]
     delta = delta_from_data_size(min(int(n) for n in sizes)) if p.delta == "auto" else float(p.delta)
     rounds = int(cfg.train.rounds)
+    from fedlora.methods import get_method
+
+    releases = int(get_method(cfg.method.name).sample_dp_releases)  # DP-SGD releases per local step
     if p.noise_multiplier is not None:
         sigma = float(p.noise_multiplier)
     else:  # each distinct (q_k, steps_k) once: the library's calibration takes ~0.1 s per try
-        sigma = max(noise_multiplier_for(float(p.target_epsilon), delta, q, int(t) * rounds)
+        sigma = max(noise_multiplier_for(float(p.target_epsilon), delta, q, int(t) * rounds * releases)
                     for q, t in sorted(set(zip(rates, steps))) if int(t) > 0)
     budget = p.max_epsilon if p.max_epsilon is not None else p.target_epsilon
     plan = PrivacyPlan(level="sample", delta=delta, max_epsilon=None if budget is None else float(budget),
                        noise_multiplier=sigma, sample_rates=tuple(rates), sample_steps=tuple(int(t) for t in steps),
-                       clip_norm=float(p.clip_norm))
+                       clip_norm=float(p.clip_norm), releases_per_step=releases)
     _check_first_round(plan, list(range(len(sizes))), len(sizes))
     return plan
 
@@ -116,6 +119,8 @@ def describe_plan(plan: PrivacyPlan | None) -> dict[str, Any] | None:
     else:
         out.update(clip_norm=plan.clip_norm, batch_sampling="poisson", batch_rates=list(plan.sample_rates),
                    local_steps=list(plan.sample_steps), denominator="expected batch size q_k·n_k")
+        if plan.releases_per_step != 1:
+            out["releases_per_step"] = plan.releases_per_step
     return out
 
 

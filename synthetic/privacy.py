@@ -75,11 +75,12 @@ def _sigma_for(epsilon: float, delta: float, q: float, steps: int) -> float:
 
 
 def make_sample_dp(privacy: TestbedPrivacy, client_sizes: Sequence[int], group_seeds: Sequence[int], rounds: int,
-                   local_steps: int) -> SampleDP:
-    """The ``SampleDP`` of a testbed run: rates by client, sizes n_k, σ for rounds × local_steps, one stream key
-    (the federation's seed) per replica, group-major."""
+                   local_steps: int, releases: int = 1) -> SampleDP:
+    """The ``SampleDP`` of a testbed run: rates by client, sizes n_k, σ for rounds × local_steps × ``releases`` (the
+    method's DP-SGD releases per step, ``Method.sample_dp_releases``), one stream key (the federation's seed) per
+    replica, group-major."""
     privacy.validate()
-    sdp = SampleDP(privacy.clip_norm, privacy.noise_multiplier(client_sizes, rounds * local_steps),
+    sdp = SampleDP(privacy.clip_norm, privacy.noise_multiplier(client_sizes, rounds * local_steps * releases),
                    privacy.rates(client_sizes), seed=0)
     sdp.set_client_sizes(list(client_sizes))
     sdp.set_slot_seeds([int(s) for s in group_seeds for _ in client_sizes])

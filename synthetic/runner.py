@@ -273,7 +273,8 @@ def run_method(name: str, data: StackedData, *, lr: float, rounds: int, local_st
 
         if method.sample_dp_refusal is not None:  # before σ's calibration (seconds)
             method.set_sample_dp(privacy)  # raises the method's one-line refusal
-        sample_dp = make_sample_dp(privacy, data.client_sizes, data.group_seeds, rounds, local_steps)
+        sample_dp = make_sample_dp(privacy, data.client_sizes, data.group_seeds, rounds, local_steps,
+                                   int(method.sample_dp_releases))
         method.set_sample_dp(sample_dp)
         train_objective, train_sample = dp_objective(layer, data.task, data.d_out), dp_sampler(data, sample_dp)
 

@@ -18,7 +18,8 @@ from fedlora.seeds import DP_SAMPLE, seed_of
 
 F64 = torch.float64
 #: the methods whose local step takes private gradients (docs/concepts/privacy.md, "Sample-level DP-SGD")
-SUPPORTED = {"fedavg", "ffa", "rolora", "fedsvd", "fedsb", "fedsa", "fedex", "flora", "frlora", "lora-fair", "local"}
+SUPPORTED = {"fedavg", "ffa", "rolora", "fedsvd", "fedsb", "fedsa", "fedex", "flora", "frlora", "lora-fair", "local",
+             "perfedavg"}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -127,8 +128,9 @@ def test_per_sample_grads_of_a_stacked_testbed_layer_equal_a_loop():
         torch.testing.assert_close(per["lora_B"][0, i], db, rtol=1e-6, atol=1e-9)
 
 
-def _by_hand(ref, names, mask, S, b, sdp, clients):
-    """The DP-SGD gradient from per-example gradients: joint clip, Σ over real rows, + the client's noise, / q·n_k."""
+def _by_hand(ref, names, mask, S, b, sdp, clients, kind="noise"):
+    """The DP-SGD gradient from per-example gradients: joint clip, Σ over real rows, + the client's noise (stream
+    ``kind``: "noise", or "noise.p" for a step's release p), / q·n_k."""
     out = {n: [] for n in names}
     for p, k in enumerate(clients):
         total = {n: torch.zeros_like(ref[n][p, 0]) for n in names}
@@ -139,7 +141,7 @@ def _by_hand(ref, names, mask, S, b, sdp, clients):
             f = min(1.0, sdp.clip_norm / (norm + 1e-6))
             for n in names:
                 total[n] += ref[n][p, i] * f
-        gen = torch.Generator().manual_seed(seed_of(sdp.seed, DP_SAMPLE, "noise", k, sdp.round, sdp.step))
+        gen = torch.Generator().manual_seed(seed_of(sdp.seed, DP_SAMPLE, kind, k, sdp.round, sdp.step))
         noise = {n: torch.randn(total[n].shape, generator=gen, dtype=F64) * sdp.noise_multiplier * sdp.clip_norm
                  for n in sorted(names)}
         for n in names:
@@ -194,6 +196,71 @@ def test_observe_sees_each_slots_examples_before_clipping_and_changes_nothing():
     assert max(float(sum(per[n][i].pow(2).sum() for n in names).sqrt()) for _, _, per in seen for i in range(b)) > 0.05
     for n in names:
         torch.testing.assert_close(got[n], plain[n], rtol=0, atol=0, msg=n)
+
+
+def test_private_perfedavg_releases_its_inner_and_meta_gradients_each_on_its_own_batch_and_noise():
+    """Per-FedAvg (first-order) under sample-level DP, by hand from a loop over single examples: release 0 is DP-SGD's
+    gradient at x on the "batch" draw with "noise"; x̃ = x − α·that; release 1 is DP-SGD's gradient AT x̃ on the
+    independent "batch.1" draw with "noise.1"; the SGD step moves x by −β·(release 1)."""
+    from torch.func import functional_call
+
+    S, n, q, alpha, beta = 2, 12, 0.4, 0.3, 0.2
+    clients = [4, 7]
+    model = _tiny(S, seed=2)
+    gx = torch.Generator().manual_seed(8)
+    data = {k: (torch.randn(n, 4, 6, generator=gx, dtype=F64), torch.randint(0, 3, (n,), generator=gx))
+            for k in clients}
+    sdp = SampleDP(clip_norm=0.4, noise_multiplier=0.7, sampling_rate=q, seed=5)
+    sdp.set_client_sizes({k: n for k in clients})
+    method = get_method("perfedavg")(rank=2, lr=beta, inner_lr=alpha, optimizer="sgd")
+    method.bind(model, clients)
+    method.set_sample_dp(sdp)
+    names = method.x_names
+    assert sorted(names) == sorted(_params(model))  # A, B and the trained head
+
+    def rows_of(kind):  # each client's Poisson draw of the current step from stream ``kind``
+        out = []
+        for k in clients:
+            g = torch.Generator().manual_seed(seed_of(5, DP_SAMPLE, kind, k, sdp.round, sdp.step))
+            out.append(torch.nonzero(torch.rand(n, generator=g, dtype=F64) < q).reshape(-1))
+        return out
+
+    def batch_of(rows):
+        b = max(1, max(len(r) for r in rows))
+        xs, ys, mask = [], [], []
+        for r, k in zip(rows, clients):
+            idx = torch.cat([r, torch.zeros(b - len(r), dtype=torch.long)])
+            xs.append(data[k][0][idx]), ys.append(data[k][1][idx])
+            mask.append(torch.cat([torch.ones(len(r)), torch.zeros(b - len(r))]))
+        return torch.cat(xs), torch.cat(ys), torch.cat(mask).to(F64), b
+
+    def sample():  # the slot executor's private sampler: the draw of the current release
+        return batch_of([sdp.poisson_rows(k, n) for k in clients])
+
+    def objective(params, batch):
+        x, y, mask, _ = batch
+        ce = F.cross_entropy(functional_call(model, dict(params), (x,)), y, reduction="none")
+        return torch.where(mask.bool(), ce, torch.zeros((), dtype=ce.dtype)).view(S, -1).sum(1)
+
+    sdp.at(3, 1)
+    x0 = {n_: _params(model)[n_].detach().clone() for n_ in names}
+    r0, r1 = rows_of("batch"), rows_of("batch.1")
+    assert any(not torch.equal(a, b) for a, b in zip(r0, r1))  # independent draws
+    xb, yb, mask, b = batch_of(r0)
+    inner = _by_hand(_loop_grads(model, xb, yb, S, b), names, mask, S, b, sdp, clients)
+    with torch.no_grad():
+        for n_ in names:
+            _params(model)[n_].copy_(x0[n_] - alpha * inner[n_])  # x̃
+    xb, yb, mask, b = batch_of(r1)
+    meta = _by_hand(_loop_grads(model, xb, yb, S, b), names, mask, S, b, sdp, clients, kind="noise.1")
+    with torch.no_grad():
+        for n_ in names:
+            _params(model)[n_].copy_(x0[n_])
+    method.local_step(objective, sample)
+    assert sdp.part == 0  # the next step starts from its first release again
+    for n_ in names:
+        torch.testing.assert_close(_params(model)[n_].detach(), x0[n_] - beta * meta[n_], rtol=1e-9, atol=1e-12,
+                                   msg=n_)
 
 
 def test_a_clients_gradient_does_not_depend_on_its_pass_mates():
@@ -298,8 +365,12 @@ def test_bad_settings_are_one_line(kw, match):
 def test_refusals_name_the_reason_and_the_supported_list_is_the_documented_one():
     supported = {n for n in available_methods() if get_method(n).sample_dp_refusal is None}
     assert supported == SUPPORTED
-    for name in ("pf2lora", "perfedavg"):
-        assert get_method(name).sample_dp_refusal.startswith("second-order")
+    assert get_method("pf2lora").sample_dp_refusal.startswith("second-order")
+    hf = get_method("perfedavg")(variant="hessian-free")  # Per-FedAvg: its first-order variant only
+    with pytest.raises(ConfigError, match=r"^perfedavg: sample-level DP is not supported: variant 'hessian-free'"):
+        hf.set_sample_dp(SampleDP(1.0, 1.0, 0.1))
+    assert get_method("perfedavg").sample_dp_refusal_for({"variant": "hessian-free"}) == hf.sample_dp_refusal
+    assert get_method("perfedavg").sample_dp_refusal_for({}) is None
     method = get_method("pf2lora")()
     with pytest.raises(ConfigError, match=r"^pf2lora: sample-level DP is not supported: second-order") as e:
         method.set_sample_dp(SampleDP(1.0, 1.0, 0.1))

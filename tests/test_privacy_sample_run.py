@@ -26,6 +26,28 @@ def sample_run(tmp_path_factory):
     return tiny_run(tmp_path_factory.mktemp("sample_dp") / "run", *DP)
 
 
+def test_private_perfedavg_plans_two_releases_per_local_step():
+    """A run's plan (no model): Per-FedAvg's rounds spend 2 × its local steps per client, σ is calibrated for as many,
+    config.json says so; the hessian-free variant is refused by the config check, before anything is loaded."""
+    from fedlora.llm.config import load_config
+    from fedlora.llm.privacy import describe_plan, privacy_plan
+    from fedlora.privacy.accounting import noise_multiplier_for
+
+    sets = ["privacy.level=sample", "privacy.target_epsilon=3", "privacy.delta=1e-5", "train.rounds=3"]
+    sizes, steps = [40, 50, 60], [3, 2, 3]
+    plans = {m: privacy_plan(load_config("tiny-smoke", [f"method.name={m}", *sets]), 3, sizes, steps)
+             for m in ("fedavg", "perfedavg")}
+    pf, fa = plans["perfedavg"], plans["fedavg"]
+    assert (pf.releases_per_step, fa.releases_per_step) == (2, 1)
+    assert pf.participation([0, 1, 2], 3) == {str(k): (pf.sample_rates[k], pf.noise_multiplier, 2 * steps[k])
+                                              for k in range(3)}
+    assert pf.noise_multiplier == max(noise_multiplier_for(3.0, 1e-5, q, 2 * t * 3)
+                                      for q, t in zip(pf.sample_rates, steps)) > fa.noise_multiplier
+    assert describe_plan(pf)["releases_per_step"] == 2 and "releases_per_step" not in describe_plan(fa)
+    with pytest.raises(ConfigError, match="sample-level DP does not apply to perfedavg: variant 'hessian-free'"):
+        load_config("tiny-smoke", ["method.name=perfedavg", "method.options.variant=hessian-free", *sets])
+
+
 def test_each_clients_epsilon_is_the_librarys_for_the_rounds_it_trained_in(sample_run):
     import dp_accounting
 

@@ -95,6 +95,13 @@ def test_epsilon_is_the_accountants_for_the_steps_taken():
     full = _run("fedavg", data, priv, rounds=2, local_steps=2)
     assert full.history[-1]["privacy"]["epsilon"] == pytest.approx(4.0, abs=1e-4)
     assert full.history[-1]["privacy"]["epsilon"] <= 4.0
+    # private Per-FedAvg releases two gradients per local step: σ is calibrated for, and ε counts, twice the steps
+    pf = _run("perfedavg", data, priv, rounds=2, local_steps=2)
+    acc = PrivacyAccountant()
+    for i in range(2 * K):
+        acc.record(str(i), min(1.0, 8 / sizes[i % K]), priv.noise_multiplier(sizes, 2 * 2 * 2), 2 * 2 * 2)
+    assert pf.history[-1]["privacy"]["epsilon_by_client"] == acc.epsilons(1e-5)
+    assert pf.history[-1]["privacy"]["epsilon"] == pytest.approx(4.0, abs=1e-4)
 
 
 def test_same_seed_bit_identical_other_seed_differs_federations_independent():

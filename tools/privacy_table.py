@@ -13,15 +13,16 @@ PAGE = Path(__file__).resolve().parents[1] / "docs" / "concepts" / "privacy.md"
 HEADER = "| method | client-level DP | sample-level DP | SecAgg+ (`privacy.secagg`, on Flower) |"
 
 
-def _cell(why):
-    return "yes" if why is None else "no: " + why.replace("|", "\\|")
+def _cell(why, note=None):
+    text = "yes" + (f" ({note})" if note else "") if why is None else "no: " + why
+    return text.replace("|", "\\|")
 
 
 def table() -> str:
     rows = [HEADER, "|---|---|---|---|"]
     for m in available_methods():
         cls = get_method(m)
-        rows.append(f"| {m} | {_cell(cls.client_dp_refusal)} | {_cell(cls.sample_dp_refusal)} | "
+        rows.append(f"| {m} | {_cell(cls.client_dp_refusal)} | {_cell(cls.sample_dp_refusal, cls.sample_dp_note)} | "
                     f"{_cell(secagg_refusal(m))} |")
     return "\n".join(rows)
 

@@ -214,6 +214,11 @@ class Method(abc.ABC):
     #: ``set_sample_dp`` raises (and a run's config check, before any training)
     sample_dp_refusal: ClassVar[str | None] = ("its local step is its own, not FactorLoRA.train_step, the step that "
                                               "takes per-sample clipped, noised gradients")
+    #: what the privacy table adds to a "yes" of sample-level DP (a restriction or a cost), None: nothing
+    sample_dp_note: ClassVar[str | None] = None
+    #: DP-SGD releases per local step under sample-level DP (each a Poisson batch, clipped and noised): the
+    #: accountant counts local steps × this, and σ is calibrated for as many
+    sample_dp_releases: ClassVar[int] = 1
     #: the ``fedlora.privacy.dpsgd.SampleDP`` the local steps use (``set_sample_dp``); None: ordinary steps
     sample_dp: Any = None
     #: client-level DP (``fedlora.privacy.client_dp``, DP-FedAvg): None where the server's aggregate is the weighted
@@ -294,6 +299,13 @@ class Method(abc.ABC):
             for g in opt.param_groups:
                 g.setdefault("base_lr", g["lr"])
                 g["lr"] = g["base_lr"] * self.lr_factor
+
+    @classmethod
+    def sample_dp_refusal_for(cls, options: Mapping[str, Any]) -> str | None:
+        """``sample_dp_refusal`` of the method built with ``options`` (its constructor's keywords, as a config's
+        ``method`` section gives them): a run's config check asks this, before the method is built; a method whose
+        support depends on an option (Per-FedAvg's variant) overrides it."""
+        return cls.sample_dp_refusal
 
     def set_sample_dp(self, sample_dp: Any) -> None:
         """Train with sample-level DP-SGD (a ``fedlora.privacy.dpsgd.SampleDP``), or normally again (None). A method

@@ -22,6 +22,21 @@ averages A and B (FedAvg, w_k = n_k/Σn). Evaluation (``personalised_params``) u
 after one inner SGD step with α on a batch of the client's own data, as Per-FedAvg prescribes.
 Defaults follow [PF2LoRA] Table 5 (β = α = 1e-3 on most GLUE tasks, r = 8); the paper does not say which
 variant it ran, so the cheaper first-order one is the default.
+
+Sample-level DP (``privacy.level: sample``; our variant — neither Fallah et al. nor [PF2LoRA] give one): the
+first-order step's two gradients are each a DP-SGD release (Abadi et al., "Deep Learning with Differential
+Privacy", CCS 2016, Alg. 1) on its own Poisson batch, with its own noise:
+
+    g̃_in = (Σ_{i∈D} clip_C ∇ℓ_i(x) + N(0, σ²C²)) / (q·n_k)          release 0
+    x̃    = x − α g̃_in                                              post-processing of release 0
+    h    = (Σ_{i∈D′} clip_C ∇ℓ_i(x̃) + N(0, σ²C²)) / (q·n_k)         release 1, at the released x̃
+    x ← optimizer step along h
+
+Each release is the subsampled Gaussian mechanism of one DP-SGD step at x or at a point already released, so a
+local step composes two of them (``sample_dp_releases`` = 2: the accountant counts 2 × local steps, and σ is
+calibrated for as many). The hessian-free variant is refused: its Hessian-vector term is a difference of two
+gradients on D″ at x ± δg, whose per-example sensitivity per-sample clipping of each side does not bound as one
+release. The personalisation step at evaluation uses the client's data locally and is not a release.
 """
 from __future__ import annotations
 
@@ -38,6 +53,9 @@ from .base import AveragedFactors, Objective, Sampler, register
 __all__ = ["PerFedAvgLoRA"]
 
 VARIANTS = ("first-order", "hessian-free")
+#: why sample-level DP refuses the hessian-free variant (the first-order one is private: module doc)
+HF_REFUSAL = ("variant 'hessian-free': its Hessian-vector term is a difference of two gradients at x ± δg on one "
+              "batch, which per-example clipping of each does not bound as one release; use variant 'first-order'")
 
 
 def _grad(loss: torch.Tensor, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -60,7 +78,10 @@ class PerFedAvgLoRA(AveragedFactors):
     """
 
     name = "perfedavg"
-    sample_dp_refusal = 'second-order: its meta step differentiates through an inner SGD step on another batch; no private variant (per-example clipping of the meta-gradient) is implemented'
+    sample_dp_refusal = None  # first-order: two DP-SGD releases per step (module doc); hessian-free: HF_REFUSAL
+    sample_dp_note = ("first-order variant: its inner and meta gradients are each a DP-SGD release, 2 per local "
+                      "step, both counted; hessian-free refused")
+    sample_dp_releases = 2
     lora_upload = ("lora_A", "lora_B")  # its server averages the uploads: PEFT adapters aggregate with it
     personalised = True  # one SGD step on the client's own data (personalised_params)
     head_modes = ("frozen", "shared")  # a trained head is part of the meta-learned x
@@ -80,7 +101,13 @@ class PerFedAvgLoRA(AveragedFactors):
             raise ConfigError(f"perfedavg: weight_decay must be ≥ 0, got {weight_decay!r}")
         self.rank, self.lr, self.inner_lr = rank, float(lr), float(inner_lr)
         self.variant, self.delta = variant, float(delta)
+        if variant == "hessian-free":
+            self.sample_dp_refusal = HF_REFUSAL
         self.optimizer, self.weight_decay = optimizer, float(weight_decay)
+
+    @classmethod
+    def sample_dp_refusal_for(cls, options: Mapping[str, Any]) -> str | None:
+        return HF_REFUSAL if options.get("variant", "first-order") == "hessian-free" else None
 
     def step_sizes(self) -> dict:
         """β of the meta step (the optimizer's) and α of the one-step personalisation (plain SGD)."""
@@ -124,8 +151,36 @@ class PerFedAvgLoRA(AveragedFactors):
         minus = self._loss_grad(objective, [xi - d * gi for xi, gi in zip(x, g)], batch)
         return [gi - a * (p - m) / (2 * d) for gi, p, m in zip(g, plus, minus)]
 
+    def _private_grad(self, objective: Objective, x: Sequence[torch.Tensor], batch: Any) -> list[torch.Tensor]:
+        """DP-SGD's gradient at ``x`` on ``batch`` (``fedlora.privacy.dpsgd.private_gradients``: per-example
+        gradients clipped jointly to C, summed, noised from each client's stream, / q·n_k), aligned with
+        ``x_names``."""
+        from ..privacy.dpsgd import private_gradients
+
+        with torch.enable_grad():
+            xs = dict(zip(self.x_names, (t.detach().requires_grad_(True) for t in x)))
+            got = private_gradients(self.sample_dp, self.model, lambda: objective(xs, batch), self.x_names,
+                                    self.replica_clients)
+        return [got[n] for n in self.x_names]
+
+    def private_meta_direction(self, objective: Objective, sample: Sampler) -> list[torch.Tensor]:
+        """First-order h under sample-level DP (module doc): release 0 the inner gradient on D, release 1 the
+        gradient at x̃ on an independent D′ (``SampleDP.release`` keys each one's batch and noise apart)."""
+        sdp = self.sample_dp
+        x = [self.params[n].detach() for n in self.x_names]
+        a = self.inner_lr * self.lr_factor
+        sdp.release(0)
+        g_in = self._private_grad(objective, x, sample())                   # g̃_in on D
+        x_tilde = [xi - a * gi for xi, gi in zip(x, g_in)]
+        sdp.release(1)
+        try:
+            return self._private_grad(objective, x_tilde, sample())          # h on D′ at x̃
+        finally:
+            sdp.release(0)
+
     def local_step(self, objective: Objective, sample: Sampler) -> None:
-        h = self.meta_direction(objective, sample)
+        private = self.sample_dp is not None
+        h = self.private_meta_direction(objective, sample) if private else self.meta_direction(objective, sample)
         for n, hi in zip(self.x_names, h):
             self.params[n].grad = hi.detach()
         self.opt.step()

@@ -78,6 +78,9 @@ class SampleDP:
         self.seed = seed
         self.round: int | None = None
         self.step: int | None = None
+        #: which of the step's DP-SGD releases the coming draws are for (``release``; 0: the first, and the only one
+        #: of every method but private Per-FedAvg, whose step releases its inner and its meta gradient)
+        self.part = 0
         self.client_sizes: dict[int, int] = {}
         #: the synthetic testbed's stacked federations: the seed of each slot's (replica's) federation, which then
         #: keys that slot's streams instead of ``seed`` (``set_slot_seeds``); None: every slot uses ``seed``
@@ -97,7 +100,19 @@ class SampleDP:
         for name, v in (("round", rnd), ("step", step)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ConfigError(f"sample-level DP: the {name} must be an integer ≥ 0, got {v!r}")
-        self.round, self.step = rnd, step
+        self.round, self.step, self.part = rnd, step, 0
+
+    def release(self, part: int) -> None:
+        """The coming draws (batch and noise) are the current step's ``part``-th DP-SGD release (0-based; ``at``
+        starts each step at 0): a step that releases several private gradients (Per-FedAvg's inner and meta
+        gradients) keys each one's Poisson batch and noise apart — independent draws, as separate steps' are. The
+        accountant then counts that many releases per step (``Method.sample_dp_releases``)."""
+        if isinstance(part, bool) or not isinstance(part, int) or part < 0:
+            raise ConfigError(f"sample-level DP: a release index is an integer ≥ 0, got {part!r}")
+        if self.round is None:
+            raise ConfigError("sample-level DP: no local step is positioned (the runtime calls at(round, step) "
+                              "before each step)")
+        self.part = part
 
     def set_client_sizes(self, sizes: Sequence[int] | Mapping[int, int]) -> None:
         """n_k of every client (its number of training rows; a sequence by client or a mapping)."""
@@ -154,8 +169,9 @@ class SampleDP:
         if self.round is None:
             raise ConfigError("sample-level DP: no local step is positioned (the runtime calls at(round, step) "
                               "before each step)")
+        key = kind if self.part == 0 else f"{kind}.{self.part}"  # the first release keeps the streams it always had
         return torch.Generator(device=device).manual_seed(
-            seed_of(self.seed if seed is None else seed, DP_SAMPLE, kind, int(client), self.round, self.step))
+            seed_of(self.seed if seed is None else seed, DP_SAMPLE, key, int(client), self.round, self.step))
 
     def poisson_rows(self, client: int, n: int, seed: int | None = None) -> torch.Tensor:
         """The positions (sorted, int64) in 0..n−1 of the rows in client ``client``'s batch at the current step:

@@ -38,7 +38,8 @@ class PrivacyPlan:
     """``level``: client or sample. ``delta``: the δ every ε is reported at. ``max_epsilon``: the budget (None:
     none — ε is reported, no round is refused). ``client``: the client-level mechanism. ``sample_rates`` /
     ``sample_steps``: per client (its index in the federation) the Poisson batch rate q_k and the local steps of
-    a round, with ``noise_multiplier`` σ (sample level)."""
+    a round, with ``noise_multiplier`` σ (sample level); ``releases_per_step``: the DP-SGD releases each local step
+    makes (``Method.sample_dp_releases``: 2 for private Per-FedAvg, else 1), all counted."""
 
     level: str
     delta: float
@@ -48,6 +49,7 @@ class PrivacyPlan:
     sample_rates: Sequence[float] = field(default_factory=tuple)
     sample_steps: Sequence[int] = field(default_factory=tuple)
     clip_norm: float | None = None  # C (sample level; client level: ``client.clip_norm``)
+    releases_per_step: int = 1
 
     def __post_init__(self) -> None:
         if self.level not in LEVELS[1:]:
@@ -60,6 +62,9 @@ class PrivacyPlan:
             raise ConfigError("privacy: client-level DP needs its mechanism (ClientDP)")
         if self.level == "sample" and len(self.sample_rates) != len(self.sample_steps):
             raise ConfigError("privacy: sample-level DP needs a batch rate and a step count per client")
+        r = self.releases_per_step
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+            raise ConfigError(f"privacy: releases per local step must be an integer ≥ 1, got {r!r}")
 
     def participation(self, participants: Sequence[int], n_clients: int) -> dict[str, tuple[float, float, int]]:
         """What one round spends: {unit: (q, σ, steps)}. ``participants``: the client ids g·K + k (client k of
@@ -71,7 +76,8 @@ class PrivacyPlan:
         for i in participants:
             k = i % n_clients
             if self.sample_steps[k] > 0:
-                out[str(i)] = (float(self.sample_rates[k]), float(self.noise_multiplier), int(self.sample_steps[k]))
+                out[str(i)] = (float(self.sample_rates[k]), float(self.noise_multiplier),
+                               int(self.sample_steps[k]) * self.releases_per_step)
         return out
 
     def record(self, accountant: PrivacyAccountant, eps: float | None = None) -> dict[str, Any]:
