@@ -26,7 +26,10 @@ per finite ε: does FFA-LoRA lose less accuracy than FedAvg-LoRA?) and ``privacy
 ε per method; the drop from ε = ∞ per method). ``--resume`` keeps every ε folder that holds a compare.json of the
 same settings, and runs the others' compares keeping each finished run of the same settings (``fedlora compare
 --resume``): a long job can be stopped and restarted, or grown — more seeds, methods or clipping norms — running only
-what is new. Every setting is checked (one line) before the first run.
+what is new. ``--report`` runs nothing: it writes the three files from what ``--out`` holds so far — a (method, ε)
+cell whose runs have all finished is chosen and reported as always, the others show "—" (the table says how many
+cells are done), and each verdict waits for its four cells — so a sweep of hours can be read while it runs or
+after a stop. Every setting is checked (one line) before the first run.
 """
 from __future__ import annotations
 
@@ -148,22 +151,30 @@ def check(steps: Sequence[Mapping[str, Any]]) -> None:
                     raise ConfigError(f"ε = {_eps_text(st['epsilon'])}, {m}: {e}") from None
 
 
-def run_step(st: Mapping[str, Any], *, resume: bool, log: Callable[[str], None], jobs: int = 1) -> dict[str, Any]:
+def run_step(st: Mapping[str, Any], *, resume: bool, log: Callable[[str], None], jobs: int = 1,
+             report: bool = False) -> dict[str, Any]:
     """One ε: its compare (or, with ``resume``, the compare.json a finished one left, when its settings match;
     otherwise its compare again, keeping every finished run of the same settings — ``run_compare(reuse=True)``);
-    ``jobs`` runs at once (not part of the settings: the numbers do not depend on it)."""
+    ``jobs`` runs at once (not part of the settings: the numbers do not depend on it). ``report``: the finished
+    compare.json of the same settings, else ``run_compare(report=True)`` — nothing run, nothing written."""
     from fedlora.io import claim_output_dir, write_bytes_atomic, write_json_atomic
     from fedlora.llm.compare import COMPARE_WRITES, plot_compare, run_compare, to_markdown
 
     folder, command = Path(st["folder"]), _command(st)
     done = folder / "compare.json"
-    if resume and done.is_file():
+    if (resume or report) and done.is_file():
         res = json.loads(done.read_text())
         if res.get("command") == command:
-            log(f"[privacy-llm] ε = {_eps_text(st['epsilon'])}: kept {done} (--resume)")
+            log(f"[privacy-llm] ε = {_eps_text(st['epsilon'])}: kept {done} ({'--report' if report else '--resume'})")
             return res
-        log(f"[privacy-llm] ε = {_eps_text(st['epsilon'])}: other settings than {done}; its runs of the same "
-            "settings are kept (--resume)")
+        if not report:
+            log(f"[privacy-llm] ε = {_eps_text(st['epsilon'])}: other settings than {done}; its runs of the same "
+                "settings are kept (--resume)")
+    if report:
+        res = run_compare(st["config"], st["overrides"], st["methods"], st["grids"], st["seeds"], folder,
+                          grid=st["grid"], report=True, log=log)
+        res["command"] = command
+        return res
     # a folder a stopped (or smaller) compare left holds only compare's files: its finished runs are kept
     claimed = claim_output_dir(folder, writes=COMPARE_WRITES, overwrite=resume, clear=False, keep=True,
                                overwrite_flag="--resume")
@@ -192,7 +203,7 @@ def collect(steps: Sequence[Mapping[str, Any]], results: Sequence[Mapping[str, A
     chosen runs reached (the largest over seeds; None without DP), and the drop from the method's ε = ∞ mean."""
     rows = []
     for st, res in zip(steps, results):
-        for r in res["methods"]:
+        for r in res["methods"]:  # a report's compare has rows only for the methods whose runs all finished
             summ = [_summary(d) for d in r["runs"]]
             priv = [s.get("privacy") for s in summ]
             rows.append({"method": r["method"], "epsilon": st["epsilon"], "metric": res["metric"],
@@ -207,18 +218,26 @@ def collect(steps: Sequence[Mapping[str, Any]], results: Sequence[Mapping[str, A
     return rows
 
 
-def verdicts(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+def verdicts(rows: Sequence[Mapping[str, Any]], methods: Sequence[str] | None = None,
+             epsilons: Sequence[float] | None = None) -> list[str]:
     """One line per finite ε: does FFA-LoRA lose less accuracy than FedAvg-LoRA (its drop from its own ε = ∞ mean
     smaller)? With the two drops, and whether their difference is within the seeds' spread (the largest std
-    over seeds of the four means involved)."""
+    over seeds of the four means involved). ``methods``/``epsilons``: the sweep's (default: those of ``rows``; a
+    report's rows lack the unfinished cells)."""
     by = {(r["method"], r["epsilon"]): r for r in rows}
-    eps = sorted({r["epsilon"] for r in rows if not math.isinf(r["epsilon"])}, reverse=True)
-    if not any(m == "fedavg" for m, _ in by) or not any(m == "ffa" for m, _ in by):
+    methods = sorted({r["method"] for r in rows}) if methods is None else list(methods)
+    epsilons = sorted({r["epsilon"] for r in rows}) if epsilons is None else list(epsilons)
+    eps = sorted({e for e in epsilons if not math.isinf(e)}, reverse=True)
+    if "fedavg" not in methods or "ffa" not in methods:
         return ["No verdict: it needs both fedavg and ffa among the methods."]
-    if not any(math.isinf(e) for _, e in by):
+    if not any(math.isinf(e) for e in epsilons):
         return ["No verdict: it needs ε = ∞ (the drop is measured from each method's own ε = ∞ accuracy)."]
     out = []
     for e in eps:
+        if any((m, x) not in by for m in ("fedavg", "ffa") for x in (e, math.inf)):  # --report: not all finished
+            out.append(f"ε = {_eps_text(e)}: not yet — FedAvg-LoRA's and FFA-LoRA's runs at ε = {_eps_text(e)} and "
+                       "at ε = ∞ have not all finished")
+            continue
         a, f = by[("fedavg", e)], by[("ffa", e)]
         cells = [by[(m, x)] for m in ("fedavg", "ffa") for x in (e, math.inf)]
         spread = max(c["test_std"] for c in cells)
@@ -248,10 +267,16 @@ def to_markdown(res: Mapping[str, Any]) -> str:
              " (clients' mean" + (", mean ± std over seeds" if n > 1 else ", one seed") + ") read for that choice "
              "only. Cells: test " + metric + " · lr · C · ε reached (σ).", "",
              "| method | " + " | ".join(f"ε = {_eps_text(e)}" for e in eps) + " |", "|---|" + "---|" * len(eps)]
+    if res.get("partial"):
+        lines[2:2] = [f"**Partial (--report): {len(rows)} of {len(cfg['methods']) * len(eps)} (method, ε) cells "
+                      "have all their runs finished; — marks the others.**", ""]
     for m in cfg["methods"]:
         cells = []
         for e in eps:
-            r = by[(m, e)]
+            r = by.get((m, e))
+            if r is None:
+                cells.append("—")
+                continue
             acc = f"{r['test_mean']:.4f} ± {r['test_std']:.4f}" if n > 1 else f"{r['test_mean']:.4f}"
             dp = "" if r["clip_norm"] is None else (f" · C {r['clip_norm']:g} · ε {r['epsilon_reached']:.3f} "
                                                    f"(σ {r['sigma']:.3f})")
@@ -261,7 +286,9 @@ def to_markdown(res: Mapping[str, Any]) -> str:
     if any(math.isinf(e) for e in eps) and finite:
         lines += ["", f"Drop from each method's own ε = ∞ test {metric}:", "",
                   "| method | " + " | ".join(f"ε = {_eps_text(e)}" for e in finite) + " |", "|---|" + "---|" * len(finite)]
-        lines += [f"| {m} | " + " | ".join(f"{by[(m, e)]['drop']:+.4f}" for e in finite) + " |" for m in cfg["methods"]]
+        lines += [f"| {m} | " + " | ".join("—" if by.get((m, e)) is None or by[(m, e)]["drop"] is None else
+                                           f"{by[(m, e)]['drop']:+.4f}" for e in finite) + " |"
+                  for m in cfg["methods"]]
     lines += ["", "**Does FFA-LoRA lose less accuracy under DP than FedAvg-LoRA here?**", ""]
     lines += [f"- {v}" for v in res["verdicts"]]
     lines += ["", f"Per ε: `{res['compares'][0]['command']}` (and the others in privacy_utility_llm.json); "
@@ -287,11 +314,14 @@ def plot(res: Mapping[str, Any], path: Path) -> None:
     by = {(r["method"], r["epsilon"]): r for r in rows}
     metric = rows[0]["metric"] if rows else "accuracy"
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.8))
+    nan = float("nan")  # a cell not finished (--report): no point
     for m in cfg["methods"]:
-        line = ax.errorbar([xs[e] for e in eps], [by[(m, e)]["test_mean"] for e in eps],
-                           yerr=[by[(m, e)]["test_std"] for e in eps], marker="o", capsize=3, label=m)
+        line = ax.errorbar([xs[e] for e in eps], [by[(m, e)]["test_mean"] if (m, e) in by else nan for e in eps],
+                           yerr=[by[(m, e)]["test_std"] if (m, e) in by else nan for e in eps], marker="o", capsize=3,
+                           label=m)
         if any(math.isinf(e) for e in eps) and finite:
-            bx.plot(finite, [by[(m, e)]["drop"] for e in finite], marker="o", label=m, color=line.lines[0].get_color())
+            drops = [by[(m, e)]["drop"] if (m, e) in by and by[(m, e)]["drop"] is not None else nan for e in finite]
+            bx.plot(finite, drops, marker="o", label=m, color=line.lines[0].get_color())
     for a in (ax, bx):
         a.set_xscale("log")
         a.set_xlabel(f"ε (δ = {cfg['delta']:g})")
@@ -318,10 +348,10 @@ def sweep(*, config: str = "minilm-debian", methods: Sequence[str] = METHODS,
           epsilons: Sequence[float] = (math.inf, 6.0, 3.0, 1.0), delta: float = 1e-5,
           clip_norms: Sequence[float] = (2.0, 5.0, 10.0), lr_grid: Sequence[float] = LR_GRID,
           ffa_factor: float = 10.0, seeds: int = 2, rounds: int | None = None, local_steps: int | None = None,
-          threads: int = 1, jobs: int = 1, sets: Sequence[str] = (),
-          out: Path, resume: bool = False, command: str = "", log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Every ε's compare (``run_step``), then the table's rows, the verdicts and the files (module docstring).
-    Returns privacy_utility_llm.json's content."""
+          threads: int = 1, jobs: int = 1, sets: Sequence[str] = (), out: Path, resume: bool = False,
+          report: bool = False, command: str = "", log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Every ε's compare (``run_step``), then the table's rows, the verdicts and the files (module docstring);
+    ``report``: nothing run, the table of what ``out`` holds so far. Returns privacy_utility_llm.json's content."""
     from fedlora.io import write_bytes_atomic, write_json_atomic
     from fedlora.methods import available_methods
 
@@ -345,12 +375,16 @@ def sweep(*, config: str = "minilm-debian", methods: Sequence[str] = METHODS,
     train = load_config(config, steps[0]["overrides"]).train  # the rounds and local steps the runs take
     rounds, local_steps = int(train.rounds), train.local_steps
     out = Path(out)
-    if out.is_dir() and any(out.iterdir()) and not resume:
+    if report and resume:
+        raise ConfigError("--report and --resume: a report runs nothing; give one of them")
+    if report and not out.is_dir():
+        raise ConfigError(f"--report: {str(out)!r} is not a folder of this sweep's results (give the --out of a sweep)")
+    if out.is_dir() and any(out.iterdir()) and not (resume or report):
         raise ConfigError(f"--out: {str(out)!r} is not empty; give --resume to keep its finished ε folders, or "
                           f"choose another folder")
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    results = [run_step(st, resume=resume, log=log, jobs=jobs) for st in steps]
+    results = [run_step(st, resume=resume, log=log, jobs=jobs, report=report) for st in steps]
     rows = collect(steps, results)
     first = results[0]
     res = {"schema_version": 1, "command": command, "model": first["model"], "task": first["task"],
@@ -362,8 +396,9 @@ def sweep(*, config: str = "minilm-debian", methods: Sequence[str] = METHODS,
            "compares": [{"epsilon": st["epsilon"], "folder": str(st["folder"]), "command": r["command"],
                          "wall_s": r.get("wall_s_total")} for st, r in zip(steps, results)],
            "runs": sum(len(m["val"]) * seeds for r in results for m in r["methods"]),
+           "partial": len(rows) < len(methods) * len(steps),
            "wall_s": time.perf_counter() - t0, "rows": rows}
-    res["verdicts"] = verdicts(rows)
+    res["verdicts"] = verdicts(rows, methods, [st["epsilon"] for st in steps])
     write_json_atomic(out / WRITES[0], jsonable(res))
     write_bytes_atomic(out / WRITES[1], to_markdown(res).encode())
     plot(res, out / WRITES[2])
@@ -392,6 +427,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="any other config field for every run, e.g. --set data.max_train_samples=400")
     ap.add_argument("--out", required=True, help="output folder (new or empty, unless --resume)")
+    ap.add_argument("--report", action="store_true",
+                    help="run nothing: write the table of what --out holds so far (unfinished cells: —)")
     ap.add_argument("--resume", action="store_true",
                     help="keep the finished ε folders of --out and every finished run of the same settings; run the rest")
     a = ap.parse_args(argv)
@@ -403,12 +440,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     epsilons=parse_epsilons(a.epsilons), delta=a.delta,
                     clip_norms=_numbers(a.clip_norms, "--clip-norms"), lr_grid=_numbers(a.lr_grid, "--lr-grid"),
                     ffa_factor=a.ffa_factor, seeds=a.seeds, rounds=a.rounds, local_steps=a.local_steps,
-                    threads=a.threads, jobs=a.jobs, sets=a.set, out=Path(a.out), resume=a.resume, command=command)
+                    threads=a.threads, jobs=a.jobs, sets=a.set, out=Path(a.out), resume=a.resume, report=a.report,
+                    command=command)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(to_markdown(res))
-    print(f"wrote {a.out}/{', '.join(WRITES)} and eps_*/")
+    print(f"wrote {a.out}/{', '.join(WRITES)}" + (" (a report: nothing run)" if a.report else " and eps_*/"))
     return 0
 
 

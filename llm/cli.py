@@ -122,6 +122,9 @@ def register_compare(subparsers: argparse._SubParsersAction) -> None:
                     help="keep every finished run in --out of exactly the same settings and run the others: a stopped "
                          "compare goes on, a grown one (more seeds, methods, step sizes or --grid values) runs only "
                          "what is new")
+    cp.add_argument("--report", action="store_true",
+                    help="run nothing and write nothing: print the table of the runs --out holds so far (a method "
+                         "whose runs have not all finished is listed, not chosen)")
     cp.add_argument("--jobs", type=int, default=1, metavar="N",
                     help="runs at once, each in its own process with train.threads threads (default 1); the numbers "
                          "do not depend on it, e.g. --jobs 4 --set train.threads=2 on 8 cores")
@@ -155,6 +158,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         raise ConfigError(f"--jobs: the runs at once, an integer ≥ 1, got {args.jobs}")
     if args.resume and args.overwrite:
         raise ConfigError("--resume keeps the finished runs of --out and --overwrite clears them: give one")
+    if args.report:
+        return _compare_report(args, methods, grids)
     if args.progress and args.jobs > 1:
         raise ConfigError("--progress: one bar per run needs --jobs 1 (runs in worker processes would draw over "
                           "each other)")
@@ -180,6 +185,28 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     plot_compare(res, out / "compare.png")
     print(to_markdown(res, command))
     print(f"wrote {out}/compare.md, compare.png, compare.json, runs/")
+    return 0
+
+
+def _compare_report(args: argparse.Namespace, methods, grids) -> int:
+    """``fedlora compare … --report``: the table of the finished runs in --out (``run_compare(report=True)``);
+    nothing is run, written or removed."""
+    from .compare import run_compare, to_markdown
+
+    for flag, given in (("--resume", args.resume), ("--overwrite", args.overwrite)):
+        if given:
+            raise ConfigError(f"--report runs and writes nothing; {flag} is not for it")
+    from pathlib import Path
+
+    out = Path(args.out)
+    if not out.is_dir():
+        raise ConfigError(f"--report: {str(out)!r} is not a folder of compare's results (give the --out of a compare)")
+    res = run_compare(args.config, args.set, methods, grids, args.seeds, out, grid=args.grid, report=True)
+    if not res["methods"]:
+        raise ConfigError(f"--report: no method of --methods has all its runs finished in {str(out)!r} yet (finished "
+                          "runs: " + ", ".join(f"{m} {v['finished']} of {v['runs']}" for m, v in
+                                               res["unfinished"].items()) + ")")
+    print(to_markdown(res, "fedlora compare … --report"))
     return 0
 
 

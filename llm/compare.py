@@ -289,12 +289,15 @@ def _grid_runs(cfgs: Mapping[Any, Any], jobs: int, progress: bool) -> Iterator[t
 
 def run_compare(config: str, overrides: Sequence[str], methods: Sequence[str], grids: Mapping[str, Sequence[float]],
                 seeds: int, out: Path, *, grid: Sequence[str] = (), progress: bool = False, jobs: int = 1,
-                reuse: bool = False, log: Callable[[str], None] = print) -> dict[str, Any]:
+                reuse: bool = False, report: bool = False, log: Callable[[str], None] = print) -> dict[str, Any]:
     """The three phases (module docstring) into ``out`` (claimed by the caller). ``grid``: ``--grid`` entries
     (``parse_value_grid``), crossed with every step size. ``jobs``: runs at once (``_grid_runs``; the results do
     not depend on it). ``reuse`` (``--resume``): a run whose folder already holds it finished (``finished_run``) is
-    read, not run again; any other folder of a run is removed and the run made afresh. Returns compare.json's
-    content."""
+    read, not run again; any other folder of a run is removed and the run made afresh. ``report``: nothing is run
+    or removed — the finished runs are read as ``reuse`` reads them, and only the methods whose every run has
+    finished get a row (chosen and tested as always); the others are listed under ``unfinished`` (method →
+    finished runs, runs). Returns compare.json's content (a report's is for its caller: compare.json, whose
+    presence means the grid is done, is not written from it)."""
     from .config import describe_method, load_config
 
     if seeds < 1:
@@ -332,20 +335,26 @@ def run_compare(config: str, overrides: Sequence[str], methods: Sequence[str], g
                         f"method.name={m}", f"method.lr={lr!r}", f"seed={base.seed + i}",
                         f"output_dir={json.dumps(str(folder))}"])
                     describe_method(cfgs[m, cand(lr, combo), i])  # its options resolve (one line otherwise)
-    metric = None
+    metric = data_name = None  # read from the first run's summary (a report with no finished run has neither)
     scores: dict[tuple[str, Any, int], float] = {}
     folders = {key: Path(cfg.output_dir) for key, cfg in cfgs.items()}
     kept = {}
-    if reuse:
+    if reuse or report:
         for key, cfg in cfgs.items():
             summary = finished_run(cfg)
             if summary is not None:
                 kept[key] = summary
-            elif folders[key].exists():  # a stopped run, or one of other settings: compare's own, made afresh
+            elif folders[key].exists() and not report:  # a stopped run, or one of other settings: made afresh
                 shutil.rmtree(folders[key])
-    todo = {key: cfg for key, cfg in cfgs.items() if key not in kept}
+    todo = {} if report else {key: cfg for key, cfg in cfgs.items() if key not in kept}
+    unfinished = {m: [sum(1 for key in cfgs if key[0] == m and key in kept), sum(1 for key in cfgs if key[0] == m)]
+                  for m in methods}
+    unfinished = {m: v for m, v in unfinished.items() if v[0] < v[1]} if report else {}  # a report's gaps
+    done_methods = [m for m in methods if m not in unfinished]
     n, t0 = len(cfgs), time.perf_counter()
-    if kept:
+    if report:
+        log(f"read {len(kept)} finished run(s) of {len(cfgs)}; nothing run (a report)")
+    elif kept:
         log(f"kept {len(kept)} finished run(s) of the same settings (--resume); {len(todo)} to run")
     runs = itertools.chain(kept.items(), _grid_runs(todo, jobs, progress))
     for j, ((m, c, i), summary) in enumerate(runs):  # phase 1: the grid
@@ -356,10 +365,10 @@ def run_compare(config: str, overrides: Sequence[str], methods: Sequence[str], g
         log(f"[{j + 1}/{n}] {m} {what} seed={cfgs[m, c, i].seed}: validation {metric} {scores[m, c, i]:.4f} "
             f"({'kept' if (m, c, i) in kept else f'{time.perf_counter() - t0:.0f} s so far'})")
     val = {m: {cand(lr, c): [scores[m, cand(lr, c), i] for i in range(seeds)] for lr in grids[m] for c in combos}
-           for m in methods}  # per candidate the seeds in order, whichever run finished first
-    chosen = {m: choose_step_size(val[m]) for m in methods}  # phase 2: validation only
+           for m in done_methods}  # per candidate the seeds in order, whichever run finished first
+    chosen = {m: choose_step_size(val[m]) for m in done_methods}  # phase 2: validation only
     rows = []
-    for m in methods:  # phase 3: the chosen runs' test numbers
+    for m in done_methods:  # phase 3: the chosen runs' test numbers
         tests = [read_test(folders[m, chosen[m], i], metric) for i in range(seeds)]
         t_mean, t_std = _mean_std([t["test"] for t in tests])
         glob = [t["global"] for t in tests if t["global"] is not None]
@@ -382,6 +391,8 @@ def run_compare(config: str, overrides: Sequence[str], methods: Sequence[str], g
            "rounds": base.train.rounds, "seeds": [base.seed + i for i in range(seeds)],
            "selection": "the clients' mean validation metric after the last round, mean over seeds; ties → smaller",
            "methods": rows}
+    if report:
+        res["unfinished"] = {m: {"finished": a, "runs": b} for m, (a, b) in unfinished.items()}
     if values:  # absent without --grid: compare.json as before
         res["grid"] = {k: [v for _, v in vals] for k, vals in values.items()}
         res["selection"] = ("the (step size, --grid values) pair with the best clients' mean validation metric after "
@@ -433,6 +444,9 @@ def to_markdown(res: Mapping[str, Any], command: str) -> str:
                        for k in keys)
         lines.append(f"| {r['method']} | **{r['lr']:g}** ({grid}) | {cols}{_spread(r['test_mean'], r['test_std'], n)} | "
                      f"{g} | {v:.4f} | {r['bytes_per_round'] / 1e6:.3f} | {r['wall_s']:.1f} |")
+    if res.get("unfinished"):  # a report (--report): the methods whose runs have not all finished
+        lines += ["", "Not finished yet (--report; finished runs of all): " +
+                  ", ".join(f"{k} {v['finished']} of {v['runs']}" for k, v in res["unfinished"].items()) + "."]
     return "\n".join(lines) + "\n"
 
 

@@ -147,3 +147,33 @@ def test_resume_redoes_a_stopped_run_and_a_grown_sweep_runs_only_what_is_new(tmp
     with pytest.raises(ConfigError, match="mine.txt"):
         mod.sweep(**kw)
     assert (out / "eps_inf" / "mine.txt").exists()
+
+
+def test_report_runs_nothing_and_tables_the_cells_whose_runs_all_finished(tmp_path, monkeypatch):
+    """--report over a sweep grown by a method: the finished method's cell is the sweep's own (same choice, same
+    numbers), the new method's is "—", no verdict is drawn without its four cells, nothing runs and no ε folder is
+    written; --report with --resume, or on a folder that does not exist, is one line."""
+    from fedlora.llm.runtime import FederatedRun
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    mod = _script()
+    out = tmp_path / "sweep"
+    kw = dict(config="tiny-smoke", epsilons=[math.inf], seeds=1, lr_grid=[1e-3], rounds=1, local_steps=1, out=out,
+              log=lambda line: None)
+    full = mod.sweep(methods=["fedavg"], **kw)
+    before = {p: p.stat().st_mtime_ns for p in (out / "eps_inf").rglob("*")}
+    monkeypatch.setattr(FederatedRun, "run", lambda self, *a, **k: pytest.fail("a report ran a run"))
+    rep = mod.sweep(methods=["fedavg", "ffa"], report=True, **kw)
+    assert {p: p.stat().st_mtime_ns for p in (out / "eps_inf").rglob("*")} == before  # nothing written there
+    assert rep["partial"] is True and [r["method"] for r in rep["rows"]] == ["fedavg"]
+    strip = ("runs",)
+    assert {k: v for k, v in rep["rows"][0].items() if k not in strip} == \
+        {k: v for k, v in full["rows"][0].items() if k not in strip}
+    assert rep["verdicts"] == []  # ε = ∞ alone: no finite ε to judge
+    md = (out / "privacy_utility_llm.md").read_text()
+    assert "Partial (--report): 1 of 2 (method, ε) cells" in md and "| ffa | — |" in md
+    assert json.loads((out / "privacy_utility_llm.json").read_text())["partial"] is True
+    with pytest.raises(ConfigError, match="--report and --resume"):
+        mod.sweep(methods=["fedavg"], report=True, **{**kw, "resume": True})
+    with pytest.raises(ConfigError, match="--report: .* is not a folder of this sweep's results"):
+        mod.sweep(methods=["fedavg"], report=True, **{**kw, "out": tmp_path / "none"})

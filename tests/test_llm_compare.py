@@ -234,7 +234,7 @@ def test_bad_grid_input_is_one_line_before_any_run(tmp_path, capsys):
         assert not out.exists()
 
 
-def test_resume_keeps_the_finished_runs_of_the_same_settings_and_runs_only_the_rest(tmp_path, monkeypatch):
+def test_resume_keeps_the_finished_runs_of_the_same_settings_and_runs_only_the_rest(tmp_path, monkeypatch, capsys):
     """``--resume`` over a smaller compare: its finished run is read, not run (its files untouched), a stopped run is
     made afresh, only the new runs run — and compare.json is what one compare of the whole grid gives."""
     from fedlora.llm.config import load_config
@@ -254,9 +254,16 @@ def test_resume_keeps_the_finished_runs_of_the_same_settings_and_runs_only_the_r
     kept = tmp_path / "cmp" / "runs" / "fedavg" / "lr_0.001" / "seed_0"
     stopped = tmp_path / "cmp" / "runs" / "fedavg" / "lr_0.05" / "seed_0"
     before = (kept / "summary.json").stat().st_mtime_ns, (kept / "rounds.jsonl").read_bytes()
+    table = (tmp_path / "cmp" / "compare.md").read_text().split("\n| fedavg ")[1].split("\n")[0]
+    capsys.readouterr()
+    assert main([*base, *small, "--report", "--out", str(tmp_path / "cmp")]) == 0  # all finished: compare's own row
+    assert "\n| fedavg " + table + "\n" in capsys.readouterr().out
     state = json.loads((stopped / "run.json").read_text())
     (stopped / "run.json").write_text(json.dumps({**state, "status": "interrupted"}))  # as a Ctrl-C leaves it
     ran.clear()
+    assert main([*base, *small, "--report", "--out", str(tmp_path / "cmp")]) == 2  # a report runs nor removes any
+    assert "no method of --methods has all its runs finished" in capsys.readouterr().err and ran == []
+    assert (stopped / "run.json").is_file()
     assert main([*base, *grown, "--out", str(tmp_path / "cmp")]) == 2  # without --resume: refused, nothing run
     assert main([*base, *grown, "--resume", "--out", str(tmp_path / "cmp")]) == 0
     assert sorted(ran) == ["cmp/runs/fedavg/lr_0.001/seed_1", "cmp/runs/fedavg/lr_0.05/seed_0",
