@@ -125,8 +125,9 @@ def describe_plan(plan: PrivacyPlan | None) -> dict[str, Any] | None:
 
 
 def dry_run_plan(cfg: RunConfig) -> dict[str, Any] | None:
-    """A dry run's privacy plan (``fedlora run --dry-run``): σ derived, δ resolved, the first round's budget checked;
-    client level only (a sample-level plan needs each client's data size, which a dry run may not have)."""
+    """A dry run's client-level privacy plan (``fedlora run --dry-run``): σ derived, δ resolved, the first round's
+    budget checked — before the data are read (a sample-level plan needs each client's data size: the dry run
+    derives it after its data check, ``fedlora.llm.runtime``)."""
     if cfg.privacy.level != "client":
         return None
     return describe_plan(privacy_plan(cfg, cfg.federation.clients))

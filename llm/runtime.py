@@ -281,17 +281,7 @@ class FederatedRun:
                                      self.cfg.model.max_length)
 
     def _local_steps(self) -> list[int]:
-        """Each training client's local steps per round: ``train.local_epochs`` E → ⌈E·n_k/b⌉, else
-        ``train.local_steps`` (default 10). Pooled data (Centralized) takes the federation's total of
-        a round — the participants' steps added up — so both references see as many batches per round."""
-        t, b = self.cfg.train, self.cfg.train.batch_size
-        if t.local_epochs is not None:
-            return [max(1, math.ceil(t.local_epochs * n / b - 1e-9)) for n in self.sizes]
-        per_client = t.local_steps if t.local_steps is not None else 10
-        if self.centralized:
-            fc = self.cfg.federation
-            return [per_client * clients_drawn(fc.sample_fraction, fc.clients)]
-        return [per_client] * len(self.sizes)
+        return local_steps(self.cfg, self.sizes, self.centralized)
 
     def describe(self) -> dict[str, Any]:
         """What was built (for config.json): targets, head, ranks, data sizes, split."""
@@ -328,10 +318,12 @@ def dry_run(run: "FederatedRun") -> dict[str, Any]:
     resolved (the head policy, the targets)."""
 
     run._settings(machine=False)
-    # σ derived, δ resolved, the budget checked; sample level: when the run has each client's data size
+    # σ derived, δ resolved, the budget checked; sample level: from each client's data size (after the data check)
     plan = dry_run_plan(run.cfg)
-    private = {"privacy": plan} if plan is not None else {}
     data = run.check_data()
+    if run.cfg.privacy.level == "sample":
+        plan = _sample_plan_of_dry_run(run, data)
+    private = {"privacy": plan} if plan is not None else {}
     if not data["checked"]:
         run.task = _task_without_rows(run.cfg)
     try:
@@ -355,6 +347,37 @@ def dry_run(run: "FederatedRun") -> dict[str, Any]:
     if not data["checked"] and isinstance(run.task, QATask):
         mod["not_checked"] = "the questions' windows in model.max_length (data.doc_stride): the data is not fetched"
     return {"data": data, "head": run.head_mode, "model": mod, **private}
+
+
+def local_steps(cfg: RunConfig, sizes, centralized: bool = False) -> list[int]:
+    """Each training client's local steps per round (``sizes``: their training rows n_k): ``train.local_epochs`` E
+    → ⌈E·n_k/b⌉, else ``train.local_steps`` (default 10). Pooled data (Centralized) takes the federation's total of
+    a round — the participants' steps added up — so both references see as many batches per round."""
+    t, b = cfg.train, cfg.train.batch_size
+    if t.local_epochs is not None:
+        return [max(1, math.ceil(t.local_epochs * n / b - 1e-9)) for n in sizes]
+    per_client = t.local_steps if t.local_steps is not None else 10
+    if centralized:
+        fc = cfg.federation
+        return [per_client * clients_drawn(fc.sample_fraction, fc.clients)]
+    return [per_client] * len(sizes)
+
+
+def _sample_plan_of_dry_run(run: "FederatedRun", data: dict[str, Any]) -> dict[str, Any]:
+    """A dry run's sample-level plan where it has each client's data size: the batch rates b/n_k, the local steps
+    and σ derived exactly as the run derives them (``privacy_plan``; a budget the first round already exceeds is
+    refused here, before any training); else what is missing."""
+    if not data["checked"]:
+        return {"level": "sample", "derived": False,
+                "why": f"σ and the batch rates need each client's data size, and {data['why']}"}
+    if isinstance(run.task, QATask):
+        return {"level": "sample", "derived": False,
+                "why": "extractive QA trains on its questions' windows, counted when the run tokenizes the data"}
+    from fedlora.methods import get_method
+
+    sizes = data["client_train_sizes"]  # a run of pooled data (Centralized) is refused sample-level DP before this
+    pooled = bool(get_method(run.cfg.method.name).pooled_data)
+    return describe_plan(privacy_plan(run.cfg, len(sizes), sizes, local_steps(run.cfg, sizes, pooled)))
 
 
 def _machine(run: "FederatedRun") -> dict[str, str]:

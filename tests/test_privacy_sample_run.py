@@ -26,6 +26,29 @@ def sample_run(tmp_path_factory):
     return tiny_run(tmp_path_factory.mktemp("sample_dp") / "run", *DP)
 
 
+def test_a_dry_run_gives_the_sample_level_plan_the_run_resolves_and_refuses_a_budget_the_first_round_exceeds(
+        sample_run, tmp_path):
+    """``fedlora run --dry-run`` at sample level: after its data check, the batch rates, local steps and σ the run
+    itself resolved (config.json), with a target ε its σ derived; a budget the first round already spends is refused
+    by the dry run, before any training."""
+    from _run_helpers import FAST
+
+    from fedlora.llm.config import load_config
+    from fedlora.llm.runtime import FederatedRun
+
+    resolved = json.loads((sample_run / "config.json").read_text())["resolved"]["privacy"]
+    sets = [*FAST, *DP, f"output_dir={tmp_path / 'dry'}"]
+    assert FederatedRun(load_config("tiny-smoke", sets), write=False).check()["privacy"] == resolved
+    target = FederatedRun(load_config("tiny-smoke", [*sets, "privacy.noise_multiplier=null",
+                                                     "privacy.target_epsilon=4"]), write=False).check()["privacy"]
+    assert target["batch_rates"] == resolved["batch_rates"] and target["local_steps"] == resolved["local_steps"]
+    assert target["noise_multiplier"] > 0 and target["max_epsilon"] == 4
+    with pytest.raises(ConfigError, match="the first round alone spends"):
+        FederatedRun(load_config("tiny-smoke", [*sets, "privacy.noise_multiplier=0.3", "privacy.max_epsilon=0.5"]),
+                     write=False).check()
+    assert not (tmp_path / "dry").exists()
+
+
 def test_private_perfedavg_plans_two_releases_per_local_step():
     """A run's plan (no model): Per-FedAvg's rounds spend 2 × its local steps per client, σ is calibrated for as many,
     config.json says so; the hessian-free variant is refused by the config check, before anything is loaded."""
