@@ -170,22 +170,20 @@ def run_step(st: Mapping[str, Any], *, resume: bool, log: Callable[[str], None],
         if not report:
             log(f"[privacy-llm] ε = {_eps_text(st['epsilon'])}: other settings than {done}; its runs of the same "
                 "settings are kept (--resume)")
-    if report:
-        res = run_compare(st["config"], st["overrides"], st["methods"], st["grids"], st["seeds"], folder,
-                          grid=st["grid"], report=True, log=log)
-        res["command"] = command
-        return res
     # a folder a stopped (or smaller) compare left holds only compare's files: its finished runs are kept
-    claimed = claim_output_dir(folder, writes=COMPARE_WRITES, overwrite=resume, clear=False, keep=True,
-                               overwrite_flag="--resume")
+    claimed = None if report else claim_output_dir(folder, writes=COMPARE_WRITES, overwrite=resume, clear=False,
+                                                   keep=True, overwrite_flag="--resume")
     try:
         t0 = time.perf_counter()
         res = run_compare(st["config"], st["overrides"], st["methods"], st["grids"], st["seeds"], folder,
-                          grid=st["grid"], jobs=jobs, reuse=resume, log=log)
+                          grid=st["grid"], jobs=jobs, reuse=resume, report=report, log=log)
     except BaseException:
-        claimed.remove_if_empty()
+        if claimed is not None:
+            claimed.remove_if_empty()
         raise
     res["command"] = command
+    if report:  # nothing written
+        return res
     res["wall_s_total"] = time.perf_counter() - t0
     write_bytes_atomic(folder / "compare.md", to_markdown(res, command).encode())
     plot_compare(res, folder / "compare.png")

@@ -347,9 +347,11 @@ def run_compare(config: str, overrides: Sequence[str], methods: Sequence[str], g
             elif folders[key].exists() and not report:  # a stopped run, or one of other settings: made afresh
                 shutil.rmtree(folders[key])
     todo = {} if report else {key: cfg for key, cfg in cfgs.items() if key not in kept}
-    unfinished = {m: [sum(1 for key in cfgs if key[0] == m and key in kept), sum(1 for key in cfgs if key[0] == m)]
-                  for m in methods}
-    unfinished = {m: v for m, v in unfinished.items() if v[0] < v[1]} if report else {}  # a report's gaps
+    unfinished = {}  # a report's gaps: method → [finished runs, runs]
+    for m in methods if report else ():
+        keys = [key for key in cfgs if key[0] == m]
+        if sum(key in kept for key in keys) < len(keys):
+            unfinished[m] = [sum(key in kept for key in keys), len(keys)]
     done_methods = [m for m in methods if m not in unfinished]
     n, t0 = len(cfgs), time.perf_counter()
     if report:

@@ -101,6 +101,10 @@ def test_verdict_compares_the_drops_from_each_methods_own_no_dp_accuracy():
     assert mod.verdicts([r for r in rows(0.5, 0.5) if r["method"] == "fedavg"])[0].startswith("No verdict")
     one, = mod.verdicts(rows(ffa_eps=0.58, avg_eps=0.80, seeds=1))  # one seed: no spread, so no claim about it
     assert "? yes" in one and "comes from one seed: there is no spread" in one and "std" not in one
+    for gone in (("ffa", 3.0), ("fedavg", math.inf)):  # a report's rows: a cell whose runs have not all finished
+        part = [r for r in rows(ffa_eps=0.58, avg_eps=0.80) if (r["method"], r["epsilon"]) != gone]
+        assert mod.verdicts(part, ["fedavg", "ffa"], [math.inf, 3.0]) == [
+            "ε = 3: not yet — FedAvg-LoRA's and FFA-LoRA's runs at ε = 3 and at ε = ∞ have not all finished"]
 
 
 def test_bad_sweep_settings_are_one_line_before_any_run(tmp_path, capsys):

@@ -42,7 +42,12 @@ def test_a_dry_run_gives_the_sample_level_plan_the_run_resolves_and_refuses_a_bu
     target = FederatedRun(load_config("tiny-smoke", [*sets, "privacy.noise_multiplier=null",
                                                      "privacy.target_epsilon=4"]), write=False).check()["privacy"]
     assert target["batch_rates"] == resolved["batch_rates"] and target["local_steps"] == resolved["local_steps"]
-    assert target["noise_multiplier"] > 0 and target["max_epsilon"] == 4
+    from fedlora.privacy.accounting import noise_multiplier_for
+
+    # σ: the smallest the library calibrates for ε = 4 over the worst client's rate and its 3 rounds' local steps
+    assert target["noise_multiplier"] == max(noise_multiplier_for(4.0, resolved["delta"], q, 3 * t) for q, t in
+                                             zip(resolved["batch_rates"], resolved["local_steps"])) > 0
+    assert target["max_epsilon"] == 4 and target["delta"] == resolved["delta"]
     with pytest.raises(ConfigError, match="the first round alone spends"):
         FederatedRun(load_config("tiny-smoke", [*sets, "privacy.noise_multiplier=0.3", "privacy.max_epsilon=0.5"]),
                      write=False).check()

@@ -101,8 +101,7 @@ class PerFedAvgLoRA(AveragedFactors):
             raise ConfigError(f"perfedavg: weight_decay must be ≥ 0, got {weight_decay!r}")
         self.rank, self.lr, self.inner_lr = rank, float(lr), float(inner_lr)
         self.variant, self.delta = variant, float(delta)
-        if variant == "hessian-free":
-            self.sample_dp_refusal = HF_REFUSAL
+        self.sample_dp_refusal = type(self).sample_dp_refusal_for({"variant": variant})
         self.optimizer, self.weight_decay = optimizer, float(weight_decay)
 
     @classmethod
