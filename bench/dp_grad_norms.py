@@ -62,7 +62,8 @@ def measure(config: str, *, method: str | None = None, lr: float | None = None, 
     if not clip_norms or any(not math.isfinite(c) or c <= 0 for c in clip_norms):
         raise ConfigError(f"--clip-norms: positive numbers, got {list(clip_norms)}")
     norms: dict[int, list[np.ndarray]] = {}
-    parts: dict[str, list[np.ndarray]] = {}  # part → every example's norm over that part's tensors alone
+    parts: dict[str, list[np.ndarray]] = {}  # part → the norm over that part's tensors alone of each example it had
+    shares: dict[str, float] = {}  # part → Σ over examples of its share of the example's squared norm
 
     def observe(rnd, client, per):  # DP-SGD's release of one step, one client's examples before clipping
         # a slot's batch is padded to its pass's largest Poisson draw with rows whose gradient is exactly 0
@@ -72,9 +73,10 @@ def measure(config: str, *, method: str | None = None, lr: float | None = None, 
         if not real.any():
             return
         norms.setdefault(rnd, []).append(whole[real].numpy())
-        for part in sorted({part_of(n) for n in per}):
-            parts.setdefault(part, []).append(per_sample_norms({n: t[real.to(t.device)] for n, t in per.items()
-                                                                if part_of(n) == part}).numpy())
+        for part in sorted({part_of(n) for n in per}):  # a step may train some parts only (RoLoRA: A or B)
+            own = per_sample_norms({n: t[real.to(t.device)] for n, t in per.items() if part_of(n) == part}).numpy()
+            parts.setdefault(part, []).append(own)
+            shares[part] = shares.get(part, 0.0) + float(np.sum(own ** 2 / np.maximum(whole[real].numpy() ** 2, 1e-300)))
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(config, overrides(Path(tmp) / "run", method=method, lr=lr, rounds=rounds, sets=sets))
@@ -94,10 +96,10 @@ def measure(config: str, *, method: str | None = None, lr: float | None = None, 
             "batch_size": cfg.train.batch_size, "local_steps": cfg.train.local_steps, "sets": list(sets),
             "final_test": summary["final_test"]["mean"], "per_round": {str(r + 1): stats(np.concatenate(norms[r]))
                                                                       for r in sorted(norms)}, "all": stats(every),
-            # each part's share of the squared norm (mean over examples) and its own median: which tensors C clips
-            "by_part": {part: {"median": float(np.median(np.concatenate(v))),
-                               "share_of_squared_norm": float(np.mean(np.concatenate(v) ** 2 / np.maximum(every ** 2,
-                                                                                                           1e-300)))}
+            # each part's share of the squared norm (mean over ALL examples: 0 where a step did not train it), its
+            # own median over the examples whose step trained it, and how many those were: which tensors C clips
+            "by_part": {part: {"median": float(np.median(np.concatenate(v))), "examples": int(sum(x.size for x in v)),
+                               "share_of_squared_norm": shares[part] / every.size}
                         for part, v in sorted(parts.items())}}
 
 
@@ -111,8 +113,9 @@ def to_text(res: dict[str, Any]) -> str:
     for name, s in [*res["per_round"].items(), ("all", res["all"])]:
         lines.append(f"| {name} | {s['examples']} | " + " | ".join(f"{s['quantiles'][q]:.3g}" for q in qs) + " | " +
                      " | ".join(f"{s['clipped_fraction'][c]:.0%}" for c in cs) + " |")
-    lines.append("by part: " + "; ".join(f"{part} median {v['median']:.3g}, {v['share_of_squared_norm']:.0%} of the "
-                                         "squared norm" for part, v in res["by_part"].items()))
+    lines.append("by part: " + "; ".join(f"{part} median {v['median']:.3g} over {v['examples']} examples, "
+                                         f"{v['share_of_squared_norm']:.0%} of the squared norm"
+                                         for part, v in res["by_part"].items()))
     return "\n".join(lines)
 
 

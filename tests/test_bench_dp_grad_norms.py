@@ -44,3 +44,8 @@ def test_the_reported_norms_are_what_the_clipping_sees(tmp_path, monkeypatch, ca
     # tiny-smoke's FedAvg-LoRA trains A, B and the head: the parts' squared norms add up to the whole
     assert set(res["by_part"]) == {"lora_A", "lora_B", "head"}
     assert sum(v["share_of_squared_norm"] for v in res["by_part"].values()) == pytest.approx(1.0, abs=1e-9)
+    # RoLoRA trains A in one round and B in the next: each example's step has one of them, the shares still add up
+    alt = mod.measure("tiny-smoke", method="rolora", rounds=2, clip_norms=[0.5])
+    a, b = alt["by_part"]["lora_A"], alt["by_part"]["lora_B"]
+    assert a["examples"] + b["examples"] == alt["all"]["examples"] and a["examples"] and b["examples"]
+    assert sum(v["share_of_squared_norm"] for v in alt["by_part"].values()) == pytest.approx(1.0, abs=1e-9)

@@ -19,7 +19,7 @@ from fedlora.seeds import DP_SAMPLE, seed_of
 F64 = torch.float64
 #: the methods whose local step takes private gradients (docs/concepts/privacy.md, "Sample-level DP-SGD")
 SUPPORTED = {"fedavg", "ffa", "rolora", "fedsvd", "fedsb", "fedsa", "fedex", "flora", "frlora", "lora-fair", "local",
-             "perfedavg"}
+             "perfedavg", "flexlora", "hetlora"}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -437,6 +437,81 @@ def test_fedsb_private_r_gradient_equals_a_loop():
     assert ref["R"].abs().max() > 1e-3
     for n, t in zip(names, got):
         torch.testing.assert_close(t, want[n], rtol=1e-9, atol=1e-12, msg=n)
+
+
+@pytest.mark.parametrize("method", ["flexlora", "hetlora"])
+def test_heterogeneous_rank_private_step_equals_a_loop_at_each_clients_rank(method):
+    """FlexLoRA and HetLoRA train each client at its own rank r_k in slots of r_max: one private SGD step equals the
+    per-example loop's clip-sum-noise-divide masked to the first r_k slots, plus (HetLoRA) the EXACT gradient of
+    its penalty · Σ_layers ‖B[:, tail]‖·‖A[tail, :]‖ (a function of the factors, not of any example: neither clipped
+    nor noised). The unused slots' per-example gradients are 0, so the clipping sees a rank-r_k client's norms; the
+    noise drawn there never reaches the optimizer (AdamW's moments of those slots stay 0)."""
+    from torch.func import functional_call
+
+    from fedlora.methods.flexlora import FlexLoRA
+    from fedlora.methods.hetlora import HetLoRA
+
+    S, b, r_max, lr, pen = 2, 4, 3, 0.3, 0.5
+    ranks = [1, 3]
+    model = _tiny(S, r=r_max)
+    m = (FlexLoRA(rank=r_max, lr=lr, client_ranks=ranks, optimizer="sgd") if method == "flexlora" else
+         HetLoRA(lr=lr, r_min=1, r_max=r_max, initial_ranks=ranks, penalty=pen, optimizer="sgd"))
+    m.bind(model, [0, 1], n_clients=2)
+    pairs = [(f"{l}.lora_A", f"{l}.lora_B") for l in ("l1", "l2")]
+    m.rank_slots.apply(m.params, pairs)  # client 0 uses slot 0 only, client 1 all three
+    sdp = SampleDP(0.6, 0.7, 0.4, seed=4)
+    sdp.set_client_sizes({0: 10, 1: 10})
+    sdp.at(0, 0)
+    m.set_sample_dp(sdp)
+    x, y = _data(S, b)
+    mask = torch.tensor([1, 1, 0, 1, 1, 1, 1, 0], dtype=F64)
+
+    def objective(params, batch):
+        xx, yy, mm = batch
+        ce = F.cross_entropy(functional_call(model, dict(params), (xx,)), yy, reduction="none")
+        return torch.where(mm.bool(), ce, torch.zeros((), dtype=ce.dtype)).view(S, -1).sum(1)
+
+    names = [n for ab in pairs for n in ab] + ["classifier.head_weight", "classifier.head_bias"]
+    assert set(names) == set(m.params)
+    before = {n: m.params[n].detach().clone() for n in names}
+    ref = {n: torch.zeros(S, b, *m.params[n].shape[1:], dtype=F64) for n in names}
+    for p in range(S):
+        for i in range(b):
+            one = torch.zeros(S * b, dtype=F64)
+            one[p * b + i] = 1
+            gs = torch.autograd.grad(objective(m.params, (x, y, one)).sum(), [m.params[n] for n in names])
+            for n, gr in zip(names, gs):
+                ref[n][p, i] = gr[p]
+    for a, bn in pairs:  # client 0's unused slots: no per-example gradient at all
+        assert not ref[a][0, :, 1:].any() and not ref[bn][0, :, :, 1:].any() and ref[a][1, :, 2:].abs().max() > 1e-4
+    want = _by_hand(ref, names, mask, S, b, sdp, [0, 1])
+    if method == "hetlora":  # the penalty's exact gradient, by hand: tail slots ⌊γ r_k⌋ ≤ i < r_k
+        tail = torch.zeros(S, r_max, dtype=F64)
+        for p, r in enumerate(ranks):
+            tail[p, math.floor(0.99 * r):r] = 1
+        leaves = {n: before[n].clone().requires_grad_(True) for a, bn in pairs for n in (a, bn)}
+        total = sum((leaves[a] * tail[:, :, None]).flatten(1).norm(dim=1) *
+                    (leaves[bn] * tail[:, None, :]).flatten(1).norm(dim=1) for a, bn in pairs).sum()
+        for n, g in zip(leaves, torch.autograd.grad(pen * total, list(leaves.values()))):
+            want[n] = want[n] + g
+    slot = (torch.arange(r_max)[None, :] < torch.tensor(ranks)[:, None]).to(F64)
+    for a, bn in pairs:
+        want[a], want[bn] = want[a] * slot[:, :, None], want[bn] * slot[:, None, :]
+    m.local_step(objective, lambda: (x, y, mask))
+    for n in names:
+        torch.testing.assert_close(m.params[n].detach(), before[n] - lr * want[n], rtol=1e-9, atol=1e-12, msg=n)
+    # AdamW: the noise drawn in client 0's unused slots never enters its moments
+    adam = (FlexLoRA(rank=r_max, lr=lr, client_ranks=ranks) if method == "flexlora" else
+            HetLoRA(lr=lr, r_min=1, r_max=r_max, initial_ranks=ranks, penalty=pen, optimizer="adamw"))
+    adam.bind(model, [0, 1], n_clients=2)
+    adam.set_sample_dp(sdp)
+    adam.local_step(objective, lambda: (x, y, mask))
+    for a, bn in pairs:
+        for n, unused in ((a, (0, slice(1, None))), (bn, (0, slice(None), slice(1, None)))):
+            state = adam.opt.state[m.params[n]]
+            moments = [v for v in state.values() if torch.is_tensor(v) and v.shape == m.params[n].shape]
+            assert moments and all(not v[unused].any() for v in moments), n
+            assert all(v[1].abs().max() > 0 for v in moments), n  # client 1's slots did move
 
 
 def test_fedsb_private_initialisation_gradient_equals_a_loop():

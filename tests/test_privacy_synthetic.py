@@ -38,7 +38,7 @@ def _factors(res):
     return [{k: v for k, v in r.items() if k.startswith(("param:", "extra:"))} for r in res.records]
 
 
-@pytest.mark.parametrize("name", SWEEP_METHODS)
+@pytest.mark.parametrize("name", [*SWEEP_METHODS, "flexlora", "hetlora"])  # + the heterogeneous-rank methods
 @pytest.mark.parametrize("task", ["classification", "regression"])
 def test_noiseless_unclipped_full_batch_dp_equals_ordinary_training(name, task):
     """q = 1 (b ≥ n_k), σ = 0 (ε = ∞), C far above every example's norm: DP-SGD's gradient is Σᵢ gᵢ / n_k, the
@@ -126,8 +126,8 @@ def test_same_seed_bit_identical_other_seed_differs_federations_independent():
 
 def test_refusals_in_one_line():
     data = _data(seeds=(0,))
-    with pytest.raises(ConfigError, match="hetlora: sample-level DP is not supported"):
-        _run("hetlora", data, TestbedPrivacy(3.0))
+    with pytest.raises(ConfigError, match="lora-a2: sample-level DP is not supported"):
+        _run("lora-a2", data, TestbedPrivacy(3.0))
     for bad, what in ((dict(epsilon=0.0), "epsilon"), (dict(epsilon=1.0, delta=1.0), "delta"),
                       (dict(epsilon=1.0, clip_norm=-1.0), "clip_norm"), (dict(epsilon=1.0, batch_size=0), "batch_size")):
         with pytest.raises(ConfigError, match=what):

@@ -100,11 +100,7 @@ class FactorLoRA(AveragedFactors):
         batches do). The optimizer step is the same."""
         self.opt.zero_grad(set_to_none=True)
         if self.sample_dp is not None:
-            from ..privacy.dpsgd import private_gradients
-
-            batch = sample()
-            private = private_gradients(self.sample_dp, self.model, lambda: objective(self.params, batch), names,
-                                        self.replica_clients)
+            private = self.private_grads(objective, sample(), names)
             for n in names:
                 self.params[n].grad = private[n]
             self.opt.step()

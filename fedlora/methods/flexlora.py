@@ -73,6 +73,7 @@ class FlexLoRA(Method):
 
     name = "flexlora"
     client_dp_refusal = ("its server takes an SVD of Σ p_k B_k A_k, which needs each client's own product B_k A_k")
+    sample_dp_refusal = None  # local_step's private path (DP-SGD at each client's rank r_k)
     head_modes = ("frozen", "shared")
 
     def __init__(self, rank: int = 8, lr: float = 5e-4, client_ranks: Sequence[int] | None = None,
@@ -134,10 +135,21 @@ class FlexLoRA(Method):
             self._new_optimizer()
 
     def local_step(self, objective: Objective, sample: Sampler) -> None:
+        """One optimizer step of each client's rank-r_k factors (and a trained head). Under sample-level DP the
+        gradient is DP-SGD's (``private_grads``): the slots r_k.. of A and B hold zeros, so their per-example
+        gradients are exactly 0 and the clipping sees a rank-r_k client's norms; the noise drawn there is dropped
+        (masked) before the step, so the optimizer's moments of those slots stay 0 as without DP."""
         names = [n for _, a, b, _ in self.layers for n in (a, b)] + self.head_names()
-        loss = objective({n: self.params[n] for n in names}, sample()).sum()  # Σ over replicas
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
+        if self.sample_dp is not None:
+            grads = self.private_grads(objective, sample(), names)
+            self.rank_slots.apply(grads, self._pairs())
+            self.opt.zero_grad(set_to_none=True)
+            for n in names:
+                self.params[n].grad = grads[n]
+        else:
+            loss = objective({n: self.params[n] for n in names}, sample()).sum()  # Σ over replicas
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
         self.opt.step()
         # unused slots get zero gradients already; masking makes "exactly zero" hold after weight decay/rounding too
         self.rank_slots.apply(self.params, self._pairs())

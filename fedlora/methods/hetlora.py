@@ -45,6 +45,7 @@ def hetlora_initial_ranks(n_clients: int, r_min: int, r_max: int) -> list[int]:
 class HetLoRA(Method):
     name = "hetlora"
     client_dp_refusal = ("its aggregation weights come from each client's own factor norms")
+    sample_dp_refusal = None  # local_step's private path: DP-SGD on the task loss, the penalty's exact gradient
     #: The PF2LoRA paper's GLUE comparison (its §6.1.1 and Table 6): HetLoRA with AdamW and
     #: r_min = 8, r_max = 12 against a rank-8 common adapter, so a config's ``method.rank`` is r_min
     #: and r_max follows as ⌈1.5·r_min⌉ unless given (``derive_options``).
@@ -137,12 +138,30 @@ class HetLoRA(Method):
             self._tail_at_start = self.tail_norm()
 
     def local_step(self, objective: Objective, sample: Sampler) -> None:
-        names = [n for ab in self.pairs for n in ab] + self.heads
-        loss = objective({n: self.params[n] for n in names}, sample()).sum()
-        if self.penalty:
-            loss = loss + self.penalty * self.tail_norm().sum()
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
+        """One optimizer step on the task loss + penalty · tail norm (rank self-pruning's regulariser). Under
+        sample-level DP the task loss's gradient is DP-SGD's (``private_grads``; slots r_k.. hold zeros, so their
+        per-example gradients are 0, and their noise is masked before the step); the penalty is a function of the
+        factors alone, not of any example, so its exact gradient is added unclipped and un-noised — post-processing
+        of what earlier private steps released. The self-pruning at the round's end compares tail norms of those
+        factors: post-processing too."""
+        factors = [n for ab in self.pairs for n in ab]
+        names = factors + self.heads
+        if self.sample_dp is not None:
+            grads = self.private_grads(objective, sample(), names)
+            if self.penalty:
+                pen = torch.autograd.grad(self.penalty * self.tail_norm().sum(), [self.params[n] for n in factors])
+                for n, g in zip(factors, pen):
+                    grads[n] = grads[n] + g
+            self.rank_slots.apply(grads, self.pairs)
+            self.opt.zero_grad(set_to_none=True)
+            for n in names:
+                self.params[n].grad = grads[n]
+        else:
+            loss = objective({n: self.params[n] for n in names}, sample()).sum()
+            if self.penalty:
+                loss = loss + self.penalty * self.tail_norm().sum()
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
         self.opt.step()
         self.rank_slots.apply(self.params, self.pairs)
 
