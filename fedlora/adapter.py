@@ -63,13 +63,15 @@ class Capture:
     model uses downstream: its gradient is g) as the module saw them, the factors it used (``A``, ``B``: the
     tensors a functional call substituted, for a LoRA layer) and ``layout``: "slot" — x (S·b, …, d), slot-major —
     or "stack" — x (G, N, [T,] d) of a layer with G replicas (the testbed's: one example per row), (N, [T,] d) of an
-    ordinary layer."""
+    ordinary layer. ``C``, ``D``: the client adapter's factors it used (FedDPA's local adapter), None without one."""
 
-    __slots__ = ("module", "x", "y", "A", "B", "layout")
+    __slots__ = ("module", "x", "y", "A", "B", "C", "D", "layout")
 
     def __init__(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor, layout: str,
-                 A: torch.Tensor | None = None, B: torch.Tensor | None = None) -> None:
+                 A: torch.Tensor | None = None, B: torch.Tensor | None = None,
+                 C: torch.Tensor | None = None, D: torch.Tensor | None = None) -> None:
         self.module, self.x, self.y, self.layout, self.A, self.B = module, x, y, layout, A, B
+        self.C, self.D = C, D  # the client adapter's factors as used (None: a layer without one)
 
     def per_example(self, t: torch.Tensor, slots: int) -> torch.Tensor:
         """``t`` (x or g) as (S, n, T, d): S slots of n examples of T positions."""
@@ -238,7 +240,7 @@ class LoRALinear(nn.Module):
     def _captured(self, x: torch.Tensor, y: torch.Tensor, layout: str) -> torch.Tensor:
         """Record this forward in ``dp_capture`` (x, y and the factors it used: a functional call's substitutes);
         returns ``y``."""
-        self.dp_capture.append(Capture(self, x, y, layout, self.lora_A, self.lora_B))
+        self.dp_capture.append(Capture(self, x, y, layout, self.lora_A, self.lora_B, self.lora_C, self.lora_D))
         return y
 
     def forward_with(self, params: "Mapping[str, torch.Tensor]", x: torch.Tensor) -> torch.Tensor:

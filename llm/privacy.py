@@ -62,7 +62,7 @@ def _sample_plan(cfg: RunConfig, sizes, steps) -> PrivacyPlan:
     rounds = int(cfg.train.rounds)
     from fedlora.methods import get_method
 
-    releases = int(get_method(cfg.method.name).sample_dp_releases)  # DP-SGD releases per local step
+    releases = get_method(cfg.method.name).sample_dp_releases_for(dict(cfg.method.options or {}))  # per local step
     if p.noise_multiplier is not None:
         sigma = float(p.noise_multiplier)
     else:  # each distinct (q_k, steps_k) once: the library's calibration takes ~0.1 s per try

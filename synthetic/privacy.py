@@ -92,8 +92,8 @@ def _forward(layer, params: Mapping[str, torch.Tensor], X: torch.Tensor) -> torc
     factors actually used (Fed-SB substitutes its folded B·R)."""
     y = layer.forward_with(params, X)
     if layer.dp_capture is not None:
-        layer.dp_capture.append(Capture(layer, X, y, "stack", params.get("lora_A", layer.lora_A),
-                                        params.get("lora_B", layer.lora_B)))
+        layer.dp_capture.append(Capture(layer, X, y, "stack", *(params.get(n, getattr(layer, n)) for n in
+                                                                 ("lora_A", "lora_B", "lora_C", "lora_D"))))
     return y
 
 

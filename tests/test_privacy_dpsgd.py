@@ -19,7 +19,7 @@ from fedlora.seeds import DP_SAMPLE, seed_of
 F64 = torch.float64
 #: the methods whose local step takes private gradients (docs/concepts/privacy.md, "Sample-level DP-SGD")
 SUPPORTED = {"fedavg", "ffa", "rolora", "fedsvd", "fedsb", "fedsa", "fedex", "flora", "frlora", "lora-fair", "local",
-             "perfedavg", "flexlora", "hetlora"}
+             "perfedavg", "flexlora", "hetlora", "feddpa"}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -33,12 +33,13 @@ class _Tiny(nn.Module):
         return self.classifier(torch.tanh(self.l2(torch.tanh(self.l1(x)))).mean(1))
 
 
-def _tiny(S, seed=0, r=2, alpha=3.0):
+def _tiny(S, seed=0, r=2, alpha=3.0, client_rank=0):
     from fedlora.llm.inject import inject_adapters, make_head_trainable
 
     torch.manual_seed(seed)
     model = _Tiny().double()
-    inject_adapters(model, ["l1", "l2"], rank=r, slots=S, alpha=alpha)
+    inject_adapters(model, ["l1", "l2"], rank=r, slots=S, alpha=alpha, client_rank=client_rank,
+                    client_alpha=5.0 if client_rank else None)
     make_head_trainable(model, S)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
@@ -439,6 +440,93 @@ def test_fedsb_private_r_gradient_equals_a_loop():
         torch.testing.assert_close(t, want[n], rtol=1e-9, atol=1e-12, msg=n)
 
 
+def test_per_sample_grads_of_a_client_adapter_equal_a_loop_float64():
+    """A layer with a client adapter s₂ (x Cᵀ) Dᵀ beside (A, B) (FedDPA's local adapter): the per-example gradients of
+    all four factors and the head equal a loop over single examples."""
+    S, b = 2, 3
+    model = _tiny(S, client_rank=2)
+    with torch.no_grad():
+        assert model.l1.client_scale == 2.5 != model.l1.scale
+    x, y = _data(S, b)
+    names = list(_params(model))
+    assert sum(n.endswith(("lora_C", "lora_D")) for n in names) == 4
+    with capture(model) as recs:
+        losses = _summed(model, x, y, torch.ones(S * b), S)
+    per = per_sample_grads(recs, torch.autograd.grad(losses.sum(), [r.y for r in recs]), names, model, S)
+    ref = _loop_grads(model, x, y, S, b)
+    for n in names:
+        assert ref[n].abs().max() > 1e-3, n
+        torch.testing.assert_close(per[n], ref[n], rtol=1e-6, atol=1e-9, msg=n)
+
+
+def test_private_feddpa_releases_each_phase_on_its_own_batch_and_noise():
+    """FedDPA-T under DP: phase 1 (C, D and a personal head; the global adapter in the forward detached as (1 − a)·B,
+    D as a·D) and phase 2 (A, B with D = 0) are each a DP-SGD release — phase 1 on the step's "batch"/"noise"
+    streams, phase 2 on "batch.1"/"noise.1" of the same step — equal to the per-example loop over the real
+    parameters, clipped, noised and divided by hand (SGD); the plan counts 2 releases per step, FedDPA-F 1."""
+    from torch.func import functional_call
+
+    from fedlora.methods.feddpa import FedDPA
+
+    S, b, lr, a = 2, 4, 0.2, 0.3
+    model = _tiny(S, client_rank=2)
+    m = FedDPA(rank=2, lr=lr, optimizer="sgd", local_weight=a)
+    m.bind(model, [0, 1], n_clients=2)
+    sdp = SampleDP(0.5, 0.6, 0.4, seed=7)
+    sdp.set_client_sizes({0: 10, 1: 10})
+    m.set_sample_dp(sdp)
+    assert (m.sample_dp_releases, FedDPA(variant="F").sample_dp_releases) == (2, 1)
+    xs = {0: _data(S, b, seed=3), 1: _data(S, b, seed=4)}  # each release's batch (the executor's Poisson draw)
+    masks = {0: torch.tensor([1, 1, 0, 1, 1, 1, 1, 0], dtype=F64), 1: torch.tensor([1, 0, 0, 0, 1, 1, 1, 1], dtype=F64)}
+    drawn = []
+
+    def sample():
+        drawn.append((sdp.round, sdp.step, sdp.part))
+        return (*xs[sdp.part], masks[sdp.part])
+
+    def objective(params, batch):
+        x, y, mask = batch
+        ce = F.cross_entropy(functional_call(model, dict(params), (x,)), y, reduction="none")
+        return torch.where(mask.bool(), ce, torch.zeros((), dtype=ce.dtype)).view(S, -1).sum(1)
+
+    def loop(names, forward_params):  # name → (S, b, …): each example's gradient w.r.t. the real parameters
+        leaves = {n: m.params[n].detach().clone().requires_grad_(True) for n in names}
+        ref = {n: torch.zeros(S, b, *t.shape[1:], dtype=F64) for n, t in leaves.items()}
+        for p in range(S):
+            for i in range(b):
+                one = torch.zeros(S * b, dtype=F64)
+                one[p * b + i] = 1
+                part = sdp.part
+                gs = torch.autograd.grad(objective(forward_params(leaves), (*xs[part], one)).sum(), list(leaves.values()))
+                for n, gr in zip(names, gs):
+                    ref[n][p, i] = gr[p]
+        return ref
+
+    frozen = {n: t.detach().clone() for n, t in m.params.items()}
+    local, glob = m.local_names, m.global_names  # the head: shared (phase 2) or personal (phase 1)
+    assert set(local) | set(glob) == set(m.params) and m.heads and not set(local) & set(glob)
+
+    def phase1(leaves):
+        return {**frozen, **{n: (1 - a) * frozen[n] for n in m.b_names}, **leaves,
+                **{n: a * leaves[n] for n in m.d_names}}
+
+    sdp.at(0, 0)
+    want1 = _by_hand(loop(local, phase1), local, masks[0], S, b, sdp, [0, 1])
+    m.begin_round(0)
+    m.local_step(objective, sample)
+    for n in local:
+        torch.testing.assert_close(m.params[n].detach(), frozen[n] - lr * want1[n], rtol=1e-9, atol=1e-12, msg=n)
+    frozen = {n: t.detach().clone() for n, t in m.params.items()}
+    sdp.release(1)
+    want2 = _by_hand(loop(glob, lambda leaves: {**frozen, **{n: torch.zeros_like(frozen[n]) for n in m.d_names},
+                                                  **leaves}), glob, masks[1], S, b, sdp, [0, 1], kind="noise.1")
+    m.end_round(0)
+    assert drawn == [(0, 0, 0), (0, 0, 1)]
+    for n in glob:
+        assert want2[n].abs().max() > 1e-4, n
+        torch.testing.assert_close(m.params[n].detach(), frozen[n] - lr * want2[n], rtol=1e-9, atol=1e-12, msg=n)
+
+
 @pytest.mark.parametrize("method", ["flexlora", "hetlora"])
 def test_heterogeneous_rank_private_step_equals_a_loop_at_each_clients_rank(method):
     """FlexLoRA and HetLoRA train each client at its own rank r_k in slots of r_max: one private SGD step equals the
@@ -636,9 +724,9 @@ def test_every_supported_method_trains_its_factors(method, monkeypatch):
     trained = set()
     real = dpsgd.private_gradients
 
-    def spy(sdp, model, losses_fn, names, clients):
+    def spy(sdp, model, losses_fn, names, clients, **kw):
         trained.update(names)
-        return real(sdp, model, losses_fn, names, clients)
+        return real(sdp, model, losses_fn, names, clients, **kw)
 
     monkeypatch.setattr(dpsgd, "private_gradients", spy)
     ex = _prepared(method)

@@ -54,7 +54,7 @@ def test_a_dry_run_gives_the_sample_level_plan_the_run_resolves_and_refuses_a_bu
     assert not (tmp_path / "dry").exists()
 
 
-def test_private_perfedavg_plans_two_releases_per_local_step():
+def test_private_perfedavg_and_feddpa_plan_their_releases_per_local_step():
     """A run's plan (no model): Per-FedAvg's rounds spend 2 × its local steps per client, σ is calibrated for as many,
     config.json says so; the hessian-free variant is refused by the config check, before anything is loaded."""
     from fedlora.llm.config import load_config
@@ -72,6 +72,11 @@ def test_private_perfedavg_plans_two_releases_per_local_step():
     assert pf.noise_multiplier == max(noise_multiplier_for(3.0, 1e-5, q, 2 * t * 3)
                                       for q, t in zip(pf.sample_rates, steps)) > fa.noise_multiplier
     assert describe_plan(pf)["releases_per_step"] == 2 and "releases_per_step" not in describe_plan(fa)
+    for variant, releases in (("T", 2), ("F", 1)):  # FedDPA-T's two phases per step; FedDPA-F's rounds: one
+        dpa = privacy_plan(load_config("tiny-smoke", ["method.name=feddpa", f"method.options.variant={variant}",
+                                                      *sets]), 3, sizes, steps)
+        assert dpa.releases_per_step == releases
+        assert dpa.participation([1], 3) == {"1": (dpa.sample_rates[1], dpa.noise_multiplier, releases * steps[1])}
     with pytest.raises(ConfigError, match="sample-level DP does not apply to perfedavg: variant 'hessian-free'"):
         load_config("tiny-smoke", ["method.name=perfedavg", "method.options.variant=hessian-free", *sets])
 

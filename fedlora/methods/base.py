@@ -307,6 +307,13 @@ class Method(abc.ABC):
         support depends on an option (Per-FedAvg's variant) overrides it."""
         return cls.sample_dp_refusal
 
+    @classmethod
+    def sample_dp_releases_for(cls, options: Mapping[str, Any]) -> int:
+        """``sample_dp_releases`` of the method built with ``options`` (as ``sample_dp_refusal_for``): what a run's
+        privacy plan counts per local step before the method is built; a method whose count depends on an option
+        (FedDPA's variant) overrides it."""
+        return int(cls.sample_dp_releases)
+
     def set_sample_dp(self, sample_dp: Any) -> None:
         """Train with sample-level DP-SGD (a ``fedlora.privacy.dpsgd.SampleDP``), or normally again (None). A method
         that cannot (``sample_dp_refusal``) is a one-line ``ConfigError`` saying why."""

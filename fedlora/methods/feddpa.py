@@ -48,6 +48,16 @@ The global model (``has_global_model``) is the global adapter alone.
 
 Optimizer: one optimizer over both adapters (and a head), each client's moments kept across rounds
 (the house's convention, ``fedavg``); the authors' code builds a fresh AdamW for each phase of each round.
+
+Sample-level DP (our variant; the paper has no private runs): every optimizer step is a DP-SGD release (Abadi et
+al., CCS 2016, Alg. 1) on its own Poisson batch and noise — FedDPA-T's phase 1 at local step j on the step's
+"batch"/"noise" streams, its phase 2 step j on "batch.1"/"noise.1" of the same (round, j) (``SampleDP.release``),
+so a local step composes two releases (``sample_dp_releases`` = 2; FedDPA-F's rounds train the global adapter
+alone: 1). Phase 1's per-example gradients are those of the client adapter (C, D) the layers used, D entering as
+a·D, so dDᵢ = a·d(aD)ᵢ by the chain rule (``_step``'s ``d_weight``); the detached global adapter is a released
+value. Both phases private keeps the upload private even with a personal head, which phase 1 trains and phase 2's
+forward uses. FedDPA-F's local fine-tuning at evaluation (``_finetune_local``) trains on the client's data for its
+own model and releases nothing; it is not counted.
 """
 from __future__ import annotations
 
@@ -134,7 +144,10 @@ class FedDPA(FactorLoRA):
     finetune_steps (FedDPA-F: the local adapter's steps after federated training)."""
 
     name = "feddpa"
-    sample_dp_refusal = 'its own steps train the local adapter (C, D), whose per-sample gradients are not implemented'
+    sample_dp_refusal = None  # both phases take DP-SGD releases (``_step``; module doc, "Sample-level DP")
+    sample_dp_note = ("FedDPA-T: its local and its global phase are each a DP-SGD release, 2 per local step, both "
+                      "counted; FedDPA-F: 1")
+    sample_dp_releases = 2  # FedDPA-T (the default); FedDPA-F's rounds train the global adapter alone: 1
     personalised = True  # the local adapter (C, D) stays on the client
     #: the server is the weighted mean of the uploaded global adapters: PEFT adapters aggregate with it
     lora_upload = ("lora_A", "lora_B")
@@ -162,8 +175,13 @@ class FedDPA(FactorLoRA):
         if not isinstance(finetune_steps, int) or isinstance(finetune_steps, bool) or finetune_steps < 1:
             raise ConfigError(f"feddpa: finetune_steps must be an integer ≥ 1, got {finetune_steps!r}")
         self.finetune_steps = finetune_steps
+        self.sample_dp_releases = type(self).sample_dp_releases_for({"variant": variant})
         self._finetuned: dict[str, torch.Tensor] | None = None  # FedDPA-F: the evaluated local adapter
         self._n_local, self._objective, self._sample = 0, None, None
+
+    @classmethod
+    def sample_dp_releases_for(cls, options: Mapping[str, Any]) -> int:
+        return 2 if options.get("variant", "T") == "T" else 1
 
     def adapter_kwargs(self) -> dict:
         """Both adapters of rank r (the authors' one LoRA config for both)."""
@@ -195,12 +213,23 @@ class FedDPA(FactorLoRA):
         self._n_local, self._objective, self._sample = 0, None, None
 
     def _step(self, objective: Objective, sample: Sampler, trained: Sequence[str],
-              fixed: Mapping[str, torch.Tensor]) -> None:
-        """One optimizer step on ``trained``; ``fixed`` replaces other parameters in the forward."""
+              fixed: Mapping[str, torch.Tensor], d_weight: float = 1.0) -> None:
+        """One optimizer step on ``trained``; ``fixed`` replaces other parameters in the forward. ``d_weight``: the
+        weight a with which ``fixed`` puts the local up factor D into the forward (phase 1's a·D), which the
+        chain rule takes back to D under sample-level DP (the layers record the a·D they used)."""
         params = {**self.params, **fixed}
         self.opt.zero_grad(set_to_none=True)
-        loss = objective(params, sample()).sum()  # replicas are independent: Σ keeps gradients apart
-        grads = torch.autograd.grad(loss, [self.params[n] for n in trained])
+        if self.sample_dp is not None:  # DP-SGD: per-example gradients clipped jointly, noised, / q·n_k
+            from ..privacy.dpsgd import private_gradients
+
+            batch, d_names = sample(), set(self.d_names)
+            private = private_gradients(
+                self.sample_dp, self.model, lambda: objective(params, batch), trained, self.replica_clients,
+                transform=lambda per: {n: t * d_weight if n in d_names else t for n, t in per.items()})
+            grads = [private[n] for n in trained]
+        else:
+            loss = objective(params, sample()).sum()  # replicas are independent: Σ keeps gradients apart
+            grads = torch.autograd.grad(loss, [self.params[n] for n in trained])
         for n, g in zip(trained, grads):
             self.params[n].grad = g
         self.opt.step()
@@ -233,7 +262,7 @@ class FedDPA(FactorLoRA):
             self._step(objective, sample, self.global_names, self._phase2_fixed())
         else:
             self._step(objective, sample, self.local_names,
-                       self._phase1_fixed({n: self.params[n] for n in self.local_names}))
+                       self._phase1_fixed({n: self.params[n] for n in self.local_names}), d_weight=self.local_weight)
         self._n_local += 1
         self._objective, self._sample = objective, sample
 
@@ -244,7 +273,10 @@ class FedDPA(FactorLoRA):
             raise ConfigError("feddpa: a round needs at least one local_step")
         if self.variant == "T":
             fixed = self._phase2_fixed()
-            for _ in range(self._n_local):
+            for j in range(self._n_local):
+                if self.sample_dp is not None:  # its own Poisson batch and noise: release 1 of local step j
+                    self.sample_dp.at(round_idx, j)
+                    self.sample_dp.release(1)
                 self._step(self._objective, self._sample, self.global_names, fixed)
         self._objective = self._sample = None  # do not keep the caller's data alive
 

@@ -13,7 +13,8 @@ Algorithm 1, per client k and local step t:
    batch), then the method's optimizer step on g̃.
 
 Per-sample gradients: a LoRA layer y = x W₀ᵀ + s (x Aᵀ) Bᵀ has dAᵢ = s Σ_t (g_t B)ᵀ x_t and dBᵢ = s Σ_t g_tᵀ (x_t Aᵀ)
-(``per_sample_lora_grads``: rank-r einsums, never a d_out × d_in matrix per example); a trained linear head has
+(``per_sample_lora_grads``: rank-r einsums, never a d_out × d_in matrix per example), and a client adapter
+s₂ (x Cᵀ) Dᵀ (FedDPA's local adapter) the same with (C, D, s₂); a trained linear head has
 dWᵢ = Σ_t g_tᵀ x_t and dbᵢ = Σ_t g_t. The layers record their input x and output y during the forward only
 inside ``capture`` (``LoRALinear.dp_capture``, None otherwise: no work when DP is off); one
 ``torch.autograd.grad`` of the per-slot SUMMED losses with respect to those outputs gives every g. With S clients
@@ -240,21 +241,23 @@ def per_sample_grads(records: Sequence[Capture], grads_out: Sequence[torch.Tenso
         if g is None:
             g = torch.zeros_like(rec.y)
         x, gy = rec.per_example(rec.x.detach(), slots), rec.per_example(g, slots)
-        if rec.A is not None:  # a LoRA layer
-            a_name, b_name = pre + "lora_A", pre + "lora_B"
-            if not (a_name in wanted or b_name in wanted):
-                continue
-            if getattr(rec.module, "middle", False):
-                raise ConfigError(f"sample-level DP: {pre.rstrip('.')} has TriLoRA's middle matrix, whose per-sample "
-                                  "gradients are not implemented (H²Tune cannot train privately)")
-            A, B = rec.A.detach(), rec.B.detach()
-            if A.dim() == 2:
-                A, B = A.unsqueeze(0), B.unsqueeze(0)
-            das, dbs = zip(*(per_sample_lora_grads(x[p], gy[p], A[p], B[p], rec.module.scale) for p in range(slots)))
-            if a_name in wanted:
-                add(a_name, torch.stack(das))
-            if b_name in wanted:
-                add(b_name, torch.stack(dbs))
+        if rec.A is not None:  # a LoRA layer: its adapter (A, B) and, where it has one, its client adapter (C, D)
+            for down, up, D_, U_, scale in (("lora_A", "lora_B", rec.A, rec.B, rec.module.scale),
+                                            ("lora_C", "lora_D", rec.C, rec.D, getattr(rec.module, "client_scale", 0))):
+                d_name, u_name = pre + down, pre + up
+                if D_ is None or not (d_name in wanted or u_name in wanted):
+                    continue
+                if getattr(rec.module, "middle", False):
+                    raise ConfigError(f"sample-level DP: {pre.rstrip('.')} has TriLoRA's middle matrix, whose "
+                                      "per-sample gradients are not implemented (H²Tune cannot train privately)")
+                D_, U_ = D_.detach(), U_.detach()
+                if D_.dim() == 2:
+                    D_, U_ = D_.unsqueeze(0), U_.unsqueeze(0)
+                dds, dus = zip(*(per_sample_lora_grads(x[p], gy[p], D_[p], U_[p], scale) for p in range(slots)))
+                if d_name in wanted:
+                    add(d_name, torch.stack(dds))
+                if u_name in wanted:
+                    add(u_name, torch.stack(dus))
         else:  # a trained linear head: dW_i = Σ_t g_tᵀ x_t, db_i = Σ_t g_t
             w_name, b_name = pre + "head_weight", pre + "head_bias"
             if w_name in wanted:
