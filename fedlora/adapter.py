@@ -63,15 +63,18 @@ class Capture:
     model uses downstream: its gradient is g) as the module saw them, the factors it used (``A``, ``B``: the
     tensors a functional call substituted, for a LoRA layer) and ``layout``: "slot" — x (S·b, …, d), slot-major —
     or "stack" — x (G, N, [T,] d) of a layer with G replicas (the testbed's: one example per row), (N, [T,] d) of an
-    ordinary layer. ``C``, ``D``: the client adapter's factors it used (FedDPA's local adapter), None without one."""
+    ordinary layer. ``C``, ``D``: the client adapter's factors it used (FedDPA's local adapter), None without one;
+    ``R``, ``Phi``: TriLoRA's middle and sparsification matrices it used (H²Tune), None without a middle."""
 
-    __slots__ = ("module", "x", "y", "A", "B", "C", "D", "layout")
+    __slots__ = ("module", "x", "y", "A", "B", "C", "D", "R", "Phi", "layout")
 
     def __init__(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor, layout: str,
                  A: torch.Tensor | None = None, B: torch.Tensor | None = None,
-                 C: torch.Tensor | None = None, D: torch.Tensor | None = None) -> None:
+                 C: torch.Tensor | None = None, D: torch.Tensor | None = None,
+                 R: torch.Tensor | None = None, Phi: torch.Tensor | None = None) -> None:
         self.module, self.x, self.y, self.layout, self.A, self.B = module, x, y, layout, A, B
         self.C, self.D = C, D  # the client adapter's factors as used (None: a layer without one)
+        self.R, self.Phi = R, Phi  # TriLoRA's middle matrix and sparsification matrix as used (None: no middle)
 
     def per_example(self, t: torch.Tensor, slots: int) -> torch.Tensor:
         """``t`` (x or g) as (S, n, T, d): S slots of n examples of T positions."""
@@ -240,7 +243,8 @@ class LoRALinear(nn.Module):
     def _captured(self, x: torch.Tensor, y: torch.Tensor, layout: str) -> torch.Tensor:
         """Record this forward in ``dp_capture`` (x, y and the factors it used: a functional call's substitutes);
         returns ``y``."""
-        self.dp_capture.append(Capture(self, x, y, layout, self.lora_A, self.lora_B, self.lora_C, self.lora_D))
+        self.dp_capture.append(Capture(self, x, y, layout, self.lora_A, self.lora_B, self.lora_C, self.lora_D,
+                                       self.lora_R, self.lora_Phi))
         return y
 
     def forward_with(self, params: "Mapping[str, torch.Tensor]", x: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,8 @@ the client. So:
 * client-level DP (``privacy.level: client``) is a homogeneous run's: ONE plan over all K clients
   (``fedlora.llm.privacy.privacy_plan``), the one server clipping each R_{k→g} − R_g over all module types
   and noising the aligned (L_g, r_g, r_g) mean, the first round's updates taken from R_g⁰ (above); sample-level
-  DP is H²Tune's own refusal (its TriLoRA middle has no per-sample gradients here);
+  DP too: each group's slot executor runs H²Tune's private steps with the run's one plan (σ, each client's rate
+  b/n_k, its ε in the round records), each client's batch and noise streams keyed by its run-wide id;
 * evaluation scores each client on its own task; means are per task (``eval["tasks"]``), never across
   tasks whose metrics differ (accuracy beside BLEU).
 
@@ -55,7 +56,7 @@ from fedlora.state import record_nbytes
 from .config import RunConfig, group_configs
 from .driver import Driver, claim_run_folder, run_to_end
 from .privacy import describe_plan, dry_run_plan, privacy_plan, privacy_summary
-from .runtime import RUNTIMES, FederatedRun
+from .runtime import RUNTIMES, FederatedRun, dry_run_sizes_and_steps
 from .slots import SlotExecutor
 
 __all__ = ["HeteroRun", "HeteroExecutor", "TasksReport", "module_types"]
@@ -172,6 +173,15 @@ class HeteroRun:
             self.groups = runs
             self._align_layers()
         plan = dry_run_plan(self.cfg)  # the run's, over all clients (the groups' configs carry none)
+        if self.cfg.privacy.level == "sample":  # every group's sizes and steps, in the run's client order
+            got = [dry_run_sizes_and_steps(run, c["data"]) for run, (_, c) in zip(runs, checks)]
+            plan = next((g for g in got if isinstance(g, dict)), None)
+            if plan is None:
+                sizes, steps = [0] * self.cfg.federation.clients, [0] * self.cfg.federation.clients
+                for (ids, _), (n, t) in zip(self.specs, got):
+                    for i, k in enumerate(ids):
+                        sizes[k], steps[k] = n[i], t[i]
+                plan = describe_plan(privacy_plan(self.cfg, len(sizes), sizes, steps))
         return {"data": {"groups": [{"clients": ids, **c["data"]} for ids, c in checks]},
                 "model": {"groups": [{"clients": ids, "head": c["head"], **c["model"]} for ids, c in checks]},
                 **({"privacy": plan} if plan is not None else {})}
@@ -198,6 +208,14 @@ class HeteroRun:
         steps = [self.groups[g].steps[i] for g, i in (self.where[k] for k in range(K))]
         # one plan over all K clients, as a homogeneous run's (the groups' configs carry none: group_configs)
         self.privacy_plan = privacy_plan(cfg, K, self.sizes, steps)  # None: privacy off
+        if self.privacy_plan is not None and self.privacy_plan.level == "sample":
+            from fedlora.privacy.dpsgd import SampleDP
+
+            for (ids, _), run in zip(self.specs, self.groups):  # DP-SGD in each group's passes, the run's one plan
+                sdp = SampleDP(float(cfg.privacy.clip_norm), self.privacy_plan.noise_multiplier,
+                               {i: self.privacy_plan.sample_rates[k] for i, k in enumerate(ids)}, seed=int(cfg.seed))
+                sdp.set_stream_ids(dict(enumerate(ids)))  # keyed by run-wide ids: no two clients share a stream
+                run.slots.set_sample_dp(sdp)
         self.federation = Federation(n_groups=1, n_clients=K, client_weights=self.sizes,
                                      sample_fraction=fc.sample_fraction, sample_seed=cfg.seed)
         #: the executor in this process: one slot executor per group

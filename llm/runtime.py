@@ -367,6 +367,16 @@ def _sample_plan_of_dry_run(run: "FederatedRun", data: dict[str, Any]) -> dict[s
     """A dry run's sample-level plan where it has each client's data size: the batch rates b/n_k, the local steps
     and σ derived exactly as the run derives them (``privacy_plan``; a budget the first round already exceeds is
     refused here, before any training); else what is missing."""
+    got = dry_run_sizes_and_steps(run, data)
+    if isinstance(got, dict):
+        return got
+    sizes, steps = got
+    return describe_plan(privacy_plan(run.cfg, len(sizes), sizes, steps))
+
+
+def dry_run_sizes_and_steps(run: "FederatedRun", data: dict[str, Any]) -> tuple[list[int], list[int]] | dict[str, Any]:
+    """What a dry run's sample-level plan needs of ``run`` after its data check ``data``: each client's training rows
+    n_k and local steps, as the run will count them; else the plan's "not derived" entry saying what is missing."""
     if not data["checked"]:
         return {"level": "sample", "derived": False,
                 "why": f"σ and the batch rates need each client's data size, and {data['why']}"}
@@ -376,8 +386,7 @@ def _sample_plan_of_dry_run(run: "FederatedRun", data: dict[str, Any]) -> dict[s
     from fedlora.methods import get_method
 
     sizes = data["client_train_sizes"]  # a run of pooled data (Centralized) is refused sample-level DP before this
-    pooled = bool(get_method(run.cfg.method.name).pooled_data)
-    return describe_plan(privacy_plan(run.cfg, len(sizes), sizes, local_steps(run.cfg, sizes, pooled)))
+    return sizes, local_steps(run.cfg, sizes, bool(get_method(run.cfg.method.name).pooled_data))
 
 
 def _machine(run: "FederatedRun") -> dict[str, str]:

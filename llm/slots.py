@@ -275,8 +275,20 @@ class SlotExecutor:
         self._loss_n += mask.sum(1).double() * self._active
         return total
 
-    def _logits_fn(self, params: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        return self.task.outputs(self._forward(params, batch), batch, self._slots)
+    def _logits_fn(self, params: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor]):
+        """H²Tune's ``output_fn``: the task's outputs. On a Poisson batch of sample-level DP: (logits (S, b, k, C),
+        mask (S, b, k)) — each example's k outputs (contiguous in the task's (S, b·k, C)) grouped, the padded rows'
+        masked — so that eq. 7's KL is a per-example term (``output_kl(reduction="examples")``)."""
+        if DP_MASK not in batch:
+            return self.task.outputs(self._forward(params, batch), batch, self._slots)
+        rows = batch[DP_MASK].view(self._slots, -1)
+        batch = {k: v for k, v in batch.items() if k != DP_MASK}
+        out = self.task.outputs(self._forward(params, batch), batch, self._slots)
+        logits, mask = out if isinstance(out, tuple) else (out, None)
+        S, b = rows.shape
+        logits = logits.reshape(S, b, -1, logits.shape[-1])
+        keep = rows.to(logits.dtype)[:, :, None].expand(S, b, logits.shape[2])
+        return logits, keep if mask is None else mask.reshape(S, b, -1).to(logits.dtype) * keep
 
     def _sampler_fn(self, samplers: Sequence[ClientSampler], clients: Sequence[int]) -> Callable[[], dict]:
         b = self.cfg.train.batch_size

@@ -28,7 +28,7 @@ from fedlora.errors import ConfigError
 from fedlora.privacy.accounting import check_delta, noise_multiplier_for
 from fedlora.privacy.dpsgd import Capture, SampleDP
 
-__all__ = ["TestbedPrivacy", "dp_objective", "dp_sampler", "make_sample_dp"]
+__all__ = ["TestbedPrivacy", "dp_objective", "dp_sampler", "make_sample_dp", "recorded_forward"]
 
 
 @dataclass(frozen=True)
@@ -87,13 +87,14 @@ def make_sample_dp(privacy: TestbedPrivacy, client_sizes: Sequence[int], group_s
     return sdp
 
 
-def _forward(layer, params: Mapping[str, torch.Tensor], X: torch.Tensor) -> torch.Tensor:
+def recorded_forward(layer, params: Mapping[str, torch.Tensor], X: torch.Tensor) -> torch.Tensor:
     """``layer.forward_with``, recorded for per-example gradients inside ``fedlora.privacy.dpsgd.capture`` with the
-    factors actually used (Fed-SB substitutes its folded B·R)."""
+    factors actually used (Fed-SB substitutes its folded B·R); outside it, ``forward_with`` alone."""
     y = layer.forward_with(params, X)
     if layer.dp_capture is not None:
         layer.dp_capture.append(Capture(layer, X, y, "stack", *(params.get(n, getattr(layer, n)) for n in
-                                                                 ("lora_A", "lora_B", "lora_C", "lora_D"))))
+                                                                 ("lora_A", "lora_B", "lora_C", "lora_D", "lora_R",
+                                                                  "lora_Phi"))))
     return y
 
 
@@ -103,7 +104,7 @@ def dp_objective(layer, task: str, d_out: int) -> Callable[[Mapping[str, torch.T
     ℓ is exactly 0 (``torch.where``), so its per-example gradient is 0."""
     def objective(params, batch):
         X, Y, mask = batch
-        out = _forward(layer, params, X)
+        out = recorded_forward(layer, params, X)
         if task == "regression":
             per = ((out - Y) ** 2).mean(-1)
         else:

@@ -31,6 +31,7 @@ from fedlora.seeds import TESTBED_INIT, TESTBED_METHOD, seed_of
 from fedlora.simulator import Federation, run_rounds
 
 from .data import ClientTask
+from .privacy import recorded_forward
 from .rank import numerical_rank, rank90
 
 __all__ = ["StackedData", "stack_federations", "build_method", "build_run", "SyntheticRun", "run_method", "RunResult"]
@@ -174,8 +175,8 @@ def _objectives(layer: LoRALinear, data: StackedData):
     else:
         batch = (data.X_train, data.Y_train, data.mask_train, data.n_train)
 
-        def output_fn(params, b):
-            return layer.forward_with(params, b[0]), b[2]
+        def output_fn(params, b):  # recorded under sample-level DP: eq. 7's KL reaches the per-example gradients
+            return recorded_forward(layer, params, b[0]), b[2]
 
         def objective(params, b):
             X, y, mask, n = b

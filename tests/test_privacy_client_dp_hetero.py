@@ -229,8 +229,48 @@ def test_a_dry_run_gives_the_runs_plan_over_all_clients(tmp_path):
     assert _library_epsilon(1.0, checked["privacy"]["noise_multiplier"], 2, 1 / 6) == pytest.approx(8.0, rel=1e-3)
 
 
+def test_sample_level_dp_runs_in_every_group_with_the_runs_one_plan(tmp_path):
+    """privacy.level: sample with heterogeneous client models: each group's slot executor runs H²Tune's private
+    steps with the run's σ and each client's own rate b/n_k (its run-wide id's), its streams keyed by that id (client
+    0 of each group draws its own), and every client's ε in the records is dp-accounting's for 2 releases × its local
+    steps per round it trained in; the private rounds train every client's R."""
+    import dp_accounting
+
+    out = tmp_path / "sample"
+    cfg = _config(out, level="sample", noise_multiplier=1.2, clip_norm=1.0, delta=1e-3)
+    run = HeteroRun(cfg).prepare()
+    plan = run.privacy_plan
+    assert plan.level == "sample" and plan.releases_per_step == 2
+    firsts = []
+    for (ids, _), group in zip(run.specs, run.groups):
+        sdp = group.slots.sample_dp
+        assert sdp is not None and sdp.noise_multiplier == 1.2 and group.method.sample_dp is sdp
+        assert [sdp.rate(i) for i in range(len(ids))] == [plan.sample_rates[k] for k in ids]
+        assert sdp.stream_ids == dict(enumerate(ids))
+        sdp.at(0, 0)
+        firsts.append(sdp.generator("noise", 0).initial_seed())
+    assert len(set(firsts)) == len(firsts)  # each group's local client 0 is another client of the run
+    before = {k: {n: v.clone() for n, v in rec.items() if n.endswith("lora_R")} for k, rec in run.local.records().items()}
+    run.run()
+    after = run.local.records()
+    assert all(not torch.equal(before[k][n], after[k][n]) for k in before for n in before[k])
+    lines = _lines(out)[1:]
+    done = {str(k): 0 for k in range(K)}
+    for rec in lines:
+        for k in rec["participants"]:
+            done[str(k)] += 1
+        for k, eps in rec["privacy"]["epsilon_by_client"].items():
+            acc = dp_accounting.rdp.RdpAccountant()
+            acc.compose(dp_accounting.PoissonSampledDpEvent(plan.sample_rates[int(k)], dp_accounting.GaussianDpEvent(
+                1.2)), 2 * plan.sample_steps[int(k)] * done[k])
+            assert eps == pytest.approx(acc.get_epsilon(1e-3), rel=1e-9), k
+    # the dry run derives the plan the run resolved (each group's sizes and steps, in the run's client order)
+    dry = HeteroRun(_config(tmp_path / "dry", level="sample", noise_multiplier=1.2, clip_norm=1.0, delta=1e-3),
+                    write=False).check()["privacy"]
+    assert dry == json.loads((out / "config.json").read_text())["resolved"]["privacy"]
+
+
 @pytest.mark.parametrize("privacy, match", [
-    ({"level": "sample", "noise_multiplier": 1.0}, r"sample-level DP does not apply to h2tune: its TriLoRA middle"),
     ({"level": "client", "noise_multiplier": 1.0, "clip_norm": 0.0}, r"privacy.clip_norm"),
 ])
 def test_what_a_hetero_run_cannot_do_under_dp_is_refused_in_one_line(tmp_path, privacy, match):

@@ -13,13 +13,14 @@ from torch import nn
 from fedlora.errors import ConfigError
 from fedlora.methods.base import available_methods, get_method
 from fedlora.privacy import dpsgd
+from fedlora.methods.h2tune import output_kl
 from fedlora.privacy.dpsgd import DP_MASK, SampleDP, capture, per_sample_grads, private_gradients
 from fedlora.seeds import DP_SAMPLE, seed_of
 
 F64 = torch.float64
 #: the methods whose local step takes private gradients (docs/concepts/privacy.md, "Sample-level DP-SGD")
 SUPPORTED = {"fedavg", "ffa", "rolora", "fedsvd", "fedsb", "fedsa", "fedex", "flora", "frlora", "lora-fair", "local",
-             "perfedavg", "flexlora", "hetlora", "feddpa"}
+             "perfedavg", "flexlora", "hetlora", "feddpa", "h2tune"}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -33,13 +34,13 @@ class _Tiny(nn.Module):
         return self.classifier(torch.tanh(self.l2(torch.tanh(self.l1(x)))).mean(1))
 
 
-def _tiny(S, seed=0, r=2, alpha=3.0, client_rank=0):
+def _tiny(S, seed=0, r=2, alpha=3.0, client_rank=0, middle=False):
     from fedlora.llm.inject import inject_adapters, make_head_trainable
 
     torch.manual_seed(seed)
     model = _Tiny().double()
     inject_adapters(model, ["l1", "l2"], rank=r, slots=S, alpha=alpha, client_rank=client_rank,
-                    client_alpha=5.0 if client_rank else None)
+                    client_alpha=5.0 if client_rank else None, middle=middle)
     make_head_trainable(model, S)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
@@ -459,6 +460,130 @@ def test_per_sample_grads_of_a_client_adapter_equal_a_loop_float64():
         torch.testing.assert_close(per[n], ref[n], rtol=1e-6, atol=1e-9, msg=n)
 
 
+def test_per_sample_grads_of_a_trilora_middle_equal_a_loop_float64():
+    """H²Tune's layer ΔW = s·B·(I + (Φ ⊙ Ω^sup) ⊙ R)·A, a support Ω^sup that is neither empty nor full: the per-example
+    gradients of A, B, R, Φ (and the head) equal a loop over single examples; off the support R's and Φ's are 0."""
+    S, b, r = 2, 3, 3
+    model = _tiny(S, r=r, middle=True)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for layer in (model.l1, model.l2):
+            layer.middle_mask.copy_((torch.rand(S, r, r, generator=g) < 0.6).to(F64))
+            assert 0 < layer.middle_mask.sum() < S * r * r
+    x, y = _data(S, b)
+    names = list(_params(model))
+    assert sum(n.endswith(("lora_R", "lora_Phi")) for n in names) == 4
+    with capture(model) as recs:
+        losses = _summed(model, x, y, torch.ones(S * b), S)
+    per = per_sample_grads(recs, torch.autograd.grad(losses.sum(), [r_.y for r_ in recs]), names, model, S)
+    ref = _loop_grads(model, x, y, S, b)
+    for n in names:
+        assert ref[n].abs().max() > 1e-3, n
+        torch.testing.assert_close(per[n], ref[n], rtol=1e-6, atol=1e-9, msg=n)
+    off = model.l1.middle_mask[:, None] == 0
+    assert not per["l1.lora_R"][off.expand_as(per["l1.lora_R"])].any()
+
+
+def test_private_h2tune_releases_each_step_on_its_own_batch_and_noise():
+    """H²Tune under DP, one local step (SGD): step (1) on release 0's batch and noise — R, Φ move by the clipped,
+    noised task gradient on their support plus eq. 6's exact KL gradient, Ω by that KL alone — then step (2) on
+    release 1's batch and noise — A, B and the head by the DP-SGD gradient of CE + sign·KL(y″‖y′) per example, y′
+    the output BEFORE step (1) on step (2)'s batch, plus the exact ν·(A, B) — all equal to loops over single
+    examples, clipped, noised and divided by hand."""
+    from torch.func import functional_call
+
+    from fedlora.methods.h2tune import H2Tune
+
+    S, b, r, lr, lr2, nu = 2, 4, 2, 0.3, 0.2, 0.05
+    model = _tiny(S, r=r, middle=True)
+
+    def logits(params, x):
+        return functional_call(model, dict(params), (x,))
+
+    def output_fn(params, batch):
+        x, _, mask = batch
+        return logits(params, x).view(S, b, -1), mask.view(S, b)
+
+    def objective(params, batch):
+        x, y, mask = batch
+        ce = F.cross_entropy(logits(params, x), y, reduction="none")
+        return torch.where(mask.bool(), ce, torch.zeros((), dtype=ce.dtype)).view(S, -1).sum(1)
+
+    m = H2Tune(rank=r, lr=lr, shared_lr=lr2, nu=nu, densities=[0.75, 0.5], output_fn=output_fn, optimizer="sgd")
+    m.setup(model, [0, 1], n_clients=2)
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for n in m._leaf_names("lora_R"):
+            m.params[n].add_(torch.randn(m.params[n].shape, generator=g, dtype=F64) * 0.5)  # KL(R ‖ R_g) ≠ 0
+    sdp = SampleDP(0.7, 0.5, 0.4, seed=9)
+    sdp.set_client_sizes({0: 10, 1: 10})
+    m.set_sample_dp(sdp)
+    assert m.sample_dp_releases == 2
+    m.begin_round(0)  # the supports
+    batches = {0: (*_data(S, b, seed=3), torch.tensor([1, 1, 0, 1, 1, 0, 1, 1], dtype=F64)),
+               1: (*_data(S, b, seed=4), torch.tensor([1, 0, 1, 1, 1, 1, 1, 0], dtype=F64))}
+    drawn = []
+
+    def sample():
+        drawn.append((sdp.round, sdp.step, sdp.part))
+        return batches[sdp.part]
+
+    old = {n: t.detach().clone() for n, t in m.params.items()}
+    omega0 = m.omega.detach().clone()
+    Rn, Pn = m._leaf_names("lora_R"), m._leaf_names("lora_Phi")
+    support = {n: m._mask(n[: -len(".lora_R")]).bool() for n in Rn}
+    support.update({p: support[r_] for r_, p in zip(Rn, Pn)})
+
+    def per_example(names, loss_i, part):  # name → (S, b, …): each example's gradient, one backward each
+        leaves = {n: old[n].clone().requires_grad_(True) for n in names}
+        ref = {n: torch.zeros(S, b, *t.shape[1:], dtype=F64) for n, t in leaves.items()}
+        for p in range(S):
+            for i in range(b):
+                one = torch.zeros(S * b, dtype=F64)
+                one[p * b + i] = 1
+                for n, gr in zip(names, torch.autograd.grad(loss_i(leaves, one).sum(), list(leaves.values()))):
+                    ref[n][p, i] = gr[p]
+        return ref
+
+    # step (1): release 0
+    sdp.at(0, 0)
+    x1, y1, mask1 = batches[0]
+    ref1 = per_example(Rn + Pn, lambda lv, one: objective({**old, **lv}, (x1, y1, one)), 0)
+    want1 = _by_hand(ref1, Rn + Pn, mask1, S, b, sdp, [0, 1])
+    kl_leaves = [m.params[n] for n in Rn] + [m.omega]
+    kl_grads = torch.autograd.grad(m.kl_shared().sum(), kl_leaves)
+    after1 = {}
+    for n in Rn + Pn:
+        grad = want1[n] + (kl_grads[Rn.index(n)] if n in Rn else 0)
+        after1[n] = torch.where(support[n], old[n] - lr2 * grad, old[n])
+    omega1 = (omega0 - lr2 * kl_grads[-1] * m.layer_mask[:, :, None]) * m.layer_mask[:, :, None]
+    # step (2): release 1, y′ before step (1) on its batch
+    sdp.release(1)
+    x2, y2, mask2 = batches[1]
+    y_prime = logits(old, x2).view(S, b, -1).detach()
+    AB = m._leaf_names("lora_A") + m._leaf_names("lora_B")
+    names2 = AB + list(m.head_names())
+    assert m.head_names()
+
+    def loss2(lv, one):
+        params = {**old, **after1, **lv}
+        kl = output_kl(logits(params, x2).view(S, b, -1), y_prime, one.view(S, b), "examples")
+        return objective(params, (x2, y2, one)) - kl  # disentangle_sign "paper": −KL
+
+    ref2 = per_example(names2, loss2, 1)
+    want2 = _by_hand(ref2, names2, mask2, S, b, sdp, [0, 1], kind="noise.1")
+    sdp.release(0)
+    m.local_step(objective, sample)
+    assert drawn == [(0, 0, 0), (0, 0, 1)]
+    for n in Rn + Pn:
+        assert not torch.equal(after1[n], old[n]), n
+        torch.testing.assert_close(m.params[n].detach(), after1[n], rtol=1e-9, atol=1e-12, msg=n)
+    torch.testing.assert_close(m.omega.detach(), omega1, rtol=1e-9, atol=1e-12)
+    for n in names2:
+        grad = want2[n] + (nu * old[n] if n in AB else 0)
+        torch.testing.assert_close(m.params[n].detach(), old[n] - lr * grad, rtol=1e-9, atol=1e-12, msg=n)
+
+
 def test_private_feddpa_releases_each_phase_on_its_own_batch_and_noise():
     """FedDPA-T under DP: phase 1 (C, D and a personal head; the global adapter in the forward detached as (1 − a)·B,
     D as a·D) and phase 2 (A, B with D = 0) are each a DP-SGD release — phase 1 on the step's "batch"/"noise"
@@ -729,7 +854,9 @@ def test_every_supported_method_trains_its_factors(method, monkeypatch):
         return real(sdp, model, losses_fn, names, clients, **kw)
 
     monkeypatch.setattr(dpsgd, "private_gradients", spy)
-    ex = _prepared(method)
+    # H²Tune's Φ starts at 1 and its first steps move it by ~lr·|R_init|·|B|, below even float64's resolution at 1
+    # with its default lr (the same without DP): float64 and a large step make the move visible
+    ex = _prepared(method, *(["model.dtype=float64", "method.lr=1.0"] if method == "h2tune" else []))
     before = _records(ex)
     zero_b = [n for n in before[0] if n.startswith("param:") and n.endswith("lora_B")]
     peft_init = all(not before[k][n].any() for k in before for n in zero_b)
@@ -856,6 +983,36 @@ def test_generation_and_qa_train_privately(config, sets):
     for k in (0, 1):
         for n in lora:
             assert not torch.equal(before[k][n], after[k][n]), (k, n)
+
+
+@pytest.mark.parametrize("config,sets", [("e2e-pf2lora", []), ("squad-pf2lora", ["data.task=squad"])])
+def test_h2tune_private_outputs_group_each_examples_outputs(config, sets):
+    """H²Tune's output_fn on a DP batch: the task's outputs (S, b·k, C) grouped per example (S, b, k, C) — the same
+    numbers — with the task's mask times 0 on the padded rows, so eq. 7's per-example KL (``output_kl(reduction=
+    "examples")``) counts each real example's outputs once; a private round then trains both clients' A and B."""
+    ex = _tiny_task_run(config, "method.name=h2tune", *sets)
+    before = _records(ex)
+    sdp = SampleDP(1.0, 0.5, 0.5, seed=0)
+    ex.set_sample_dp(sdp)
+    ex._bind([0, 1])
+    sdp.at(0, 0)
+    batch = ex._private_sampler_fn([0, 1])()
+    rows = batch[DP_MASK].view(2, -1)
+    assert (rows == 0).any()  # the smaller client's draw is padded
+    P = dict(ex.method.param_view())
+    with torch.no_grad():
+        logits, mask = ex._logits_fn(P, batch)
+        plain = ex._logits_fn(P, {k: v for k, v in batch.items() if k != DP_MASK})
+    plain_logits, plain_mask = plain if isinstance(plain, tuple) else (plain, None)
+    S, b, k = mask.shape
+    assert (S, b) == tuple(rows.shape) and logits.shape[:3] == (S, b, k) and k > 1
+    assert torch.equal(logits.reshape(plain_logits.shape), plain_logits)
+    task_mask = torch.ones(S, b, k) if plain_mask is None else plain_mask.reshape(S, b, k)
+    assert torch.equal(mask, task_mask.to(mask.dtype) * rows[:, :, None])
+    _train(ex, 0, (0, 1))
+    after = _records(ex)
+    moved = [n for n in before[0] if n.endswith(("lora_A", "lora_B"))]
+    assert moved and all(not torch.equal(before[c][n], after[c][n]) for c in (0, 1) for n in moved)
 
 
 def test_qa_read_in_windows_is_refused():

@@ -38,7 +38,7 @@ def _factors(res):
     return [{k: v for k, v in r.items() if k.startswith(("param:", "extra:"))} for r in res.records]
 
 
-@pytest.mark.parametrize("name", [*SWEEP_METHODS, "flexlora", "hetlora", "feddpa"])  # + those with their own steps
+@pytest.mark.parametrize("name", [*SWEEP_METHODS, "flexlora", "hetlora", "feddpa", "h2tune"])  # + own steps
 @pytest.mark.parametrize("task", ["classification", "regression"])
 def test_noiseless_unclipped_full_batch_dp_equals_ordinary_training(name, task):
     """q = 1 (b ≥ n_k), σ = 0 (ε = ∞), C far above every example's norm: DP-SGD's gradient is Σᵢ gᵢ / n_k, the

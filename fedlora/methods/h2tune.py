@@ -56,6 +56,17 @@ Round (App. A, Algorithm 1; our reading where it is silent):
   which "assigns a personalized parameter R_k for each client". ``receive="replace"`` also sets
   R_k[:L_k] ← R_{g→k} (FedAvg-like reading of §4.3's "further personalized").
 
+Sample-level DP (our variant; the paper has no private runs): a local step's two optimizer steps are two DP-SGD
+releases (Abadi et al., CCS 2016, Alg. 1), each on its OWN Poisson batch and noise — step (1) on the step's
+"batch"/"noise" streams, step (2) on "batch.1"/"noise.1" (``SampleDP.release``) — not on Alg. 1's one shared
+batch: two releases on one subsampled batch are not two independent subsampled Gaussians, which is what the
+accountant composes (``sample_dp_releases`` = 2 per local step). y′ of eq. 7 (the output before step (1)) is
+computed on step (2)'s batch, before step (1). Per-example gradients of the middle layer: dMᵢ = s·Σₜ (gₜB)ᵀ(xₜAᵀ),
+dRᵢ = dMᵢ ⊙ Φ ⊙ Ω^sup, dΦᵢ = dMᵢ ⊙ R ⊙ Ω^sup, and A's, B's through B·M and M·A
+(``fedlora.privacy.dpsgd``); eq. 6's KL and eq. 7's ν-term are functions of the parameters alone — their exact
+gradients are added unclipped — while eq. 7's output KL is a per-example term, each example's mean over its
+outputs, summed over the batch (``output_kl(reduction="examples")``).
+
 Client-level DP (DP-FedAvg, McMahan et al., ICLR 2018, Algorithm 1, over App. A's mean): a client's update is
 R_{k→g} − R_g (eq. 4's upload minus the server's last R_g, its KL target of eq. 6), clipped over all module types;
 before the first round R_g⁰ (``initial_global_R``: the mean of the K clients' initial uploads, from the seed alone)
@@ -118,12 +129,23 @@ SUPPORT_BY = ("phi_r", "phi")
 OMEGA_INIT = ("identity", "depth", "random")
 
 
-def output_kl(y_new: torch.Tensor, y_old: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+def output_kl(y_new: torch.Tensor, y_old: torch.Tensor, mask: torch.Tensor | None = None,
+              reduction: str = "mean") -> torch.Tensor:
     """KL(softmax y_new ‖ softmax y_old) over the last (class) dim, averaged over samples → (G,).
 
     y_new, y_old: (G, …, C) logits. ``mask`` (G, …): 1 for a real sample, 0 for padding (clients
-    padded to a common length); the mean is then over each replica's real samples only."""
+    padded to a common length); the mean is then over each replica's real samples only.
+    ``reduction="examples"`` (sample-level DP's summed objective): y (G, n, …, C) holds n examples; each example's
+    term is the mean over its scored outputs (its ``…``, masked; 0 for an example with none, a padded row), and the
+    result their SUM over the n examples — a sum of per-example terms, whose per-example gradients DP-SGD clips."""
     lp, lq = torch.log_softmax(y_new, dim=-1), torch.log_softmax(y_old, dim=-1)
+    if reduction == "examples":
+        kl = (lp.exp() * (lp - lq)).sum(-1)
+        m = torch.ones_like(kl) if mask is None else mask.reshape(kl.shape).to(kl.dtype)
+        kl, m = kl.reshape(kl.shape[0], kl.shape[1], -1), m.reshape(kl.shape[0], kl.shape[1], -1)
+        return ((kl * m).sum(-1) / m.sum(-1).clamp(min=1.0)).sum(-1)
+    if reduction != "mean":
+        raise ConfigError(f"output_kl: reduction must be 'mean' or 'examples', got {reduction!r}")
     kl = (lp.exp() * (lp - lq)).sum(-1).reshape(y_new.shape[0], -1)
     if mask is None:
         return kl.mean(-1)
@@ -161,7 +183,10 @@ class H2Tune(Method):
     """
 
     name = "h2tune"
-    sample_dp_refusal = 'its TriLoRA middle matrix and its two steps on each batch (its own step) have no per-sample gradients here'
+    sample_dp_refusal = None  # its two steps are two DP-SGD releases on their own batches (module doc)
+    sample_dp_note = ("its steps (1) and (2) are each a DP-SGD release on its own Poisson batch (not Alg. 1's one "
+                      "batch), 2 per local step, both counted")
+    sample_dp_releases = 2
     client_dp_refusal = None  # R_{k→g}'s mean; the first round's updates are taken from R_g⁰ (client_dp_reference)
     personalised = True  # the private A_k, B_k
     default_head = "personal"  # task-specific knowledge (clients may even have different label sets)
@@ -423,20 +448,37 @@ class H2Tune(Method):
     def begin_round(self, round_idx: int) -> None:
         self._choose_support()
 
-    def shared_step(self, objective: Objective, batch: Any) -> torch.Tensor | None:
-        """Step (1), eq. 6: update R, Φ (on the support) and Ω with A, B frozen. Returns y' (or None)."""
+    def _leaf_names(self, leaf: str) -> list[str]:
+        """The parameter names of ``_leaf(leaf)``, in its order."""
+        return [_pname(p, leaf) for t in self.types for p in self.types[t]]
+
+    def shared_step(self, objective: Objective, batch: Any, outputs: bool = True) -> torch.Tensor | None:
+        """Step (1), eq. 6: update R, Φ (on the support) and Ω with A, B frozen. Returns y' (or None; not computed
+        when ``outputs`` is False). Under sample-level DP the task loss's gradient of R and Φ is DP-SGD's; eq. 6's KL,
+        a function of the parameters alone, adds its exact gradient (Ω's only one)."""
         P = self.param_view()
         y_prime = None
-        if self.output_fn is not None:
+        if outputs and self.output_fn is not None:
             with torch.no_grad():
                 y_prime = self._outputs(P, batch)[0].detach()
-        loss = objective(P, batch).sum()  # replicas are independent: Σ keeps gradients apart
-        if self.kl_weight:
-            loss = loss + self.kl_weight * self.kl_shared().sum()
         Rs, Phis = self._leaf("lora_R"), self._leaf("lora_Phi")
         masks = [self._mask(p).bool() for t in self.types for p in self.types[t]]
         tensors = Rs + Phis + [self.omega]
-        grads = torch.autograd.grad(loss, tensors, allow_unused=True)
+        if self.sample_dp is None:
+            loss = objective(P, batch).sum()  # replicas are independent: Σ keeps gradients apart
+            if self.kl_weight:
+                loss = loss + self.kl_weight * self.kl_shared().sum()
+            grads = torch.autograd.grad(loss, tensors, allow_unused=True)
+        else:
+            from ..privacy.dpsgd import private_gradients
+
+            names = self._leaf_names("lora_R") + self._leaf_names("lora_Phi")
+            private = private_gradients(self.sample_dp, self.model, lambda: objective(P, batch), names,
+                                        self.replica_clients)
+            grads = [private[n] for n in names] + [None]
+            if self.kl_weight:
+                exact = torch.autograd.grad(self.kl_weight * self.kl_shared().sum(), tensors, allow_unused=True)
+                grads = [g if e is None else (e if g is None else g + e) for g, e in zip(grads, exact)]
         old = [x.detach().clone() for x in Rs + Phis]
         row = self.layer_mask[:, :, None]
         with torch.no_grad():
@@ -452,21 +494,42 @@ class H2Tune(Method):
         return y_prime
 
     def specific_step(self, objective: Objective, batch: Any, y_prime: torch.Tensor | None) -> None:
-        """Step (2), eq. 7: update A, B with R, Φ, Ω frozen. ``y_prime``: step (1)'s output."""
+        """Step (2), eq. 7: update A, B with R, Φ, Ω frozen. ``y_prime``: step (1)'s output. Under sample-level DP the
+        gradient of the task loss + the output KL (a per-example term: ``output_kl(reduction="examples")``) is
+        DP-SGD's; the ν/2 term, a function of the parameters alone, adds its exact gradient."""
         P = self.param_view()
-        loss = objective(P, batch)
-        if self.output_fn is not None and y_prime is not None:
-            y_2, mask = self._outputs(P, batch)
-            loss = loss + SIGNS[self.disentangle_sign] * output_kl(y_2, y_prime, mask)
-        elif not self._warned:
+        private = self.sample_dp is not None
+        kl = self.output_fn is not None and y_prime is not None
+        if not kl and not self._warned:
             warnings.warn("h2tune: no output_fn, so step (2) uses the task loss + ν/2 regulariser only "
                           "(eq. 7's KL(y''‖y') needs the model's logits)", stacklevel=3)
             self._warned = True
+
+        def task_and_kl() -> torch.Tensor:  # (G,)
+            loss = objective(P, batch)
+            if kl:
+                y_2, mask = self._outputs(P, batch)
+                loss = loss + SIGNS[self.disentangle_sign] * output_kl(y_2, y_prime, mask,
+                                                                       "examples" if private else "mean")
+            return loss
+
         AB = self._leaf("lora_A") + self._leaf("lora_B")
-        if self.nu:
-            loss = loss + 0.5 * self.nu * sum((x ** 2).reshape(x.shape[0], -1).sum(-1) for x in AB)
         trained = AB + [self.params[n] for n in self.head_names()]
-        grads = torch.autograd.grad(loss.sum(), trained)
+        if private:
+            from ..privacy.dpsgd import private_gradients
+
+            names = self._leaf_names("lora_A") + self._leaf_names("lora_B") + list(self.head_names())
+            got = private_gradients(self.sample_dp, self.model, task_and_kl, names, self.replica_clients)
+            grads = [got[n] for n in names]
+            if self.nu:
+                exact = torch.autograd.grad(0.5 * self.nu * sum((x ** 2).reshape(x.shape[0], -1).sum(-1)
+                                                                for x in AB).sum(), AB)
+                grads = [g + e for g, e in zip(grads, exact)] + grads[len(AB):]
+        else:
+            loss = task_and_kl()
+            if self.nu:
+                loss = loss + 0.5 * self.nu * sum((x ** 2).reshape(x.shape[0], -1).sum(-1) for x in AB)
+            grads = torch.autograd.grad(loss.sum(), trained)
         for x, g in zip(trained, grads):
             x.grad = g
         self.opt_specific.step()
@@ -479,9 +542,29 @@ class H2Tune(Method):
         return (out[0], out[1]) if isinstance(out, tuple) else (out, None)
 
     def local_step(self, objective: Objective, sample: Sampler) -> None:
+        if self.sample_dp is not None:
+            self._private_local_step(objective, sample)
+            return
         batch = sample()  # Alg. 1: both steps on the same (x_i, y_i)
         y_prime = self.shared_step(objective, batch)
         self.specific_step(objective, batch, y_prime)
+
+    def _private_local_step(self, objective: Objective, sample: Sampler) -> None:
+        """Sample-level DP (module doc): step (1) is release 0 of the local step, on its Poisson batch; step (2)
+        release 1, on its own (``SampleDP.release``); eq. 7's y′ — the output before step (1) — is computed on step
+        (2)'s batch, before step (1)."""
+        sdp = self.sample_dp
+        first = sample()  # the runtime positioned this step's draws: release 0
+        sdp.release(1)
+        second = sample()
+        y_prime = None
+        if self.output_fn is not None:
+            with torch.no_grad():
+                y_prime = self._outputs(self.param_view(), second)[0].detach()
+        sdp.release(0)
+        self.shared_step(objective, first, outputs=False)
+        sdp.release(1)
+        self.specific_step(objective, second, y_prime)
 
     def describe_replica(self, replica: int) -> dict:
         return {"rank": self.rank, "density": self.betas[replica], "layers": self.layers[replica]}

@@ -86,6 +86,9 @@ class SampleDP:
         #: the synthetic testbed's stacked federations: the seed of each slot's (replica's) federation, which then
         #: keys that slot's streams instead of ``seed`` (``set_slot_seeds``); None: every slot uses ``seed``
         self.slot_seeds: list[int] | None = None
+        #: the id each client's streams are keyed by, where it differs from the client's own (``set_stream_ids``):
+        #: a group of a run of heterogeneous client models numbers its clients 0..K_g−1, keyed by their run ids
+        self.stream_ids: dict[int, int] | None = None
         #: a diagnostic's hook, None in every run: ``privatise`` calls ``observe(round, client, per)`` with each slot's
         #: per-example gradients (name → (n, *shape)) BEFORE clipping — what the clipping sees. Not private: a
         #: function of every example (``bench/dp_grad_norms.py`` uses it to choose C on public or proxy data)
@@ -137,6 +140,15 @@ class SampleDP:
                     raise ConfigError(f"sample-level DP: a federation's seed must be an integer ≥ 0, got {v!r}")
         self.slot_seeds = seeds
 
+    def set_stream_ids(self, ids: Mapping[int, int] | None) -> None:
+        """Key client k's streams by ``ids[k]`` instead of k (None: by k): a run of heterogeneous client models gives
+        each group's executor its clients' run-wide ids, so no two clients of the run share a batch or noise stream."""
+        if ids is not None:
+            ids = {int(k): int(v) for k, v in ids.items()}
+            if len(set(ids.values())) != len(ids) or any(v < 0 for v in ids.values()):
+                raise ConfigError(f"sample-level DP: stream ids must be distinct integers ≥ 0, got {ids}")
+        self.stream_ids = ids
+
     def slot_seed(self, slot: int) -> int:
         """The seed that keys slot ``slot``'s streams (``set_slot_seeds``; ``seed`` by default)."""
         if self.slot_seeds is None:
@@ -171,8 +183,9 @@ class SampleDP:
             raise ConfigError("sample-level DP: no local step is positioned (the runtime calls at(round, step) "
                               "before each step)")
         key = kind if self.part == 0 else f"{kind}.{self.part}"  # the first release keeps the streams it always had
+        who = int(client) if self.stream_ids is None else self.stream_ids.get(int(client), int(client))
         return torch.Generator(device=device).manual_seed(
-            seed_of(self.seed if seed is None else seed, DP_SAMPLE, key, int(client), self.round, self.step))
+            seed_of(self.seed if seed is None else seed, DP_SAMPLE, key, who, self.round, self.step))
 
     def poisson_rows(self, client: int, n: int, seed: int | None = None) -> torch.Tensor:
         """The positions (sorted, int64) in 0..n−1 of the rows in client ``client``'s batch at the current step:
@@ -224,9 +237,8 @@ def per_sample_grads(records: Sequence[Capture], grads_out: Sequence[torch.Tenso
                      model: nn.Module, slots: int) -> dict[str, torch.Tensor]:
     """Per-example gradients of the parameters ``names``: name → (S, n, *shape) from the captured forwards and the
     gradients ``grads_out`` of the SUMMED loss with respect to each capture's output (None: the output was not
-    used). A parameter reached by several forwards (a shared layer) gets the sum. A name no capture covers, or a
-    layer whose per-sample gradient is not a plain LoRA's or a linear head's (TriLoRA's middle matrix), is a one-line
-    ``ConfigError``."""
+    used). A parameter reached by several forwards (a shared layer) gets the sum. A name no capture covers is a
+    one-line ``ConfigError``."""
     prefixes = _module_prefixes(model)
     wanted = set(names)
     out: dict[str, torch.Tensor] = {}
@@ -241,15 +253,15 @@ def per_sample_grads(records: Sequence[Capture], grads_out: Sequence[torch.Tenso
         if g is None:
             g = torch.zeros_like(rec.y)
         x, gy = rec.per_example(rec.x.detach(), slots), rec.per_example(g, slots)
-        if rec.A is not None:  # a LoRA layer: its adapter (A, B) and, where it has one, its client adapter (C, D)
+        if rec.A is not None and rec.R is not None:  # TriLoRA (H²Tune): ΔW = s·B·M·A, M = I + (Φ ⊙ Ω^sup) ⊙ R
+            for name, t in _per_sample_middle(rec, x, gy, pre, wanted, slots).items():
+                add(name, t)
+        elif rec.A is not None:  # a LoRA layer: its adapter (A, B) and, where it has one, its client adapter (C, D)
             for down, up, D_, U_, scale in (("lora_A", "lora_B", rec.A, rec.B, rec.module.scale),
                                             ("lora_C", "lora_D", rec.C, rec.D, getattr(rec.module, "client_scale", 0))):
                 d_name, u_name = pre + down, pre + up
                 if D_ is None or not (d_name in wanted or u_name in wanted):
                     continue
-                if getattr(rec.module, "middle", False):
-                    raise ConfigError(f"sample-level DP: {pre.rstrip('.')} has TriLoRA's middle matrix, whose "
-                                      "per-sample gradients are not implemented (H²Tune cannot train privately)")
                 D_, U_ = D_.detach(), U_.detach()
                 if D_.dim() == 2:
                     D_, U_ = D_.unsqueeze(0), U_.unsqueeze(0)
@@ -269,6 +281,41 @@ def per_sample_grads(records: Sequence[Capture], grads_out: Sequence[torch.Tenso
         raise ConfigError(f"sample-level DP: no per-sample gradient for {missing[0]!r} (only LoRA factors of "
                           "adapter layers and a trained linear head can be trained privately)")
     return out
+
+
+def _per_sample_middle(rec: Capture, x: torch.Tensor, gy: torch.Tensor, pre: str, wanted: set, slots: int
+                       ) -> dict[str, torch.Tensor]:
+    """Per-example gradients of a TriLoRA layer y = x W₀ᵀ + s·x Aᵀ Mᵀ Bᵀ, M = I + (Φ ⊙ Ω^sup) ⊙ R ([H²Tune] eq. 3;
+    Ω^sup the layer's ``middle_mask``): A's and B's are LoRA's with B·M and M·A in place of B and A
+    (``per_sample_lora_grads``), and dMᵢ = s·Σₜ (gₜB)ᵀ(xₜAᵀ) (r × r, from the same rank-r products) gives
+    dRᵢ = dMᵢ ⊙ Φ ⊙ Ω^sup and dΦᵢ = dMᵢ ⊙ R ⊙ Ω^sup. ``x``, ``gy``: (S, n, T, d). Returns name → (S, n, *shape) for
+    the wanted names among ``pre`` + lora_A, lora_B, lora_R, lora_Phi."""
+    names = {leaf: pre + leaf for leaf in ("lora_A", "lora_B", "lora_R", "lora_Phi")}
+    if not wanted & set(names.values()):
+        return {}
+    A, B, R, Phi = (t.detach() for t in (rec.A, rec.B, rec.R, rec.Phi))
+    mask = rec.module.middle_mask.to(R.dtype)
+    if A.dim() == 2:
+        A, B, R, Phi = A.unsqueeze(0), B.unsqueeze(0), R.unsqueeze(0), Phi.unsqueeze(0)
+    if mask.dim() == 2:
+        mask = mask.unsqueeze(0)
+    s = rec.module.scale
+    eye = torch.eye(R.shape[-1], dtype=R.dtype, device=R.device)
+    out: dict[str, list[torch.Tensor]] = {n: [] for n in names.values() if n in wanted}
+    for p in range(slots):
+        M = eye + Phi[p] * mask[p] * R[p]
+        da, db = per_sample_lora_grads(x[p], gy[p], M @ A[p], B[p] @ M, s)
+        if names["lora_A"] in out:
+            out[names["lora_A"]].append(da)
+        if names["lora_B"] in out:
+            out[names["lora_B"]].append(db)
+        if names["lora_R"] in out or names["lora_Phi"] in out:
+            dm = s * torch.einsum("ntr,ntq->nrq", gy[p] @ B[p], x[p] @ A[p].transpose(0, 1))  # (n, r, r)
+            if names["lora_R"] in out:
+                out[names["lora_R"]].append(dm * (Phi[p] * mask[p]))
+            if names["lora_Phi"] in out:
+                out[names["lora_Phi"]].append(dm * (R[p] * mask[p]))
+    return {n: torch.stack(v) for n, v in out.items()}
 
 
 def _output_grads(model: nn.Module, losses_fn: Callable[[], torch.Tensor], slots: int
