@@ -385,8 +385,10 @@ def dry_run_sizes_and_steps(run: "FederatedRun", data: dict[str, Any]) -> tuple[
                 "why": "extractive QA trains on its questions' windows, counted when the run tokenizes the data"}
     from fedlora.methods import get_method
 
-    sizes = data["client_train_sizes"]  # a run of pooled data (Centralized) is refused sample-level DP before this
-    return sizes, local_steps(run.cfg, sizes, bool(get_method(run.cfg.method.name).pooled_data))
+    sizes, pooled = data["client_train_sizes"], bool(get_method(run.cfg.method.name).pooled_data)
+    if pooled:  # Centralized: one data set of every client's rows, as the run pools them
+        sizes = [sum(sizes)]
+    return sizes, local_steps(run.cfg, sizes, pooled)
 
 
 def _machine(run: "FederatedRun") -> dict[str, str]:

@@ -274,6 +274,9 @@ def run_method(name: str, data: StackedData, *, lr: float, rounds: int, local_st
 
         if method.sample_dp_refusal is not None:  # before σ's calibration (seconds)
             method.set_sample_dp(privacy)  # raises the method's one-line refusal
+        if method.pooled_data:
+            raise ConfigError(f"{name}: sample-level DP on the testbed: its pooled model is trained from each client's "
+                              "replica, not from one pooled data set (fedlora run pools the rows: use it there)")
         sample_dp = make_sample_dp(privacy, data.client_sizes, data.group_seeds, rounds, local_steps,
                                    int(method.sample_dp_releases))
         method.set_sample_dp(sample_dp)

@@ -20,7 +20,7 @@ from fedlora.seeds import DP_SAMPLE, seed_of
 F64 = torch.float64
 #: the methods whose local step takes private gradients (docs/concepts/privacy.md, "Sample-level DP-SGD")
 SUPPORTED = {"fedavg", "ffa", "rolora", "fedsvd", "fedsb", "fedsa", "fedex", "flora", "frlora", "lora-fair", "local",
-             "perfedavg", "flexlora", "hetlora", "feddpa", "h2tune"}
+             "perfedavg", "flexlora", "hetlora", "feddpa", "h2tune", "centralized"}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -866,7 +866,7 @@ def test_every_supported_method_trains_its_factors(method, monkeypatch):
     for step in (0, 1):  # the premise: every client's Poisson batch has rows in both steps (an empty one trains nothing)
         sdp.at(0, step)
         assert all(len(sdp.poisson_rows(k, ex.sizes[k])) for k in before)
-    _train(ex, 0)
+    _train(ex, 0, tuple(sorted(before)))  # Centralized: one client, the pooled rows
     after = _records(ex)
     assert any(n.endswith("lora_B") for n in trained), trained
     for k in before:
@@ -874,7 +874,7 @@ def test_every_supported_method_trains_its_factors(method, monkeypatch):
             assert not torch.equal(before[k][f"param:{n}"], after[k][f"param:{n}"]), (k, n)
     ex.restore(before)
     ex.set_sample_dp(SampleDP(0.5, 1.0, 0.5, seed=0))
-    _train(ex, 0)
+    _train(ex, 0, tuple(sorted(before)))
     noisy = _records(ex)
     for k in before:
         for n in trained:

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from fedlora.errors import ConfigError
+from fedlora.llm.privacy import describe_plan
 from fedlora.methods import available_methods, get_method
 
 REFUSED = [m for m in available_methods() if get_method(m).sample_dp_refusal is not None]
@@ -79,6 +80,27 @@ def test_private_perfedavg_and_feddpa_plan_their_releases_per_local_step():
         assert dpa.participation([1], 3) == {"1": (dpa.sample_rates[1], dpa.noise_multiplier, releases * steps[1])}
     with pytest.raises(ConfigError, match="sample-level DP does not apply to perfedavg: variant 'hessian-free'"):
         load_config("tiny-smoke", ["method.name=perfedavg", "method.options.variant=hessian-free", *sets])
+
+
+def test_centralized_is_private_on_the_pooled_data_as_one_data_set(tmp_path):
+    """Centralized under sample-level DP: ONE protected data set — the pooled rows of every client (n = Σ n_k), q =
+    b/n, the round's pooled steps — derived alike by the dry run and the run, whose one unit spends ε."""
+    from _run_helpers import FAST
+
+    from fedlora.llm.config import load_config
+    from fedlora.llm.runtime import FederatedRun
+
+    sets = [*FAST, "method.name=centralized", "privacy.level=sample", "privacy.target_epsilon=8",
+            "privacy.delta=1e-5", "train.rounds=2", f"output_dir={tmp_path / 'c'}"]
+    dry = FederatedRun(load_config("tiny-smoke", sets), write=False).check()
+    run = FederatedRun(load_config("tiny-smoke", sets), write=False).prepare()
+    plan = run.privacy_plan
+    pooled = sum(dry["data"]["client_train_sizes"])
+    assert run.sizes == [pooled] and len(dry["data"]["client_train_sizes"]) > 1
+    assert plan.sample_rates == (run.cfg.train.batch_size / pooled,) and plan.sample_steps == tuple(run.steps)
+    assert dry["privacy"] == describe_plan(plan)
+    summary = run.run()
+    assert summary["privacy"]["epsilon"] == pytest.approx(8.0, rel=1e-3)
 
 
 def test_each_clients_epsilon_is_the_librarys_for_the_rounds_it_trained_in(sample_run):

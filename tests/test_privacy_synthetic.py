@@ -128,6 +128,8 @@ def test_refusals_in_one_line():
     data = _data(seeds=(0,))
     with pytest.raises(ConfigError, match="lora-a2: sample-level DP is not supported"):
         _run("lora-a2", data, TestbedPrivacy(3.0))
+    with pytest.raises(ConfigError, match=r"^centralized: sample-level DP on the testbed: .*fedlora run pools the rows"):
+        _run("centralized", data, TestbedPrivacy(3.0))
     for bad, what in ((dict(epsilon=0.0), "epsilon"), (dict(epsilon=1.0, delta=1.0), "delta"),
                       (dict(epsilon=1.0, clip_norm=-1.0), "clip_norm"), (dict(epsilon=1.0, batch_size=0), "batch_size")):
         with pytest.raises(ConfigError, match=what):

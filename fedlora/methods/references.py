@@ -37,7 +37,9 @@ class Centralized(FactorLoRA):
     client_weights (w_k ∝ n_k, one per client; default uniform — pass the federation's)."""
 
     name = "centralized"
-    sample_dp_refusal = "its step weights every client's loss into one pooled model (its own step, not FactorLoRA.train_step)"
+    sample_dp_refusal = None  # DP-SGD on the pooled data as one data set (``local_step``; the LLM runtime's layout)
+    sample_dp_note = ("DP-SGD on the pooled data as one data set (q = b/N, ε for an example of any client); "
+                      "`fedlora run` only — the testbed's stacked clients are refused")
     client_dp_refusal = ("one model trained on pooled data: no client's update is released, so there is no client to protect at this level")
     pooled_data = True
     head_modes = ("frozen", "shared")  # one model: its head is the one head
@@ -68,6 +70,22 @@ class Centralized(FactorLoRA):
                                       "Centralized has no clients to sample — use sample_fraction=1")
 
     def local_step(self, objective: Objective, sample: Sampler) -> None:
+        """One step of the one model on Σ_k w_k L_k(θ). Under sample-level DP: DP-SGD (Abadi et al., CCS 2016) on the
+        pooled data as ONE data set — the LLM runtime's layout, one replica holding the pooled rows (a Poisson batch
+        at q = b/N, the noise added once, / q·N): ``private_grads``. A federation of several stacked replicas (the
+        testbed's clients) would add each one's noise and divide by its own q·n_k, which is not that mechanism:
+        refused."""
+        if self.sample_dp is not None:
+            if any(len(g) > 1 for g in self.groups):
+                raise ConfigError("centralized: sample-level DP runs on the pooled data as one data set (fedlora run); "
+                                  "the synthetic testbed keeps each client's rows in its own replica")
+            private = self.private_grads(objective, sample(), self._trained)
+            self.opt.zero_grad(set_to_none=True)
+            for n in self._trained:
+                self.params[n].grad = private[n]
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            return
         self.opt.zero_grad(set_to_none=True)
         losses = objective(self.params, sample())  # (G,): L_k(θ) of every client on its own batch
         loss = (self._replica_weights.to(losses.dtype) * losses).sum()
