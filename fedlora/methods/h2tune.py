@@ -515,6 +515,10 @@ class H2Tune(Method):
 
         AB = self._leaf("lora_A") + self._leaf("lora_B")
         trained = AB + [self.params[n] for n in self.head_names()]
+
+        def ridge() -> torch.Tensor:  # ν/2 (‖A‖² + ‖B‖²) per replica, (G,)
+            return 0.5 * self.nu * sum((x ** 2).reshape(x.shape[0], -1).sum(-1) for x in AB)
+
         if private:
             from ..privacy.dpsgd import private_gradients
 
@@ -522,13 +526,11 @@ class H2Tune(Method):
             got = private_gradients(self.sample_dp, self.model, task_and_kl, names, self.replica_clients)
             grads = [got[n] for n in names]
             if self.nu:
-                exact = torch.autograd.grad(0.5 * self.nu * sum((x ** 2).reshape(x.shape[0], -1).sum(-1)
-                                                                for x in AB).sum(), AB)
-                grads = [g + e for g, e in zip(grads, exact)] + grads[len(AB):]
+                grads = [g + e for g, e in zip(grads, torch.autograd.grad(ridge().sum(), AB))] + grads[len(AB):]
         else:
             loss = task_and_kl()
             if self.nu:
-                loss = loss + 0.5 * self.nu * sum((x ** 2).reshape(x.shape[0], -1).sum(-1) for x in AB)
+                loss = loss + ridge()
             grads = torch.autograd.grad(loss.sum(), trained)
         for x, g in zip(trained, grads):
             x.grad = g
