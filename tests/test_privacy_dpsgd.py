@@ -80,20 +80,26 @@ def _loop_grads(model, x, y, S, b):
     return out
 
 
-def test_per_sample_grads_equal_a_loop_float64():
-    S, b = 3, 4
-    model = _tiny(S)
+def _per_sample_equal_a_loop(model, S, b):
+    """``per_sample_grads`` of every trained tensor of ``model`` on a float64 batch, checked equal to a loop over single
+    examples (``_loop_grads``); returns them."""
     x, y = _data(S, b)
     names = list(_params(model))
     with capture(model) as recs:
         losses = _summed(model, x, y, torch.ones(S * b), S)
-    outs = torch.autograd.grad(losses.sum(), [r.y for r in recs])
-    per = per_sample_grads(recs, outs, names, model, S)
+    per = per_sample_grads(recs, torch.autograd.grad(losses.sum(), [r.y for r in recs]), names, model, S)
     ref = _loop_grads(model, x, y, S, b)
-    assert sorted(per) == sorted(ref) and len(names) == 6  # A, B of two layers, the head's weight and bias
+    assert sorted(per) == sorted(ref) == sorted(names)
     for n in names:
         assert ref[n].abs().max() > 1e-3, n  # a real gradient, not zeros on both sides
         torch.testing.assert_close(per[n], ref[n], rtol=1e-6, atol=1e-9, msg=n)
+    return per
+
+
+def test_per_sample_grads_equal_a_loop_float64():
+    model = _tiny(3)
+    per = _per_sample_equal_a_loop(model, 3, 4)
+    assert len(per) == 6  # A, B of two layers, the head's weight and bias
     assert all(getattr(m, "dp_capture", None) is None for m in model.modules())  # capture is off afterwards
 
 
@@ -444,20 +450,10 @@ def test_fedsb_private_r_gradient_equals_a_loop():
 def test_per_sample_grads_of_a_client_adapter_equal_a_loop_float64():
     """A layer with a client adapter s₂ (x Cᵀ) Dᵀ beside (A, B) (FedDPA's local adapter): the per-example gradients of
     all four factors and the head equal a loop over single examples."""
-    S, b = 2, 3
-    model = _tiny(S, client_rank=2)
-    with torch.no_grad():
-        assert model.l1.client_scale == 2.5 != model.l1.scale
-    x, y = _data(S, b)
-    names = list(_params(model))
-    assert sum(n.endswith(("lora_C", "lora_D")) for n in names) == 4
-    with capture(model) as recs:
-        losses = _summed(model, x, y, torch.ones(S * b), S)
-    per = per_sample_grads(recs, torch.autograd.grad(losses.sum(), [r.y for r in recs]), names, model, S)
-    ref = _loop_grads(model, x, y, S, b)
-    for n in names:
-        assert ref[n].abs().max() > 1e-3, n
-        torch.testing.assert_close(per[n], ref[n], rtol=1e-6, atol=1e-9, msg=n)
+    model = _tiny(2, client_rank=2)
+    assert model.l1.client_scale == 2.5 != model.l1.scale
+    per = _per_sample_equal_a_loop(model, 2, 3)
+    assert sum(n.endswith(("lora_C", "lora_D")) for n in per) == 4
 
 
 def test_per_sample_grads_of_a_trilora_middle_equal_a_loop_float64():
@@ -470,16 +466,8 @@ def test_per_sample_grads_of_a_trilora_middle_equal_a_loop_float64():
         for layer in (model.l1, model.l2):
             layer.middle_mask.copy_((torch.rand(S, r, r, generator=g) < 0.6).to(F64))
             assert 0 < layer.middle_mask.sum() < S * r * r
-    x, y = _data(S, b)
-    names = list(_params(model))
-    assert sum(n.endswith(("lora_R", "lora_Phi")) for n in names) == 4
-    with capture(model) as recs:
-        losses = _summed(model, x, y, torch.ones(S * b), S)
-    per = per_sample_grads(recs, torch.autograd.grad(losses.sum(), [r_.y for r_ in recs]), names, model, S)
-    ref = _loop_grads(model, x, y, S, b)
-    for n in names:
-        assert ref[n].abs().max() > 1e-3, n
-        torch.testing.assert_close(per[n], ref[n], rtol=1e-6, atol=1e-9, msg=n)
+    per = _per_sample_equal_a_loop(model, S, b)
+    assert sum(n.endswith(("lora_R", "lora_Phi")) for n in per) == 4
     off = model.l1.middle_mask[:, None] == 0
     assert not per["l1.lora_R"][off.expand_as(per["l1.lora_R"])].any()
 
