@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from fedlora.errors import ConfigError
+from fedlora.methods import get_method
 from fedlora.privacy.clipping import per_sample_lora_grads
 
 from .compare import method_spec
@@ -92,6 +93,7 @@ def sweep(*, methods: Sequence[str] = SWEEP_METHODS, epsilons: Sequence[float] =
     rows = []
     for name in methods:
         spec = method_spec(name, rank, clients, {"optimizer": "sgd"} if name != "fedsb" else None)
+        releases = get_method(name).sample_dp_releases_for(dict(spec.options or {}))
         grid = [lr * (ffa_grid_factor if name == "ffa" else 1.0) for lr in lr_grid]
         for eps in epsilons:
             priv = TestbedPrivacy(float(eps), delta, clip_norm, batch_size).validate()
@@ -105,7 +107,8 @@ def sweep(*, methods: Sequence[str] = SWEEP_METHODS, epsilons: Sequence[float] =
             row = {"method": name, "epsilon": float(eps), "lr": lr, "grid": {lr_: _mean(r.final["val_loss"])
                                                                               for lr_, r in results.items()},
                    "grid_test": {lr_: _mean(r.final["test_loss"]) for lr_, r in results.items()},  # reported only
-                   "sigma": priv.noise_multiplier(data.client_sizes, rounds * local_steps),
+                   # σ for every DP-SGD release the run makes: its local steps × the method's releases per step
+                   "sigma": priv.noise_multiplier(data.client_sizes, rounds * local_steps * releases),
                    "val_loss": _mean(best.final["val_loss"]), "test_loss": _mean(best.final["test_loss"]),
                    "eps_spent": best.history[-1]["privacy"]["epsilon"] if best.history else float("nan"),
                    "error": best.error}

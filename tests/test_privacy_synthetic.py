@@ -159,6 +159,43 @@ def test_sweep_selects_on_validation_never_test():
     assert res["rows"][1]["eps_spent"] <= 2.0 and res["rows"][0]["sigma"] == 0.0
 
 
+def test_the_sweeps_sigma_is_the_runs_for_a_two_release_method():
+    """Per-FedAvg's local step makes 2 DP-SGD releases: the σ a sweep row reports is calibrated for 2 × rounds ×
+    local steps (dp-accounting itself gives ε = target for it), larger than FedAvg-LoRA's at the same ε."""
+    import dp_accounting
+
+    res = sweep(methods=("perfedavg", "fedavg"), epsilons=(3.0,), seeds=(0,), lr_grid=(0.1,), clients=K, n_train=40,
+                rounds=2, local_steps=2, rank=2, log=lambda *a: None)
+    rows = {r["method"]: r for r in res["rows"]}
+    q = max(TestbedPrivacy(3.0, batch_size=32).rates(res["config"]["client_sizes"]))
+    for name, releases in (("perfedavg", 2), ("fedavg", 1)):
+        acc = dp_accounting.rdp.RdpAccountant()
+        acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(rows[name]["sigma"])),
+                    releases * 2 * 2)
+        assert acc.get_epsilon(1e-5) == pytest.approx(3.0, rel=1e-3), name
+    assert rows["perfedavg"]["sigma"] > rows["fedavg"]["sigma"]
+
+
+def test_the_sweep_scripts_methods_are_the_testbeds_private_ones(capsys):
+    """synthetic/results/privacy_sweep.py --methods all: every method whose local step is private on the testbed
+    (Centralized, private in fedlora run only, and the refused ones left out); a bad name is one line."""
+    from _run_helpers import load_script
+
+    from fedlora.methods import available_methods, get_method
+
+    mod = load_script("synthetic/results/privacy_sweep.py")
+    every = mod.parse_methods("all")
+    assert "centralized" not in every and {"h2tune", "feddpa", "hetlora", "flexlora", "perfedavg"} <= set(every)
+    assert set(every) | {"centralized", "lora-a2", "pf2lora"} == set(available_methods())
+    assert all(get_method(m).sample_dp_refusal is None for m in every)
+    assert mod.parse_methods("fedavg, h2tune") == ("fedavg", "h2tune")
+    for bad in ("fedavg,pf2lora", "centralized", "fedavg,fedavg", ""):
+        with pytest.raises(SystemExit):
+            mod.main(["--methods", bad, "--out-dir", "unused"])
+        err = capsys.readouterr().err
+        assert err.startswith("error: --methods:") and len(err.strip().splitlines()) == 1, (bad, err)
+
+
 def test_noise_is_keyed_by_the_federation_of_each_slot():
     """Two slots holding the same client in two federations get independent noise; each slot's noise is what a
     SampleDP of its federation's seed alone would draw."""

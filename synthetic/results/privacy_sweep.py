@@ -2,8 +2,10 @@
 synthetic testbed"). Run from the repository root:
 
     python synthetic/results/privacy_sweep.py [--out-dir runs/privacy-sweep] [--clip-norm 1] [--rounds 20]
+    python synthetic/results/privacy_sweep.py --methods all --out-dir runs/privacy-sweep-all   # every private method
 
-FedAvg-LoRA, FFA-LoRA, RoLoRA, FedSVD and Fed-SB at ε ∈ {∞, 6, 3, 1}, δ = 1e-5, 2 seeds stacked in each run, the
+FedAvg-LoRA, FFA-LoRA, RoLoRA, FedSVD and Fed-SB (``--methods``: others, or ``all`` — every method with sample-level
+DP on the testbed) at ε ∈ {∞, 6, 3, 1}, δ = 1e-5, 2 seeds stacked in each run, the
 step size chosen per (method, ε) on validation loss (``fedlora.synthetic.privacy_sweep.sweep``). Writes
 privacy_sweep.md (the table), privacy_sweep.json (every step size's validation loss) and privacy_sweep.png into
 --out-dir (not synthetic/results: a .md there would become a docs page; the committed json and figure are copies).
@@ -15,12 +17,32 @@ import json
 import math
 from pathlib import Path
 
-from fedlora.synthetic.privacy_sweep import plot_sweep, sweep, sweep_markdown
+from fedlora.errors import ConfigError
+from fedlora.methods import available_methods, get_method
+from fedlora.synthetic.privacy_sweep import SWEEP_METHODS, plot_sweep, sweep, sweep_markdown
+
+#: the methods with sample-level DP on the testbed: every one without a refusal, but Centralized (fedlora run only)
+TESTBED_PRIVATE = tuple(m for m in available_methods()
+                        if get_method(m).sample_dp_refusal is None and not get_method(m).pooled_data)
+
+
+def parse_methods(text: str) -> tuple[str, ...]:
+    """``--methods``: comma-separated names or ``all`` (``TESTBED_PRIVATE``); one line naming what is allowed else."""
+    if text.strip() == "all":
+        return TESTBED_PRIVATE
+    names = tuple(m.strip() for m in text.split(",") if m.strip())
+    bad = [m for m in names if m not in TESTBED_PRIVATE]
+    if not names or bad or len(set(names)) != len(names):
+        raise ConfigError(f"--methods: {', '.join(bad) or text!r} — give distinct names among "
+                          f"{', '.join(TESTBED_PRIVATE)}, or all")
+    return names
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out-dir", default="runs/privacy-sweep")
+    ap.add_argument("--methods", default=",".join(SWEEP_METHODS),
+                    help="comma-separated, or all: every method with sample-level DP on the testbed")
     ap.add_argument("--clip-norm", type=float, default=1.0)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=20)
@@ -28,7 +50,11 @@ def main(argv=None) -> int:
     ap.add_argument("--lr-grid", default="0.1,0.3,1,3", help="comma-separated; FFA-LoRA's is 10× this")
     ap.add_argument("--task", default="classification", choices=("classification", "regression"))
     args = ap.parse_args(argv)
-    result = sweep(clip_norm=args.clip_norm, batch_size=args.batch_size, rounds=args.rounds,
+    try:
+        methods = parse_methods(args.methods)
+    except ConfigError as e:
+        ap.exit(2, f"error: {e}\n")
+    result = sweep(methods=methods, clip_norm=args.clip_norm, batch_size=args.batch_size, rounds=args.rounds,
                    local_steps=args.local_steps, lr_grid=tuple(float(v) for v in args.lr_grid.split(",")),
                    task=args.task)
     out = Path(args.out_dir)
