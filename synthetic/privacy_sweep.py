@@ -146,11 +146,19 @@ def sweep_markdown(result: Mapping[str, Any]) -> str:
             seeds = ", ".join(f"{v:.3f}" for v in r.get("test_by_seed", []))
             cells.append(f"{r[metric]:.3f} [{seeds}] lr {r['lr']:g}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    sig = {_eps_label(r["epsilon"]): r["sigma"] for r in rows}
+    groups: dict[tuple[float, ...], list[str]] = {}  # σ per ε → the methods run with it (2 releases per step: larger)
+    for name in cfg["methods"]:
+        sig = tuple(next(r for r in rows if r["method"] == name and r["epsilon"] == e)["sigma"] for e in eps)
+        groups.setdefault(sig, []).append(name)
+
+    def sigmas(sig: tuple[float, ...]) -> str:
+        return ", ".join(f"{_eps_label(e)}: {v:.3f}" for e, v in zip(eps, sig))
+
     lines.append("")
     lines.append(f"{metric.replace('_', ' ')}, mean over seeds {cfg['seeds']} and {cfg['clients']} clients [per seed], "
                  "the step size chosen on validation loss; σ per ε: "
-                 + ", ".join(f"{k}: {v:.3f}" for k, v in sig.items()) + ".")
+                 + (sigmas(next(iter(groups))) if len(groups) == 1 else
+                    "; ".join(f"{', '.join(names)}: {sigmas(sig)}" for sig, names in groups.items())) + ".")
     return "\n".join(lines)
 
 
@@ -167,17 +175,22 @@ def plot_sweep(result: Mapping[str, Any], path) -> None:
     finite = [e for e in eps if math.isfinite(e)]
     x_inf = 2 * max(finite) if finite else 1.0
     xs = [x_inf if math.isinf(e) else e for e in eps]
-    fig, ax = plt.subplots(figsize=(5.5, 3.6))
-    for name in cfg["methods"]:
+    many = len(cfg["methods"]) > 10  # beyond matplotlib's 10 colours: tab20's, a marker each, the legend outside
+    fig, ax = plt.subplots(figsize=(7.5, 4.2) if many else (5.5, 3.6))
+    colours = plt.get_cmap("tab20").colors if many else [None] * len(cfg["methods"])
+    for i, name in enumerate(cfg["methods"]):
         ys = [next(r[metric] for r in rows if r["method"] == name and r["epsilon"] == e) for e in eps]
-        ax.plot(xs, ys, marker="o", label=name)
+        ax.plot(xs, ys, marker="osv^D<>ph*"[i % 10] if many else "o", color=colours[i % len(colours)], label=name)
     ax.set_xscale("log")
     ax.set_xticks(xs)
     ax.set_xticklabels([_eps_label(e) for e in eps])
     ax.set_xlabel("ε (δ = %g)" % cfg["delta"])
     ax.set_ylabel(metric.replace("_", " "))
     ax.set_title("sample-level DP-SGD on the synthetic testbed")
-    ax.legend(fontsize=8)
+    if many:
+        ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    else:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

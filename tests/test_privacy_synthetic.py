@@ -174,6 +174,10 @@ def test_the_sweeps_sigma_is_the_runs_for_a_two_release_method():
                     releases * 2 * 2)
         assert acc.get_epsilon(1e-5) == pytest.approx(3.0, rel=1e-3), name
     assert rows["perfedavg"]["sigma"] > rows["fedavg"]["sigma"]
+    from fedlora.synthetic.privacy_sweep import sweep_markdown
+
+    assert sweep_markdown(res).endswith(f"σ per ε: perfedavg: 3: {rows['perfedavg']['sigma']:.3f}; "
+                                        f"fedavg: 3: {rows['fedavg']['sigma']:.3f}.")  # each method's σ, not one
 
 
 def test_the_sweep_scripts_methods_are_the_testbeds_private_ones(capsys):
