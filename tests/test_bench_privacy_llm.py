@@ -112,7 +112,7 @@ def test_bad_sweep_settings_are_one_line_before_any_run(tmp_path, capsys):
     out = tmp_path / "sweep"
     for extra, match in ((["--epsilons", "inf,0"], "ε must be > 0"), (["--epsilons", "3,3"], "--epsilons: a value is listed twice"),
                          (["--clip-norms", "0,5"], "--clip-norms: values are positive"),
-                         (["--methods", "fedavg,lora-a2"], "sample-level DP does not apply to lora-a2"),
+                         (["--methods", "fedavg,pf2lora"], "sample-level DP does not apply to pf2lora"),
                          (["--delta", "1"], "--delta: must be in (0, 1)"), (["--jobs", "0"], "and --jobs: at least 1 each"),
                          (["--set", "privacy.clip_norm=3"], "--set privacy.clip_norm sets it too")):
         assert mod.main(ARGS + extra + ["--out", str(out)]) == 2

@@ -20,7 +20,7 @@ from fedlora.seeds import DP_SAMPLE, seed_of
 F64 = torch.float64
 #: the methods whose local step takes private gradients (docs/concepts/privacy.md, "Sample-level DP-SGD")
 SUPPORTED = {"fedavg", "ffa", "rolora", "fedsvd", "fedsb", "fedsa", "fedex", "flora", "frlora", "lora-fair", "local",
-             "perfedavg", "flexlora", "hetlora", "feddpa", "h2tune", "centralized"}
+             "perfedavg", "flexlora", "hetlora", "feddpa", "h2tune", "centralized", "lora-a2"}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -572,6 +572,85 @@ def test_private_h2tune_releases_each_step_on_its_own_batch_and_noise():
         torch.testing.assert_close(m.params[n].detach(), old[n] - lr * grad, rtol=1e-9, atol=1e-12, msg=n)
 
 
+def test_private_lora_a2_selects_ranks_from_its_released_probe_and_trains_masked_on_its_own_release():
+    """LoRA-A² under DP, one local step of a B round (SGD): the probe step is release 0 — B moves by the clipped,
+    noised gradient — the ranks are chosen (eq. 4) from that RELEASED delta, the restart goes back to B⁰, and the
+    masked step is release 1 on its own batch and noise, masked to the chosen ranks (eq. 6) — all equal to loops over
+    single examples, clipped, noised and divided by hand; probe_steps set is refused (its releases per step)."""
+    from torch.func import functional_call
+
+    from fedlora.aggmath.lora_a2 import importance_scores, select_ranks
+    from fedlora.methods.lora_a2 import LoRAA2
+
+    S, b, r, lr, ratio = 2, 4, 4, 0.1, 5.0
+    model = _tiny(S, r=r)
+    m = LoRAA2(rank=r, lr=lr, lr_ratio=ratio, client_rank=1, optimizer="sgd")
+    m.setup(model, [0, 1], n_clients=2)
+    sdp = SampleDP(0.6, 0.8, 0.4, seed=13)
+    sdp.set_client_sizes({0: 10, 1: 10})
+    m.set_sample_dp(sdp)
+    assert m.sample_dp_releases == 2
+    with pytest.raises(ConfigError, match="probe_steps set"):
+        LoRAA2(rank=r, probe_steps=2).set_sample_dp(sdp)
+    batches = {0: (*_data(S, b, seed=3), torch.tensor([1, 1, 0, 1, 1, 1, 1, 0], dtype=F64)),
+               1: (*_data(S, b, seed=4), torch.tensor([1, 0, 1, 1, 1, 1, 1, 1], dtype=F64))}
+    drawn = []
+
+    def sample():
+        drawn.append((sdp.round, sdp.step, sdp.part))
+        return batches[sdp.part]
+
+    def objective(params, batch):
+        x, y, mask = batch
+        ce = F.cross_entropy(functional_call(model, dict(params), (x,)), y, reduction="none")
+        return torch.where(mask.bool(), ce, torch.zeros((), dtype=ce.dtype)).view(S, -1).sum(1)
+
+    Bn = [n for n in m.params if n.endswith("lora_B")]
+    An = [n[: -len("lora_B")] + "lora_A" for n in Bn]
+    start = {n: t.detach().clone() for n, t in m.params.items()}
+
+    def loop(part):  # per-example gradients of B at the round's start on release ``part``'s batch
+        leaves = {n: start[n].clone().requires_grad_(True) for n in Bn}
+        ref = {n: torch.zeros(S, b, *t.shape[1:], dtype=F64) for n, t in leaves.items()}
+        x, y, _ = batches[part]
+        for p in range(S):
+            for i in range(b):
+                one = torch.zeros(S * b, dtype=F64)
+                one[p * b + i] = 1
+                for n, g in zip(Bn, torch.autograd.grad(objective({**start, **leaves}, (x, y, one)).sum(),
+                                                        list(leaves.values()))):
+                    ref[n][p, i] = g[p]
+        return ref
+
+    m.begin_round(0)  # round 0 trains B
+    sdp.at(0, 0)
+    per0 = loop(0)
+    probe = _by_hand(per0, Bn, batches[0][2], S, b, sdp, [0, 1])
+    plain = {n: (per0[n] * batches[0][2].view(S, b, 1, 1)).sum(1) for n in Bn}  # the data's own gradient, unreleased
+    sdp.release(1)
+    masked = _by_hand(loop(1), Bn, batches[1][2], S, b, sdp, [0, 1], kind="noise.1")
+    sdp.at(0, 0)
+    m.local_step(objective, sample)
+    m.end_round(0)
+    assert drawn == [(0, 0, 0), (0, 0, 1)]
+    differs = []
+    for i in range(S):  # the ranks chosen from the released probe delta: budget r_k = 1 × N = 2 modules
+        deltas = {n: -lr * ratio * probe[n][i] for n in Bn}
+        sel = select_ranks(importance_scores(deltas, {n: start[a][i] for n, a in zip(Bn, An)}, "B"), 1)
+        for n in Bn:
+            keep = torch.zeros(r, dtype=torch.bool)
+            keep[sel[n]] = True
+            want = torch.where(keep[None, :], start[n][i] - lr * ratio * masked[n][i], start[n][i])
+            torch.testing.assert_close(m.params[n][i].detach(), want, rtol=1e-9, atol=1e-12, msg=(i, n))
+        assert sum(len(v) for v in sel.values()) == 2
+        unreleased = select_ranks(importance_scores({n: -plain[n][i] for n in Bn},
+                                                    {n: start[a][i] for n, a in zip(Bn, An)}, "B"), 1)
+        differs.append(any(not torch.equal(unreleased[n], sel[n]) for n in Bn))
+    assert any(differs)  # the premise: a selection from the data's own gradient would choose other ranks here
+    for n in An:
+        assert torch.equal(m.params[n].detach(), start[n])  # the frozen factor of a B round
+
+
 def test_private_feddpa_releases_each_phase_on_its_own_batch_and_noise():
     """FedDPA-T under DP: phase 1 (C, D and a personal head; the global adapter in the forward detached as (1 − a)·B,
     D as a·D) and phase 2 (A, B with D = 0) are each a DP-SGD release — phase 1 on the step's "batch"/"noise"
@@ -843,8 +922,11 @@ def test_every_supported_method_trains_its_factors(method, monkeypatch):
 
     monkeypatch.setattr(dpsgd, "private_gradients", spy)
     # H²Tune's Φ starts at 1 and its first steps move it by ~lr·|R_init|·|B|, below even float64's resolution at 1
-    # with its default lr (the same without DP): float64 and a large step make the move visible
-    ex = _prepared(method, *(["model.dtype=float64", "method.lr=1.0"] if method == "h2tune" else []))
+    # with its default lr (the same without DP): float64 and a large step make the move visible. LoRA-A² trains the
+    # r_k·N ranks it selects over all N modules (a module may get none): a budget of every rank trains every module
+    sets = {"h2tune": ["model.dtype=float64", "method.lr=1.0"],
+            "lora-a2": ["method.rank=4", "method.options.rank=4"]}.get(method, [])
+    ex = _prepared(method, *sets)
     before = _records(ex)
     zero_b = [n for n in before[0] if n.startswith("param:") and n.endswith("lora_B")]
     peft_init = all(not before[k][n].any() for k in before for n in zero_b)

@@ -38,7 +38,7 @@ def _factors(res):
     return [{k: v for k, v in r.items() if k.startswith(("param:", "extra:"))} for r in res.records]
 
 
-@pytest.mark.parametrize("name", [*SWEEP_METHODS, "flexlora", "hetlora", "feddpa", "h2tune"])  # + own steps
+@pytest.mark.parametrize("name", [*SWEEP_METHODS, "flexlora", "hetlora", "feddpa", "h2tune", "lora-a2"])  # own steps
 @pytest.mark.parametrize("task", ["classification", "regression"])
 def test_noiseless_unclipped_full_batch_dp_equals_ordinary_training(name, task):
     """q = 1 (b ≥ n_k), σ = 0 (ε = ∞), C far above every example's norm: DP-SGD's gradient is Σᵢ gᵢ / n_k, the
@@ -126,8 +126,10 @@ def test_same_seed_bit_identical_other_seed_differs_federations_independent():
 
 def test_refusals_in_one_line():
     data = _data(seeds=(0,))
-    with pytest.raises(ConfigError, match="lora-a2: sample-level DP is not supported"):
-        _run("lora-a2", data, TestbedPrivacy(3.0))
+    spec = method_spec("pf2lora", 2, K, None)
+    with pytest.raises(ConfigError, match="pf2lora: sample-level DP is not supported: second-order"):
+        run_method("pf2lora", data, lr=0.05, rounds=1, local_steps=1, options=spec.options, adapter=spec.adapter,
+                   lr_arg=spec.lr_arg, privacy=TestbedPrivacy(3.0))
     with pytest.raises(ConfigError, match=r"^centralized: sample-level DP on the testbed: .*fedlora run pools the rows"):
         _run("centralized", data, TestbedPrivacy(3.0))
     for bad, what in ((dict(epsilon=0.0), "epsilon"), (dict(epsilon=1.0, delta=1.0), "delta"),
@@ -189,8 +191,8 @@ def test_the_sweep_scripts_methods_are_the_testbeds_private_ones(capsys):
 
     mod = load_script("synthetic/results/privacy_sweep.py")
     every = mod.parse_methods("all")
-    assert "centralized" not in every and {"h2tune", "feddpa", "hetlora", "flexlora", "perfedavg"} <= set(every)
-    assert set(every) | {"centralized", "lora-a2", "pf2lora"} == set(available_methods())
+    assert "centralized" not in every and {"h2tune", "feddpa", "hetlora", "flexlora", "perfedavg", "lora-a2"} <= set(every)
+    assert set(every) | {"centralized", "pf2lora"} == set(available_methods())
     assert all(get_method(m).sample_dp_refusal is None for m in every)
     assert mod.parse_methods("fedavg, h2tune") == ("fedavg", "h2tune")
     for bad in ("fedavg,pf2lora", "centralized", "fedavg,fedavg", ""):

@@ -50,6 +50,13 @@ selected ranks would reveal them), the denominator is qK for every coordinate (p
 clients depend on the data), and the release reaches ``aggregate`` as one upload that selected every rank
 (docs/concepts/privacy.md).
 
+Sample-level DP (our variant; the paper has no private runs): every step of the round is a DP-SGD release (Abadi
+et al., CCS 2016, Alg. 1) of the round's factor — the probe step j on the step's "batch"/"noise" streams, the masked
+step j on "batch.1"/"noise.1" (``SampleDP.release``): 2 releases per local step, both counted. The selection (eq. 4)
+scores the probe's delta, which is then a function of released gradients only — post-processing, so the chosen
+ranks (and the sparse upload's indices) are private too; the mask of eq. 6 applies to the released gradient. With
+``probe_steps`` set the probe's releases are not 1 per local step, so that combination is refused.
+
 Initial broadcast: Algorithm 1 initialises one ΔW = BA on the server; ``init_state`` (the
 ``Method`` default) copies each federation's first replica's A and B into its other replicas (not
 counted as traffic), since exactness needs the frozen factor to be identical on all clients.
@@ -103,7 +110,11 @@ class LoRAA2(Method):
     """
 
     name = "lora-a2"
-    sample_dp_refusal = "its probe steps choose each client's ranks from gradient norms on its data, a data-dependent selection DP-SGD does not privatise"
+    sample_dp_refusal = None  # every probe and masked step a DP-SGD release; the selection post-processes them
+    sample_dp_note = ("its probe steps and its masked steps are each a DP-SGD release on its own Poisson batch, 2 per "
+                      "local step, both counted; the rank selection reads only their released deltas; "
+                      "probe_steps must be left at the round's local steps")
+    sample_dp_releases = 2
     client_dp_refusal = None  # its masked deltas, densified: fedlora.privacy.client_dp.DenseUpdates (below)
     rank_option = "client_rank"  # the tables' "rank r" is the client's budget; r_G stays 16
     equal_steps_per_pass = True  # end_round runs as many masked steps as the round's probe steps
@@ -147,6 +158,7 @@ class LoRAA2(Method):
             raise ConfigError(f"lora-a2: index_dtype {index_dtype} cannot hold rank index {rank - 1}")
         self.rank, self.lr, self.lr_ratio = rank, lr, lr_ratio
         self.client_ranks, self.probe_steps, self.client_rank = client_ranks, probe_steps, client_rank
+        self.sample_dp_refusal = type(self).sample_dp_refusal_for({"probe_steps": probe_steps})
         self.optimizer, self.weight_decay = optimizer, weight_decay
         self.index_dtype = _INDEX_DTYPES[index_dtype]
         self._factor: str | None = None  # factor the current / last round trains
@@ -220,15 +232,35 @@ class LoRAA2(Method):
         m = self.masks[prefix].to(self.params[name].dtype)
         return m[:, None, :] if self._factor == "B" else m[:, :, None]
 
+    @classmethod
+    def sample_dp_refusal_for(cls, options: Mapping[str, Any]) -> str | None:
+        if options.get("probe_steps") is not None:
+            return ("probe_steps set: its probe takes a number of DP-SGD releases other than the round's local steps "
+                    "(the accountant counts 2 per local step); leave probe_steps unset")
+        return None
+
     def _step(self, objective: Objective, sample: Sampler, masked: bool) -> None:
+        """One step on the round's factor, masked to the selected ranks after the probe (eq. 6). Under sample-level
+        DP its gradient is DP-SGD's — per-example gradients of the whole factor clipped, noised, / q·n_k — and the
+        mask applies to that release (post-processing), so the selection (eq. 4, from the probe's deltas) reads only
+        released values: the probe steps are release 0 of each local step, the masked ones release 1 (``end_round``)."""
         if self._factor is None:
             raise ConfigError("lora-a2: begin_round must be called before local_step")
         trained, frozen = self._trained(), self._frozen()
         # the frozen factor enters detached: its .grad stays None, so the optimizer skips it
         params = {n: self.params[n] for n in trained} | {n: self.params[n].detach() for n in frozen}
-        loss = objective(params, sample()).sum()  # replicas are independent: Σ keeps gradients apart
         self.opt.zero_grad(set_to_none=True)
-        loss.backward()
+        if self.sample_dp is not None:
+            from ..privacy.dpsgd import private_gradients
+
+            batch = sample()
+            private = private_gradients(self.sample_dp, self.model, lambda: objective(params, batch), trained,
+                                        self.replica_clients)
+            for n in trained:
+                self.params[n].grad = private[n]
+        else:
+            loss = objective(params, sample()).sum()  # replicas are independent: Σ keeps gradients apart
+            loss.backward()
         if masked:
             for prefix, n in zip(self.modules, trained):
                 if self.params[n].grad is not None:
@@ -273,7 +305,10 @@ class LoRAA2(Method):
             if self._n_probe == 0:
                 raise ConfigError("lora-a2: a round needs at least one local_step")
             self._select_and_restart()
-            for _ in range(self._n_probe):
+            for j in range(self._n_probe):
+                if self.sample_dp is not None:  # its own Poisson batch and noise: release 1 of local step j
+                    self.sample_dp.at(round_idx, j)
+                    self.sample_dp.release(1)
                 self._step(self._objective, self._sample, masked=True)
             self._objective = self._sample = None  # do not keep the caller's data alive
         # the round's moments die with it (begin_round starts afresh): a client's record carries none, so
