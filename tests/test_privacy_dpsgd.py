@@ -651,6 +651,68 @@ def test_private_lora_a2_selects_ranks_from_its_released_probe_and_trains_masked
         assert torch.equal(m.params[n].detach(), start[n])  # the frozen factor of a B round
 
 
+def test_private_first_order_pf2lora_releases_its_lower_and_upper_gradients_on_their_own_batches():
+    """PF2LoRA with hypergradient "none" under DP (SGD): the client adapter y = (C, D) steps by release 0's clipped,
+    noised gradient, the common adapter x = (A, B) by release 1's, both taken at the step's (x, y) — equal to loops
+    over single examples, clipped, noised and divided by hand; the hypergradient modes stay refused in one line."""
+    from torch.func import functional_call
+
+    from fedlora.methods.pf2lora import PF2LoRA
+
+    S, b, lr_x, lr_y = 2, 4, 0.1, 0.2
+    model = _tiny(S, r=2, client_rank=1)
+    m = PF2LoRA(rank=2, client_rank=1, hypergradient="none", upper_optimizer="sgd", upper_lr=lr_x, lower_lr=lr_y)
+    m.bind(model, [0, 1], n_clients=2)
+    sdp = SampleDP(0.5, 0.7, 0.4, seed=17)
+    sdp.set_client_sizes({0: 10, 1: 10})
+    m.set_sample_dp(sdp)
+    assert m.sample_dp_releases == 2
+    for mode in ("exact", "finite-difference"):
+        with pytest.raises(ConfigError, match=r"^pf2lora: sample-level DP is not supported: second-order.*"
+                                              r"hypergradient: none"):
+            PF2LoRA(hypergradient=mode).set_sample_dp(sdp)
+    batches = {0: (*_data(S, b, seed=3), torch.tensor([1, 1, 0, 1, 1, 1, 1, 0], dtype=F64)),
+               1: (*_data(S, b, seed=4), torch.tensor([1, 0, 1, 1, 1, 1, 1, 1], dtype=F64))}
+    drawn = []
+
+    def sample():
+        drawn.append((sdp.round, sdp.step, sdp.part))
+        return batches[sdp.part]
+
+    def objective(params, batch):
+        x, y, mask = batch
+        ce = F.cross_entropy(functional_call(model, dict(params), (x,)), y, reduction="none")
+        return torch.where(mask.bool(), ce, torch.zeros((), dtype=ce.dtype)).view(S, -1).sum(1)
+
+    start = {n: t.detach().clone() for n, t in m.params.items()}
+    assert any(n.endswith("lora_C") for n in m.y_names) and any(n.endswith("lora_A") for n in m.x_names)
+
+    def loop(names, part):  # per-example gradients at the step's (x, y) on release ``part``'s batch
+        leaves = {n: start[n].clone().requires_grad_(True) for n in names}
+        ref = {n: torch.zeros(S, b, *t.shape[1:], dtype=F64) for n, t in leaves.items()}
+        x, y, _ = batches[part]
+        for p in range(S):
+            for i in range(b):
+                one = torch.zeros(S * b, dtype=F64)
+                one[p * b + i] = 1
+                for n, g in zip(names, torch.autograd.grad(objective({**start, **leaves}, (x, y, one)).sum(),
+                                                           list(leaves.values()))):
+                    ref[n][p, i] = g[p]
+        return ref
+
+    sdp.at(0, 0)
+    want_y = _by_hand(loop(m.y_names, 0), m.y_names, batches[0][2], S, b, sdp, [0, 1])
+    sdp.release(1)
+    want_x = _by_hand(loop(m.x_names, 1), m.x_names, batches[1][2], S, b, sdp, [0, 1], kind="noise.1")
+    sdp.at(0, 0)
+    m.local_step(objective, sample)
+    assert drawn == [(0, 0, 0), (0, 0, 1)]
+    for names, want, lr in ((m.y_names, want_y, lr_y), (m.x_names, want_x, lr_x)):
+        for n in names:
+            assert want[n].abs().max() > 1e-4, n
+            torch.testing.assert_close(m.params[n].detach(), start[n] - lr * want[n], rtol=1e-9, atol=1e-12, msg=n)
+
+
 def test_private_feddpa_releases_each_phase_on_its_own_batch_and_noise():
     """FedDPA-T under DP: phase 1 (C, D and a personal head; the global adapter in the forward detached as (1 − a)·B,
     D as a·D) and phase 2 (A, B with D = 0) are each a DP-SGD release — phase 1 on the step's "batch"/"noise"

@@ -56,6 +56,21 @@ def test_noiseless_unclipped_full_batch_dp_equals_ordinary_training(name, task):
     assert any(not torch.allclose(c[k], a[k]) for c, a in zip(_factors(clipped), _factors(plain)) for k in a)
 
 
+def test_first_order_pf2lora_noiseless_unclipped_full_batch_dp_equals_ordinary_training():
+    """PF2LoRA with hypergradient "none": q = 1, σ = 0 and an unclipping C give its ordinary first-order run (both
+    releases then see every row: the lower step's and the upper step's gradients are the full-batch ones)."""
+    data = _data(seeds=(0,))
+    spec = method_spec("pf2lora", 2, K, {"hypergradient": "none", "upper_optimizer": "sgd"})
+    kw = dict(lr=0.05, rounds=2, local_steps=2, options=spec.options, adapter=spec.adapter, lr_arg=spec.lr_arg,
+              keep_records=True)
+    plain = run_method("pf2lora", data, **kw)
+    dp = run_method("pf2lora", data, privacy=TestbedPrivacy(math.inf, 1e-5, clip_norm=1e6, batch_size=10_000), **kw)
+    for a, b in zip(_factors(plain), _factors(dp)):
+        assert a.keys() == b.keys() and any(k.endswith("lora_C") for k in a)
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], rtol=1e-9, atol=1e-11)
+
+
 @pytest.mark.parametrize("name", SWEEP_METHODS)
 def test_private_steps_train_the_methods_factors(name):
     """With noise and Poisson batches every supported method's trained factors move from the broadcast init; FFA-LoRA

@@ -9,6 +9,13 @@ paper's choice for language models, §4) or SGD (line 6 as written).
 Not in the paper: ``upper_schedule="cosine"`` decays the upper-level step to 0 over
 ``total_steps`` (App. C uses constant steps; the synthetic tuned preset uses the decay, docs/tutorials/rank-recovery.md).
 Optimizer moments and AdamW step counts are per client (``fedlora.optim.StackedAdamW``).
+
+Sample-level DP (our variant; the paper has no private runs): with ``hypergradient="none"`` (first-order: the upper
+direction is ∇_x F(x, y; ξ), no mixed term) a local step takes two gradients at (x, y), each a DP-SGD release (Abadi
+et al., CCS 2016, Alg. 1) on its own Poisson batch and noise — the lower g̃_y on the step's "batch"/"noise" streams,
+the upper g̃_x on "batch.1"/"noise.1" (``SampleDP.release``) — 2 releases per local step, both counted. The
+hypergradient modes are refused: their mixed term −α∇²_{xy}F·v differentiates through the lower level's gradient
+on a whole batch, which per-example clipping does not bound.
 """
 from __future__ import annotations
 
@@ -30,7 +37,13 @@ __all__ = ["PF2LoRA"]
 @register
 class PF2LoRA(AveragedFactors):
     name = "pf2lora"
-    sample_dp_refusal = "second-order: its upper step differentiates through the lower level's gradient (the hypergradient), which per-example clipping does not bound; no private variant is implemented"
+    #: the default (hypergradient "exact") is second-order; ``hypergradient: none`` has the private path (module doc)
+    sample_dp_refusal = ("second-order: its upper step differentiates through the lower level's gradient (the "
+                         "hypergradient), which per-example clipping does not bound; hypergradient: none (first-order) "
+                         "trains privately")
+    sample_dp_note = ("hypergradient: none (first-order): its lower and upper gradients are each a DP-SGD release, 2 "
+                      "per local step, both counted; the hypergradient modes are refused")
+    sample_dp_releases = 2
     personalised = True  # the client adapter C_k, D_k
     needs_client_adapter = True
     lr_option, optimizer_option = "upper_lr", "upper_optimizer"
@@ -65,6 +78,11 @@ class PF2LoRA(AveragedFactors):
         self.upper_lr, self.lower_lr = upper_lr, lower_lr
         self.upper_optimizer, self.weight_decay = upper_optimizer, weight_decay
         self.hypergradient, self.batches, self.fd_eps = hypergradient, batches, fd_eps
+        self.sample_dp_refusal = type(self).sample_dp_refusal_for({"hypergradient": hypergradient})
+
+    @classmethod
+    def sample_dp_refusal_for(cls, options) -> str | None:
+        return None if options.get("hypergradient", "exact") == "none" else cls.sample_dp_refusal
 
     def step_sizes(self) -> dict:
         """The upper level's (common adapter, AdamW/SGD) and the lower level's α (client adapter, SGD)."""
@@ -102,6 +120,10 @@ class PF2LoRA(AveragedFactors):
                       if self.upper_schedule == "cosine" else None)
 
     def local_step(self, objective: Objective, sample: Sampler) -> None:
+        if self.sample_dp is not None:
+            self._private_local_step(objective, sample)
+            return
+
         def F(x, y, batch):
             params = dict(zip(self.x_names, x)) | dict(zip(self.y_names, y))
             return objective(params, batch).sum()  # replicas are independent: Σ keeps gradients apart
@@ -116,6 +138,29 @@ class PF2LoRA(AveragedFactors):
         for n, g in zip(self.x_names, h):
             self.params[n].grad = g
         self.opt.step()
+        if self.sched is not None:
+            self.sched.step()
+
+    def _private_local_step(self, objective: Objective, sample: Sampler) -> None:
+        """``hypergradient: none`` under sample-level DP (module doc): y ← y − α·g̃_y on release 0's batch, x along
+        g̃_x on release 1's, both taken at the step's (x, y) as ``bilevel_direction``'s "none" mode takes them."""
+        from ..privacy.dpsgd import private_gradients
+
+        sdp = self.sample_dp
+        inner = sample()  # the runtime positioned this step's draws: release 0
+        g_y = private_gradients(sdp, self.model, lambda: objective(self.params, inner), self.y_names,
+                                self.replica_clients)
+        sdp.release(1)
+        outer = sample()
+        g_x = private_gradients(sdp, self.model, lambda: objective(self.params, outer), self.x_names,
+                                self.replica_clients)
+        with torch.no_grad():
+            for n in self.y_names:
+                self.params[n].sub_(self.lower_lr * self.lr_factor * g_y[n])
+        for n in self.x_names:
+            self.params[n].grad = g_x[n]
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
         if self.sched is not None:
             self.sched.step()
 
