@@ -55,7 +55,7 @@ from fedlora.state import record_nbytes
 
 from .config import RunConfig, group_configs
 from .driver import Driver, claim_run_folder, run_to_end
-from .privacy import describe_plan, dry_run_plan, privacy_plan, privacy_summary
+from .privacy import describe_plan, dry_run_plan, privacy_plan, privacy_summary, sample_dp_of
 from .runtime import RUNTIMES, FederatedRun, dry_run_sizes_and_steps
 from .slots import SlotExecutor
 
@@ -209,13 +209,8 @@ class HeteroRun:
         # one plan over all K clients, as a homogeneous run's (the groups' configs carry none: group_configs)
         self.privacy_plan = privacy_plan(cfg, K, self.sizes, steps)  # None: privacy off
         if self.privacy_plan is not None and self.privacy_plan.level == "sample":
-            from fedlora.privacy.dpsgd import SampleDP
-
             for (ids, _), run in zip(self.specs, self.groups):  # DP-SGD in each group's passes, the run's one plan
-                sdp = SampleDP(float(cfg.privacy.clip_norm), self.privacy_plan.noise_multiplier,
-                               {i: self.privacy_plan.sample_rates[k] for i, k in enumerate(ids)}, seed=int(cfg.seed))
-                sdp.set_stream_ids(dict(enumerate(ids)))  # keyed by run-wide ids: no two clients share a stream
-                run.slots.set_sample_dp(sdp)
+                run.slots.set_sample_dp(sample_dp_of(cfg, self.privacy_plan, ids))
         self.federation = Federation(n_groups=1, n_clients=K, client_weights=self.sizes,
                                      sample_fraction=fc.sample_fraction, sample_seed=cfg.seed)
         #: the executor in this process: one slot executor per group

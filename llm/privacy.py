@@ -87,13 +87,20 @@ def _check_first_round(plan: PrivacyPlan, participants: Sequence[int], n_clients
                           f"or privacy.noise_multiplier")
 
 
-def sample_dp_of(cfg: RunConfig, plan: PrivacyPlan | None):
-    """The slot executor's DP-SGD settings (``fedlora.privacy.dpsgd.SampleDP``) of a sample-level plan, else None."""
+def sample_dp_of(cfg: RunConfig, plan: PrivacyPlan | None, clients: Sequence[int] | None = None):
+    """The slot executor's DP-SGD settings (``fedlora.privacy.dpsgd.SampleDP``) of a sample-level plan, else None.
+    ``clients``: the run-wide ids of an executor's own clients 0..K_g−1 (a group of heterogeneous client models):
+    each gets its id's rate, and its streams are keyed by that id (no two clients of the run share one)."""
     if plan is None or plan.level != "sample":
         return None
     from fedlora.privacy.dpsgd import SampleDP
 
-    return SampleDP(float(cfg.privacy.clip_norm), plan.noise_multiplier, list(plan.sample_rates), seed=int(cfg.seed))
+    clip, sigma, seed = float(cfg.privacy.clip_norm), plan.noise_multiplier, int(cfg.seed)
+    if clients is None:
+        return SampleDP(clip, sigma, list(plan.sample_rates), seed=seed)
+    sdp = SampleDP(clip, sigma, {i: plan.sample_rates[k] for i, k in enumerate(clients)}, seed=seed)
+    sdp.set_stream_ids(dict(enumerate(clients)))
+    return sdp
 
 
 def client_references(record: Mapping[str, torch.Tensor], names: Sequence[str]) -> dict[str, torch.Tensor]:
