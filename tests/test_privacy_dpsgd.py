@@ -472,30 +472,72 @@ def test_per_sample_grads_of_a_trilora_middle_equal_a_loop_float64():
     assert not per["l1.lora_R"][off.expand_as(per["l1.lora_R"])].any()
 
 
+class _TwoReleases:
+    """What a unit test of a two-release private step needs (S = 2 slots of b = 4 rows, float64): each release's
+    Poisson batch (x, y, mask), some rows padding; ``sample`` returns the batch of the release ``sdp`` is positioned
+    at and records (round, step, release) of each draw in ``drawn``; ``objective``: per slot the SUM of its real rows'
+    cross-entropy of a functional call of ``model``; ``per_example``: each example's gradient by its own backward."""
+
+    S, b = 2, 4
+    MASKS = {0: [1, 1, 0, 1, 1, 1, 1, 0], 1: [1, 0, 1, 1, 1, 1, 1, 1]}
+
+    def __init__(self, model, sdp):
+        self.model, self.sdp, self.drawn = model, sdp, []
+        self.batches = {p: (*_data(self.S, self.b, seed=3 + p), torch.tensor(self.MASKS[p], dtype=F64)) for p in (0, 1)}
+
+    def sample(self):
+        self.drawn.append((self.sdp.round, self.sdp.step, self.sdp.part))
+        return self.batches[self.sdp.part]
+
+    def logits(self, params, x):
+        from torch.func import functional_call
+
+        return functional_call(self.model, dict(params), (x,))
+
+    def objective(self, params, batch):
+        x, y, mask = batch
+        ce = F.cross_entropy(self.logits(params, x), y, reduction="none")
+        return torch.where(mask.bool(), ce, torch.zeros((), dtype=ce.dtype)).view(self.S, -1).sum(1)
+
+    def per_example(self, start, names, part, loss=None):
+        """name → (S, b, …): the gradient of each example's own loss w.r.t. copies of ``start[n]`` (n in ``names``),
+        on release ``part``'s batch; ``loss(leaves, one)`` → (S,) (default: ``objective`` at {**start, **leaves})."""
+        S, b = self.S, self.b
+        x, y, _ = self.batches[part]
+        loss = loss or (lambda lv, one: self.objective({**start, **lv}, (x, y, one)))
+        leaves = {n: start[n].clone().requires_grad_(True) for n in names}
+        ref = {n: torch.zeros(S, b, *t.shape[1:], dtype=F64) for n, t in leaves.items()}
+        for p in range(S):
+            for i in range(b):
+                one = torch.zeros(S * b, dtype=F64)
+                one[p * b + i] = 1
+                for n, g in zip(names, torch.autograd.grad(loss(leaves, one).sum(), list(leaves.values()))):
+                    ref[n][p, i] = g[p]
+        return ref
+
+    def by_hand(self, ref, names, part):
+        """DP-SGD's gradient of release ``part`` from per-example gradients (``_by_hand``, its noise stream)."""
+        return _by_hand(ref, names, self.batches[part][2], self.S, self.b, self.sdp, [0, 1],
+                        kind="noise" if part == 0 else f"noise.{part}")
+
+
 def test_private_h2tune_releases_each_step_on_its_own_batch_and_noise():
     """H²Tune under DP, one local step (SGD): step (1) on release 0's batch and noise — R, Φ move by the clipped,
     noised task gradient on their support plus eq. 6's exact KL gradient, Ω by that KL alone — then step (2) on
     release 1's batch and noise — A, B and the head by the DP-SGD gradient of CE + sign·KL(y″‖y′) per example, y′
     the output BEFORE step (1) on step (2)'s batch, plus the exact ν·(A, B) — all equal to loops over single
     examples, clipped, noised and divided by hand."""
-    from torch.func import functional_call
-
     from fedlora.methods.h2tune import H2Tune
 
-    S, b, r, lr, lr2, nu = 2, 4, 2, 0.3, 0.2, 0.05
-    model = _tiny(S, r=r, middle=True)
-
-    def logits(params, x):
-        return functional_call(model, dict(params), (x,))
+    r, lr, lr2, nu = 2, 0.3, 0.2, 0.05
+    model = _tiny(2, r=r, middle=True)
+    sdp = SampleDP(0.7, 0.5, 0.4, seed=9)
+    t = _TwoReleases(model, sdp)
+    S, b = t.S, t.b
 
     def output_fn(params, batch):
         x, _, mask = batch
-        return logits(params, x).view(S, b, -1), mask.view(S, b)
-
-    def objective(params, batch):
-        x, y, mask = batch
-        ce = F.cross_entropy(logits(params, x), y, reduction="none")
-        return torch.where(mask.bool(), ce, torch.zeros((), dtype=ce.dtype)).view(S, -1).sum(1)
+        return t.logits(params, x).view(S, b, -1), mask.view(S, b)
 
     m = H2Tune(rank=r, lr=lr, shared_lr=lr2, nu=nu, densities=[0.75, 0.5], output_fn=output_fn, optimizer="sgd")
     m.setup(model, [0, 1], n_clients=2)
@@ -503,43 +545,19 @@ def test_private_h2tune_releases_each_step_on_its_own_batch_and_noise():
     with torch.no_grad():
         for n in m._leaf_names("lora_R"):
             m.params[n].add_(torch.randn(m.params[n].shape, generator=g, dtype=F64) * 0.5)  # KL(R ‖ R_g) ≠ 0
-    sdp = SampleDP(0.7, 0.5, 0.4, seed=9)
     sdp.set_client_sizes({0: 10, 1: 10})
     m.set_sample_dp(sdp)
     assert m.sample_dp_releases == 2
     m.begin_round(0)  # the supports
-    batches = {0: (*_data(S, b, seed=3), torch.tensor([1, 1, 0, 1, 1, 0, 1, 1], dtype=F64)),
-               1: (*_data(S, b, seed=4), torch.tensor([1, 0, 1, 1, 1, 1, 1, 0], dtype=F64))}
-    drawn = []
-
-    def sample():
-        drawn.append((sdp.round, sdp.step, sdp.part))
-        return batches[sdp.part]
-
-    old = {n: t.detach().clone() for n, t in m.params.items()}
+    old = {n: t_.detach().clone() for n, t_ in m.params.items()}
     omega0 = m.omega.detach().clone()
     Rn, Pn = m._leaf_names("lora_R"), m._leaf_names("lora_Phi")
     support = {n: m._mask(n[: -len(".lora_R")]).bool() for n in Rn}
     support.update({p: support[r_] for r_, p in zip(Rn, Pn)})
-
-    def per_example(names, loss_i, part):  # name → (S, b, …): each example's gradient, one backward each
-        leaves = {n: old[n].clone().requires_grad_(True) for n in names}
-        ref = {n: torch.zeros(S, b, *t.shape[1:], dtype=F64) for n, t in leaves.items()}
-        for p in range(S):
-            for i in range(b):
-                one = torch.zeros(S * b, dtype=F64)
-                one[p * b + i] = 1
-                for n, gr in zip(names, torch.autograd.grad(loss_i(leaves, one).sum(), list(leaves.values()))):
-                    ref[n][p, i] = gr[p]
-        return ref
-
     # step (1): release 0
     sdp.at(0, 0)
-    x1, y1, mask1 = batches[0]
-    ref1 = per_example(Rn + Pn, lambda lv, one: objective({**old, **lv}, (x1, y1, one)), 0)
-    want1 = _by_hand(ref1, Rn + Pn, mask1, S, b, sdp, [0, 1])
-    kl_leaves = [m.params[n] for n in Rn] + [m.omega]
-    kl_grads = torch.autograd.grad(m.kl_shared().sum(), kl_leaves)
+    want1 = t.by_hand(t.per_example(old, Rn + Pn, 0), Rn + Pn, 0)
+    kl_grads = torch.autograd.grad(m.kl_shared().sum(), [m.params[n] for n in Rn] + [m.omega])
     after1 = {}
     for n in Rn + Pn:
         grad = want1[n] + (kl_grads[Rn.index(n)] if n in Rn else 0)
@@ -547,22 +565,21 @@ def test_private_h2tune_releases_each_step_on_its_own_batch_and_noise():
     omega1 = (omega0 - lr2 * kl_grads[-1] * m.layer_mask[:, :, None]) * m.layer_mask[:, :, None]
     # step (2): release 1, y′ before step (1) on its batch
     sdp.release(1)
-    x2, y2, mask2 = batches[1]
-    y_prime = logits(old, x2).view(S, b, -1).detach()
+    x2, y2, _ = t.batches[1]
+    y_prime = t.logits(old, x2).view(S, b, -1).detach()
     AB = m._leaf_names("lora_A") + m._leaf_names("lora_B")
     names2 = AB + list(m.head_names())
     assert m.head_names()
 
     def loss2(lv, one):
         params = {**old, **after1, **lv}
-        kl = output_kl(logits(params, x2).view(S, b, -1), y_prime, one.view(S, b), "examples")
-        return objective(params, (x2, y2, one)) - kl  # disentangle_sign "paper": −KL
+        kl = output_kl(t.logits(params, x2).view(S, b, -1), y_prime, one.view(S, b), "examples")
+        return t.objective(params, (x2, y2, one)) - kl  # disentangle_sign "paper": −KL
 
-    ref2 = per_example(names2, loss2, 1)
-    want2 = _by_hand(ref2, names2, mask2, S, b, sdp, [0, 1], kind="noise.1")
+    want2 = t.by_hand(t.per_example(old, names2, 1, loss2), names2, 1)
     sdp.release(0)
-    m.local_step(objective, sample)
-    assert drawn == [(0, 0, 0), (0, 0, 1)]
+    m.local_step(t.objective, t.sample)
+    assert t.drawn == [(0, 0, 0), (0, 0, 1)]
     for n in Rn + Pn:
         assert not torch.equal(after1[n], old[n]), n
         torch.testing.assert_close(m.params[n].detach(), after1[n], rtol=1e-9, atol=1e-12, msg=n)
@@ -577,13 +594,11 @@ def test_private_lora_a2_selects_ranks_from_its_released_probe_and_trains_masked
     noised gradient — the ranks are chosen (eq. 4) from that RELEASED delta, the restart goes back to B⁰, and the
     masked step is release 1 on its own batch and noise, masked to the chosen ranks (eq. 6) — all equal to loops over
     single examples, clipped, noised and divided by hand; probe_steps set is refused (its releases per step)."""
-    from torch.func import functional_call
-
     from fedlora.aggmath.lora_a2 import importance_scores, select_ranks
     from fedlora.methods.lora_a2 import LoRAA2
 
-    S, b, r, lr, ratio = 2, 4, 4, 0.1, 5.0
-    model = _tiny(S, r=r)
+    r, lr, ratio = 4, 0.1, 5.0
+    model = _tiny(2, r=r)
     m = LoRAA2(rank=r, lr=lr, lr_ratio=ratio, client_rank=1, optimizer="sgd")
     m.setup(model, [0, 1], n_clients=2)
     sdp = SampleDP(0.6, 0.8, 0.4, seed=13)
@@ -592,47 +607,22 @@ def test_private_lora_a2_selects_ranks_from_its_released_probe_and_trains_masked
     assert m.sample_dp_releases == 2
     with pytest.raises(ConfigError, match="probe_steps set"):
         LoRAA2(rank=r, probe_steps=2).set_sample_dp(sdp)
-    batches = {0: (*_data(S, b, seed=3), torch.tensor([1, 1, 0, 1, 1, 1, 1, 0], dtype=F64)),
-               1: (*_data(S, b, seed=4), torch.tensor([1, 0, 1, 1, 1, 1, 1, 1], dtype=F64))}
-    drawn = []
-
-    def sample():
-        drawn.append((sdp.round, sdp.step, sdp.part))
-        return batches[sdp.part]
-
-    def objective(params, batch):
-        x, y, mask = batch
-        ce = F.cross_entropy(functional_call(model, dict(params), (x,)), y, reduction="none")
-        return torch.where(mask.bool(), ce, torch.zeros((), dtype=ce.dtype)).view(S, -1).sum(1)
-
+    t = _TwoReleases(model, sdp)
+    S, b = t.S, t.b
     Bn = [n for n in m.params if n.endswith("lora_B")]
     An = [n[: -len("lora_B")] + "lora_A" for n in Bn]
-    start = {n: t.detach().clone() for n, t in m.params.items()}
-
-    def loop(part):  # per-example gradients of B at the round's start on release ``part``'s batch
-        leaves = {n: start[n].clone().requires_grad_(True) for n in Bn}
-        ref = {n: torch.zeros(S, b, *t.shape[1:], dtype=F64) for n, t in leaves.items()}
-        x, y, _ = batches[part]
-        for p in range(S):
-            for i in range(b):
-                one = torch.zeros(S * b, dtype=F64)
-                one[p * b + i] = 1
-                for n, g in zip(Bn, torch.autograd.grad(objective({**start, **leaves}, (x, y, one)).sum(),
-                                                        list(leaves.values()))):
-                    ref[n][p, i] = g[p]
-        return ref
-
+    start = {n: t_.detach().clone() for n, t_ in m.params.items()}
     m.begin_round(0)  # round 0 trains B
     sdp.at(0, 0)
-    per0 = loop(0)
-    probe = _by_hand(per0, Bn, batches[0][2], S, b, sdp, [0, 1])
-    plain = {n: (per0[n] * batches[0][2].view(S, b, 1, 1)).sum(1) for n in Bn}  # the data's own gradient, unreleased
+    per0 = t.per_example(start, Bn, 0)
+    probe = t.by_hand(per0, Bn, 0)
+    plain = {n: (per0[n] * t.batches[0][2].view(S, b, 1, 1)).sum(1) for n in Bn}  # the data's own gradient, unreleased
     sdp.release(1)
-    masked = _by_hand(loop(1), Bn, batches[1][2], S, b, sdp, [0, 1], kind="noise.1")
+    masked = t.by_hand(t.per_example(start, Bn, 1), Bn, 1)
     sdp.at(0, 0)
-    m.local_step(objective, sample)
+    m.local_step(t.objective, t.sample)
     m.end_round(0)
-    assert drawn == [(0, 0, 0), (0, 0, 1)]
+    assert t.drawn == [(0, 0, 0), (0, 0, 1)]
     differs = []
     for i in range(S):  # the ranks chosen from the released probe delta: budget r_k = 1 × N = 2 modules
         deltas = {n: -lr * ratio * probe[n][i] for n in Bn}
@@ -655,12 +645,10 @@ def test_private_first_order_pf2lora_releases_its_lower_and_upper_gradients_on_t
     """PF2LoRA with hypergradient "none" under DP (SGD): the client adapter y = (C, D) steps by release 0's clipped,
     noised gradient, the common adapter x = (A, B) by release 1's, both taken at the step's (x, y) — equal to loops
     over single examples, clipped, noised and divided by hand; the hypergradient modes stay refused in one line."""
-    from torch.func import functional_call
-
     from fedlora.methods.pf2lora import PF2LoRA
 
-    S, b, lr_x, lr_y = 2, 4, 0.1, 0.2
-    model = _tiny(S, r=2, client_rank=1)
+    lr_x, lr_y = 0.1, 0.2
+    model = _tiny(2, r=2, client_rank=1)
     m = PF2LoRA(rank=2, client_rank=1, hypergradient="none", upper_optimizer="sgd", upper_lr=lr_x, lower_lr=lr_y)
     m.bind(model, [0, 1], n_clients=2)
     sdp = SampleDP(0.5, 0.7, 0.4, seed=17)
@@ -671,42 +659,16 @@ def test_private_first_order_pf2lora_releases_its_lower_and_upper_gradients_on_t
         with pytest.raises(ConfigError, match=r"^pf2lora: sample-level DP is not supported: second-order.*"
                                               r"hypergradient: none"):
             PF2LoRA(hypergradient=mode).set_sample_dp(sdp)
-    batches = {0: (*_data(S, b, seed=3), torch.tensor([1, 1, 0, 1, 1, 1, 1, 0], dtype=F64)),
-               1: (*_data(S, b, seed=4), torch.tensor([1, 0, 1, 1, 1, 1, 1, 1], dtype=F64))}
-    drawn = []
-
-    def sample():
-        drawn.append((sdp.round, sdp.step, sdp.part))
-        return batches[sdp.part]
-
-    def objective(params, batch):
-        x, y, mask = batch
-        ce = F.cross_entropy(functional_call(model, dict(params), (x,)), y, reduction="none")
-        return torch.where(mask.bool(), ce, torch.zeros((), dtype=ce.dtype)).view(S, -1).sum(1)
-
-    start = {n: t.detach().clone() for n, t in m.params.items()}
+    t = _TwoReleases(model, sdp)
+    start = {n: t_.detach().clone() for n, t_ in m.params.items()}
     assert any(n.endswith("lora_C") for n in m.y_names) and any(n.endswith("lora_A") for n in m.x_names)
-
-    def loop(names, part):  # per-example gradients at the step's (x, y) on release ``part``'s batch
-        leaves = {n: start[n].clone().requires_grad_(True) for n in names}
-        ref = {n: torch.zeros(S, b, *t.shape[1:], dtype=F64) for n, t in leaves.items()}
-        x, y, _ = batches[part]
-        for p in range(S):
-            for i in range(b):
-                one = torch.zeros(S * b, dtype=F64)
-                one[p * b + i] = 1
-                for n, g in zip(names, torch.autograd.grad(objective({**start, **leaves}, (x, y, one)).sum(),
-                                                           list(leaves.values()))):
-                    ref[n][p, i] = g[p]
-        return ref
-
-    sdp.at(0, 0)
-    want_y = _by_hand(loop(m.y_names, 0), m.y_names, batches[0][2], S, b, sdp, [0, 1])
+    sdp.at(0, 0)  # both gradients at the step's (x, y): the lower on release 0's batch, the upper on release 1's
+    want_y = t.by_hand(t.per_example(start, m.y_names, 0), m.y_names, 0)
     sdp.release(1)
-    want_x = _by_hand(loop(m.x_names, 1), m.x_names, batches[1][2], S, b, sdp, [0, 1], kind="noise.1")
+    want_x = t.by_hand(t.per_example(start, m.x_names, 1), m.x_names, 1)
     sdp.at(0, 0)
-    m.local_step(objective, sample)
-    assert drawn == [(0, 0, 0), (0, 0, 1)]
+    m.local_step(t.objective, t.sample)
+    assert t.drawn == [(0, 0, 0), (0, 0, 1)]
     for names, want, lr in ((m.y_names, want_y, lr_y), (m.x_names, want_x, lr_x)):
         for n in names:
             assert want[n].abs().max() > 1e-4, n
@@ -718,64 +680,44 @@ def test_private_feddpa_releases_each_phase_on_its_own_batch_and_noise():
     D as a·D) and phase 2 (A, B with D = 0) are each a DP-SGD release — phase 1 on the step's "batch"/"noise"
     streams, phase 2 on "batch.1"/"noise.1" of the same step — equal to the per-example loop over the real
     parameters, clipped, noised and divided by hand (SGD); the plan counts 2 releases per step, FedDPA-F 1."""
-    from torch.func import functional_call
-
     from fedlora.methods.feddpa import FedDPA
 
-    S, b, lr, a = 2, 4, 0.2, 0.3
-    model = _tiny(S, client_rank=2)
+    lr, a = 0.2, 0.3
+    model = _tiny(2, client_rank=2)
     m = FedDPA(rank=2, lr=lr, optimizer="sgd", local_weight=a)
     m.bind(model, [0, 1], n_clients=2)
     sdp = SampleDP(0.5, 0.6, 0.4, seed=7)
     sdp.set_client_sizes({0: 10, 1: 10})
     m.set_sample_dp(sdp)
     assert (m.sample_dp_releases, FedDPA(variant="F").sample_dp_releases) == (2, 1)
-    xs = {0: _data(S, b, seed=3), 1: _data(S, b, seed=4)}  # each release's batch (the executor's Poisson draw)
-    masks = {0: torch.tensor([1, 1, 0, 1, 1, 1, 1, 0], dtype=F64), 1: torch.tensor([1, 0, 0, 0, 1, 1, 1, 1], dtype=F64)}
-    drawn = []
-
-    def sample():
-        drawn.append((sdp.round, sdp.step, sdp.part))
-        return (*xs[sdp.part], masks[sdp.part])
-
-    def objective(params, batch):
-        x, y, mask = batch
-        ce = F.cross_entropy(functional_call(model, dict(params), (x,)), y, reduction="none")
-        return torch.where(mask.bool(), ce, torch.zeros((), dtype=ce.dtype)).view(S, -1).sum(1)
-
-    def loop(names, forward_params):  # name → (S, b, …): each example's gradient w.r.t. the real parameters
-        leaves = {n: m.params[n].detach().clone().requires_grad_(True) for n in names}
-        ref = {n: torch.zeros(S, b, *t.shape[1:], dtype=F64) for n, t in leaves.items()}
-        for p in range(S):
-            for i in range(b):
-                one = torch.zeros(S * b, dtype=F64)
-                one[p * b + i] = 1
-                part = sdp.part
-                gs = torch.autograd.grad(objective(forward_params(leaves), (*xs[part], one)).sum(), list(leaves.values()))
-                for n, gr in zip(names, gs):
-                    ref[n][p, i] = gr[p]
-        return ref
-
-    frozen = {n: t.detach().clone() for n, t in m.params.items()}
+    t = _TwoReleases(model, sdp)
+    frozen = {n: t_.detach().clone() for n, t_ in m.params.items()}
     local, glob = m.local_names, m.global_names  # the head: shared (phase 2) or personal (phase 1)
     assert set(local) | set(glob) == set(m.params) and m.heads and not set(local) & set(glob)
+
+    def forward(params, part):  # the loss of an example mask ``one`` with the forward's parameters ``params(leaves)``
+        x, y, _ = t.batches[part]
+        return lambda lv, one: t.objective(params(lv), (x, y, one))
 
     def phase1(leaves):
         return {**frozen, **{n: (1 - a) * frozen[n] for n in m.b_names}, **leaves,
                 **{n: a * leaves[n] for n in m.d_names}}
 
     sdp.at(0, 0)
-    want1 = _by_hand(loop(local, phase1), local, masks[0], S, b, sdp, [0, 1])
+    want1 = t.by_hand(t.per_example(frozen, local, 0, forward(phase1, 0)), local, 0)
     m.begin_round(0)
-    m.local_step(objective, sample)
+    m.local_step(t.objective, t.sample)
     for n in local:
         torch.testing.assert_close(m.params[n].detach(), frozen[n] - lr * want1[n], rtol=1e-9, atol=1e-12, msg=n)
-    frozen = {n: t.detach().clone() for n, t in m.params.items()}
+    frozen = {n: t_.detach().clone() for n, t_ in m.params.items()}
     sdp.release(1)
-    want2 = _by_hand(loop(glob, lambda leaves: {**frozen, **{n: torch.zeros_like(frozen[n]) for n in m.d_names},
-                                                  **leaves}), glob, masks[1], S, b, sdp, [0, 1], kind="noise.1")
+
+    def phase2(leaves):
+        return {**frozen, **{n: torch.zeros_like(frozen[n]) for n in m.d_names}, **leaves}
+
+    want2 = t.by_hand(t.per_example(frozen, glob, 1, forward(phase2, 1)), glob, 1)
     m.end_round(0)
-    assert drawn == [(0, 0, 0), (0, 0, 1)]
+    assert t.drawn == [(0, 0, 0), (0, 0, 1)]
     for n in glob:
         assert want2[n].abs().max() > 1e-4, n
         torch.testing.assert_close(m.params[n].detach(), frozen[n] - lr * want2[n], rtol=1e-9, atol=1e-12, msg=n)
