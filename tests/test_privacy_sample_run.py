@@ -74,10 +74,11 @@ def test_private_perfedavg_and_feddpa_plan_their_releases_per_local_step():
                                       for q, t in zip(pf.sample_rates, steps)) > fa.noise_multiplier
     assert describe_plan(pf)["releases_per_step"] == 2 and "releases_per_step" not in describe_plan(fa)
     for variant, releases in (("T", 2), ("F", 1)):  # FedDPA-T's two phases per step; FedDPA-F's rounds: one
-        dpa = privacy_plan(load_config("tiny-smoke", ["method.name=feddpa", f"method.options.variant={variant}",
-                                                      *sets]), 3, sizes, steps)
+        dpa = privacy_plan(load_config("tiny-smoke", ["method.name=feddpa", f"method.options.variant={variant}", *sets,
+                                                      "privacy.target_epsilon=null", "privacy.noise_multiplier=1.0"]),
+                           3, sizes, steps)  # σ given: the calibration above is Per-FedAvg's, seconds per plan
         assert dpa.releases_per_step == releases
-        assert dpa.participation([1], 3) == {"1": (dpa.sample_rates[1], dpa.noise_multiplier, releases * steps[1])}
+        assert dpa.participation([1], 3) == {"1": (dpa.sample_rates[1], 1.0, releases * steps[1])}
     with pytest.raises(ConfigError, match="sample-level DP does not apply to perfedavg: variant 'hessian-free'"):
         load_config("tiny-smoke", ["method.name=perfedavg", "method.options.variant=hessian-free", *sets])
 
