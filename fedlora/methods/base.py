@@ -321,16 +321,17 @@ class Method(abc.ABC):
             raise ConfigError(f"{self.name}: sample-level DP is not supported: {self.sample_dp_refusal}")
         self.sample_dp = sample_dp
 
-    def private_grads(self, objective: Objective, batch: Any, names: Sequence[str]) -> dict[str, torch.Tensor]:
-        """DP-SGD's gradient (Abadi et al., CCS 2016, Alg. 1) of the parameters ``names`` on one Poisson ``batch``:
-        name → (G, *shape) = (Σᵢ clip_C(gᵢ) + N(0, σ²C²)) / (q·n_k) per replica, from the attached ``sample_dp``
-        (``fedlora.privacy.dpsgd.private_gradients``). ``objective(params, batch)`` must give each replica the SUM
-        of its real examples' losses (the slot executor's Poisson batches do). A data-independent term of a method's
-        loss (a regulariser of the parameters alone) is not part of it: its exact gradient is added by the caller."""
+    def private_grads(self, losses: Callable[[], torch.Tensor], names: Sequence[str],
+                      transform: Callable[[dict], dict] | None = None) -> dict[str, torch.Tensor]:
+        """DP-SGD's gradient (Abadi et al., CCS 2016, Alg. 1) of the parameters ``names``: name → (G, *shape) =
+        (Σᵢ clip_C(gᵢ) + N(0, σ²C²)) / (q·n_k) per replica, from the attached ``sample_dp`` at its current release
+        (``fedlora.privacy.dpsgd.private_gradients``; ``transform`` as there). ``losses()`` runs the forward on one
+        Poisson batch and gives each replica the SUM of its real examples' losses (the objective does on the slot
+        executor's Poisson batches). A data-independent term of a method's loss (a regulariser of the parameters
+        alone) is not part of it: its exact gradient is added by the caller."""
         from ..privacy.dpsgd import private_gradients
 
-        return private_gradients(self.sample_dp, self.model, lambda: objective(self.params, batch), names,
-                                 self.replica_clients)
+        return private_gradients(self.sample_dp, self.model, losses, names, self.replica_clients, transform=transform)
 
     def setup(self, model: nn.Module, replica_clients: Sequence[int], n_clients: int | None = None) -> None:
         """Bind to ``model`` and put the protocol's initial state on every replica: ``bind`` then

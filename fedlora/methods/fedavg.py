@@ -100,7 +100,8 @@ class FactorLoRA(AveragedFactors):
         batches do). The optimizer step is the same."""
         self.opt.zero_grad(set_to_none=True)
         if self.sample_dp is not None:
-            private = self.private_grads(objective, sample(), names)
+            batch = sample()
+            private = self.private_grads(lambda: objective(self.params, batch), names)
             for n in names:
                 self.params[n].grad = private[n]
             self.opt.step()

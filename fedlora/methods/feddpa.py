@@ -220,12 +220,9 @@ class FedDPA(FactorLoRA):
         params = {**self.params, **fixed}
         self.opt.zero_grad(set_to_none=True)
         if self.sample_dp is not None:  # DP-SGD: per-example gradients clipped jointly, noised, / q·n_k
-            from ..privacy.dpsgd import private_gradients
-
             batch, d_names = sample(), set(self.d_names)
-            private = private_gradients(
-                self.sample_dp, self.model, lambda: objective(params, batch), trained, self.replica_clients,
-                transform=lambda per: {n: t * d_weight if n in d_names else t for n, t in per.items()})
+            private = self.private_grads(lambda: objective(params, batch), trained,
+                                         lambda per: {n: t * d_weight if n in d_names else t for n, t in per.items()})
             grads = [private[n] for n in trained]
         else:
             loss = objective(params, sample()).sum()  # replicas are independent: Σ keeps gradients apart
@@ -275,8 +272,7 @@ class FedDPA(FactorLoRA):
             fixed = self._phase2_fixed()
             for j in range(self._n_local):
                 if self.sample_dp is not None:  # its own Poisson batch and noise: release 1 of local step j
-                    self.sample_dp.at(round_idx, j)
-                    self.sample_dp.release(1)
+                    self.sample_dp.at(round_idx, j, release=1)
                 self._step(self._objective, self._sample, self.global_names, fixed)
         self._objective = self._sample = None  # do not keep the caller's data alive
 

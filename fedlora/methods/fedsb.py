@@ -219,14 +219,11 @@ class FedSB(FactorLoRA):
         with a trained head's, summed, noised, / q·n_k (``fedlora.privacy.dpsgd.private_gradients``)."""
         if self.sample_dp is None:
             return torch.autograd.grad(objective(P, batch).sum(), trained)
-        from ..privacy.dpsgd import private_gradients
-
         def to_r(per: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             d_r = torch.stack([torch.einsum("sor,snoq->snrq", self.frozen_B[b], per.pop(b)) for b in self.b_names], 2)
             return {"R": d_r, **per}
 
-        grads = private_gradients(self.sample_dp, self.model, lambda: objective(P, batch), self.b_names + self.heads,
-                                  self.replica_clients, transform=to_r)
+        grads = self.private_grads(lambda: objective(P, batch), self.b_names + self.heads, to_r)
         return [grads["R"]] + [grads[n] for n in self.heads]
 
     # communication ------------------------------------------------------------------------------

@@ -141,7 +141,8 @@ class FlexLoRA(Method):
         (masked) before the step, so the optimizer's moments of those slots stay 0 as without DP."""
         names = [n for _, a, b, _ in self.layers for n in (a, b)] + self.head_names()
         if self.sample_dp is not None:
-            grads = self.private_grads(objective, sample(), names)
+            batch = sample()
+            grads = self.private_grads(lambda: objective(self.params, batch), names)
             self.rank_slots.apply(grads, self._pairs())
             self.opt.zero_grad(set_to_none=True)
             for n in names:

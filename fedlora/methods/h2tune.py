@@ -470,11 +470,8 @@ class H2Tune(Method):
                 loss = loss + self.kl_weight * self.kl_shared().sum()
             grads = torch.autograd.grad(loss, tensors, allow_unused=True)
         else:
-            from ..privacy.dpsgd import private_gradients
-
             names = self._leaf_names("lora_R") + self._leaf_names("lora_Phi")
-            private = private_gradients(self.sample_dp, self.model, lambda: objective(P, batch), names,
-                                        self.replica_clients)
+            private = self.private_grads(lambda: objective(P, batch), names)
             grads = [private[n] for n in names] + [None]
             if self.kl_weight:
                 exact = torch.autograd.grad(self.kl_weight * self.kl_shared().sum(), tensors, allow_unused=True)
@@ -520,10 +517,8 @@ class H2Tune(Method):
             return 0.5 * self.nu * sum((x ** 2).reshape(x.shape[0], -1).sum(-1) for x in AB)
 
         if private:
-            from ..privacy.dpsgd import private_gradients
-
             names = self._leaf_names("lora_A") + self._leaf_names("lora_B") + list(self.head_names())
-            got = private_gradients(self.sample_dp, self.model, task_and_kl, names, self.replica_clients)
+            got = self.private_grads(task_and_kl, names)
             grads = [got[n] for n in names]
             if self.nu:
                 grads = [g + e for g, e in zip(grads, torch.autograd.grad(ridge().sum(), AB))] + grads[len(AB):]

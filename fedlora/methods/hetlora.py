@@ -147,7 +147,8 @@ class HetLoRA(Method):
         factors = [n for ab in self.pairs for n in ab]
         names = factors + self.heads
         if self.sample_dp is not None:
-            grads = self.private_grads(objective, sample(), names)
+            batch = sample()
+            grads = self.private_grads(lambda: objective(self.params, batch), names)
             if self.penalty:
                 pen = torch.autograd.grad(self.penalty * self.tail_norm().sum(), [self.params[n] for n in factors])
                 for n, g in zip(factors, pen):

@@ -251,11 +251,8 @@ class LoRAA2(Method):
         params = {n: self.params[n] for n in trained} | {n: self.params[n].detach() for n in frozen}
         self.opt.zero_grad(set_to_none=True)
         if self.sample_dp is not None:
-            from ..privacy.dpsgd import private_gradients
-
             batch = sample()
-            private = private_gradients(self.sample_dp, self.model, lambda: objective(params, batch), trained,
-                                        self.replica_clients)
+            private = self.private_grads(lambda: objective(params, batch), trained)
             for n in trained:
                 self.params[n].grad = private[n]
         else:
@@ -307,8 +304,7 @@ class LoRAA2(Method):
             self._select_and_restart()
             for j in range(self._n_probe):
                 if self.sample_dp is not None:  # its own Poisson batch and noise: release 1 of local step j
-                    self.sample_dp.at(round_idx, j)
-                    self.sample_dp.release(1)
+                    self.sample_dp.at(round_idx, j, release=1)
                 self._step(self._objective, self._sample, masked=True)
             self._objective = self._sample = None  # do not keep the caller's data alive
         # the round's moments die with it (begin_round starts afresh): a client's record carries none, so

@@ -154,12 +154,9 @@ class PerFedAvgLoRA(AveragedFactors):
         """DP-SGD's gradient at ``x`` on ``batch`` (``fedlora.privacy.dpsgd.private_gradients``: per-example
         gradients clipped jointly to C, summed, noised from each client's stream, / q·n_k), aligned with
         ``x_names``."""
-        from ..privacy.dpsgd import private_gradients
-
         with torch.enable_grad():
             xs = dict(zip(self.x_names, (t.detach().requires_grad_(True) for t in x)))
-            got = private_gradients(self.sample_dp, self.model, lambda: objective(xs, batch), self.x_names,
-                                    self.replica_clients)
+            got = self.private_grads(lambda: objective(xs, batch), self.x_names)
         return [got[n] for n in self.x_names]
 
     def private_meta_direction(self, objective: Objective, sample: Sampler) -> list[torch.Tensor]:

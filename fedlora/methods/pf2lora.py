@@ -144,16 +144,11 @@ class PF2LoRA(AveragedFactors):
     def _private_local_step(self, objective: Objective, sample: Sampler) -> None:
         """``hypergradient: none`` under sample-level DP (module doc): y ← y − α·g̃_y on release 0's batch, x along
         g̃_x on release 1's, both taken at the step's (x, y) as ``bilevel_direction``'s "none" mode takes them."""
-        from ..privacy.dpsgd import private_gradients
-
-        sdp = self.sample_dp
         inner = sample()  # the runtime positioned this step's draws: release 0
-        g_y = private_gradients(sdp, self.model, lambda: objective(self.params, inner), self.y_names,
-                                self.replica_clients)
-        sdp.release(1)
+        g_y = self.private_grads(lambda: objective(self.params, inner), self.y_names)
+        self.sample_dp.release(1)
         outer = sample()
-        g_x = private_gradients(sdp, self.model, lambda: objective(self.params, outer), self.x_names,
-                                self.replica_clients)
+        g_x = self.private_grads(lambda: objective(self.params, outer), self.x_names)
         with torch.no_grad():
             for n in self.y_names:
                 self.params[n].sub_(self.lower_lr * self.lr_factor * g_y[n])

@@ -79,7 +79,8 @@ class Centralized(FactorLoRA):
             if any(len(g) > 1 for g in self.groups):
                 raise ConfigError("centralized: sample-level DP runs on the pooled data as one data set (fedlora run); "
                                   "the synthetic testbed keeps each client's rows in its own replica")
-            private = self.private_grads(objective, sample(), self._trained)
+            batch = sample()
+            private = self.private_grads(lambda: objective(self.params, batch), self._trained)
             self.opt.zero_grad(set_to_none=True)
             for n in self._trained:
                 self.params[n].grad = private[n]

@@ -99,12 +99,14 @@ class SampleDP:
                 f"sampling_rate={self.sampling_rate!r}, seed={self.seed!r})")
 
     # position and sizes -------------------------------------------------------------------------------
-    def at(self, rnd: int, step: int) -> None:
-        """The coming local step is step ``step`` (0-based) of round ``rnd``: what the draws are keyed by."""
+    def at(self, rnd: int, step: int, release: int = 0) -> None:
+        """The coming draws are local step ``step`` (0-based) of round ``rnd``, its release ``release`` (``release``;
+        a method's later phase positions its own step j's release 1 so): what the draws are keyed by."""
         for name, v in (("round", rnd), ("step", step)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ConfigError(f"sample-level DP: the {name} must be an integer ≥ 0, got {v!r}")
-        self.round, self.step, self.part = rnd, step, 0
+        self.round, self.step = rnd, step
+        self.release(release)
 
     def release(self, part: int) -> None:
         """The coming draws (batch and noise) are the current step's ``part``-th DP-SGD release (0-based; ``at``
