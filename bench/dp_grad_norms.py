@@ -134,6 +134,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             cs = [float(x) for x in a.clip_norms.split(",") if x.strip()]
         except ValueError:
             raise ConfigError(f"--clip-norms: numbers separated by commas, got {a.clip_norms!r}") from None
+        if a.out:  # before the run: a bad folder costs one line
+            from fedlora.io import check_output_dir
+
+            check_output_dir(Path(a.out).parent, "--out")
         res = measure(a.config, method=a.method, lr=a.lr, rounds=a.rounds, sets=a.set, clip_norms=cs)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -142,7 +146,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.out:
         from fedlora.io import write_json_atomic
 
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(Path(a.out), res)
         print(f"wrote {a.out}")
     return 0

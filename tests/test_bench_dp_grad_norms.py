@@ -49,3 +49,11 @@ def test_the_reported_norms_are_what_the_clipping_sees(tmp_path, monkeypatch, ca
     a, b = alt["by_part"]["lora_A"], alt["by_part"]["lora_B"]
     assert a["examples"] + b["examples"] == alt["all"]["examples"] and a["examples"] and b["examples"]
     assert sum(v["share_of_squared_norm"] for v in alt["by_part"].values()) == pytest.approx(1.0, abs=1e-9)
+
+
+def test_an_unwritable_out_is_one_line_before_the_run(monkeypatch, capsys):
+    mod = _script()
+    monkeypatch.setattr(mod, "measure", lambda *a, **k: pytest.fail("the run started"))
+    assert mod.main(["tiny-smoke", "--out", "/proc/fedlora-no-such-folder/n.json"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --out: cannot create the output folder") and len(err.strip().splitlines()) == 1

@@ -215,6 +215,11 @@ def test_the_sweep_scripts_methods_are_the_testbeds_private_ones(capsys):
             mod.main(["--methods", bad, "--out-dir", "unused"])
         err = capsys.readouterr().err
         assert err.startswith("error: --methods:") and len(err.strip().splitlines()) == 1, (bad, err)
+    with pytest.raises(SystemExit):  # an unwritable folder: one line before any run
+        mod.main(["--methods", "fedavg", "--out-dir", "/proc/fedlora-no-such-folder"])
+    err = capsys.readouterr().err
+    assert err.startswith("error: --out-dir: cannot create the output folder '/proc/fedlora-no-such-folder'") and \
+        len(err.strip().splitlines()) == 1, err
 
 
 def test_noise_is_keyed_by_the_federation_of_each_slot():

@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from pathlib import Path
 
 from fedlora.errors import ConfigError
+from fedlora.io import check_output_dir
 from fedlora.methods import available_methods, get_method
 from fedlora.synthetic.privacy_sweep import SWEEP_METHODS, plot_sweep, sweep, sweep_markdown
 
@@ -39,7 +39,7 @@ def parse_methods(text: str) -> tuple[str, ...]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--out-dir", default="runs/privacy-sweep")
     ap.add_argument("--methods", default=",".join(SWEEP_METHODS),
                     help="comma-separated, or all: every method with sample-level DP on the testbed")
@@ -52,13 +52,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         methods = parse_methods(args.methods)
+        out = check_output_dir(args.out_dir, "--out-dir")  # before the sweep: a bad folder costs one line
     except ConfigError as e:
         ap.exit(2, f"error: {e}\n")
     result = sweep(methods=methods, clip_norm=args.clip_norm, batch_size=args.batch_size, rounds=args.rounds,
                    local_steps=args.local_steps, lr_grid=tuple(float(v) for v in args.lr_grid.split(",")),
                    task=args.task)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     table = sweep_markdown(result)
     (out / "privacy_sweep.md").write_text(table + f"\n\nwall {result['wall_s']:.0f} s\n")
     (out / "privacy_sweep.json").write_text(json.dumps(
