@@ -19,7 +19,8 @@ from typing import Any, Mapping
 
 from .errors import ConfigError
 
-__all__ = ["write_checkpoint", "load_checkpoint", "Checkpoint", "list_checkpoints", "FORMAT"]
+__all__ = ["write_checkpoint", "load_checkpoint", "read_checkpoint", "checkpoint_path", "Checkpoint",
+           "list_checkpoints", "FORMAT"]
 
 FORMAT = 1
 _PREFIX = "round_"
@@ -56,6 +57,11 @@ def _check_name(name: str) -> None:
         raise ValueError(f"checkpoint file name {name!r}: a plain file name other than {MANIFEST}")
 
 
+def checkpoint_path(root: str | os.PathLike, round_done: int) -> Path:
+    """The folder of the checkpoint after ``round_done`` rounds under ``root`` (it may not exist)."""
+    return Path(root) / f"{_PREFIX}{int(round_done):06d}"
+
+
 def list_checkpoints(root: str | os.PathLike) -> list[Path]:
     """The checkpoint folders under ``root``, newest (most rounds) first."""
     root = Path(root)
@@ -77,7 +83,7 @@ def write_checkpoint(root: str | os.PathLike, round_done: int, files: Mapping[st
         raise ValueError("keep must be ≥ 1")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{_PREFIX}{round_done:06d}"
+    final = checkpoint_path(root, round_done)
     tmp = root / f".{final.name}.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -125,6 +131,16 @@ def _verify(path: Path) -> tuple[dict[str, Any], dict[str, bytes]]:
             raise ValueError(f"{name} does not match its hash in {MANIFEST} (truncated or corrupted)")
         files[name] = blob
     return manifest, files
+
+
+def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """The checkpoint in the folder ``path`` (one round's, ``checkpoint_path``), verified; ``ValueError`` saying
+    what is wrong (missing, unreadable manifest, a file that does not match its hash)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError("no such checkpoint")
+    manifest, files = _verify(path)
+    return Checkpoint(int(manifest["round"]), path, files, dict(manifest.get("meta") or {}))
 
 
 def load_checkpoint(root: str | os.PathLike) -> Checkpoint:

@@ -467,8 +467,8 @@ class FlowerExecutor:
             out[k] = rep
         return out
 
-    def _ask_all(self, op: str, per_client: Mapping[int, Any] | None = None) -> dict[int, Any]:
-        msgs = [self._message("query", k, -1, op=op, record=None if per_client is None else per_client[k])
+    def _ask_all(self, op: str, per_client: Mapping[int, Any] | None = None, **conf) -> dict[int, Any]:
+        msgs = [self._message("query", k, -1, op=op, record=None if per_client is None else per_client[k], **conf)
                 for k in sorted(self.node_of)]
         return self._required(msgs, sorted(self.node_of), f"did not answer {op}")
 

@@ -3,7 +3,9 @@ kind's node: on a deployment a SuperNode starts a new ``flwr-clientapp`` process
 module is what that process imports (the app's pyproject.toml names it: ``fedlora.flower_deploy.write_app_dir``).
 
 The messages that need no model are answered here: ``hello`` (which partition this node holds), ``put-record``
-(a resumed run's record) and ``get-record`` of a record the node keeps (a checkpoint, the final adapters). The
+(a resumed run's record), ``get-record`` of a record the node keeps (a checkpoint, the final adapters), and a
+SecAgg+ simulation's ``save-record`` / ``load-record``: the node writes its client's record to a checkpoint of
+its own (``node_checkpoints``) and takes it back on resume, so the record never crosses the server. The
 others — ``train``, ``evaluate``, ``deliver``, a ``get-record`` of a client that never trained here — go to
 ``fedlora.flower``'s handlers (``NODE_HANDLERS``), imported then with the node kind's module the message names
 (torch, and what builds the run).
@@ -12,11 +14,18 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+from pathlib import Path
 from typing import Any, Callable
 
 from fedlora.errors import ConfigError
 
-__all__ = ["client_app", "make_client_app", "partition_of", "state_key", "NODE_HANDLERS"]
+__all__ = ["client_app", "make_client_app", "partition_of", "state_key", "node_checkpoints", "NODE_HANDLERS",
+           "NODE_KEEP"]
+
+#: the checkpoints a node keeps per client: the server keeps two, and a node may hold one more — the round it
+#: wrote just before the server's own write of that round was cut short — so the server's older one resumes
+NODE_KEEP = 3
+RECORD_FILE = "record.pb"
 
 #: the handlers of the messages that build the node, by message type (``train``, ``query``, ``evaluate``):
 #: ``fedlora.flower`` sets them when imported — in a fresh process, by the node kind's module a message names
@@ -54,6 +63,64 @@ def partition_of(context, n_clients: int) -> int:
     return k
 
 
+def node_checkpoints(conf, k: int) -> Path:
+    """Where this node keeps client ``k``'s checkpoints: ``<node-checkpoints>/client_<k>/round_<r>/``
+    (``fedlora.checkpoint``'s layout), ``node-checkpoints`` the folder the server names — a simulation's (in the run's
+    folder, so one run's), whose nodes all run on the server's machine (a deployment's SecAgg+ run keeps no
+    checkpoint: ``fedlora.flower_secagg.SecAggExecutor``)."""
+    root = conf.get("node-checkpoints")
+    if not root:
+        raise ConfigError("this SecAgg+ run's nodes keep no checkpoint (the server named no folder for them)")
+    return Path(str(root)) / f"client_{k}"
+
+
+def _save_record(context, conf, k: int, key: str) -> dict[str, Any]:
+    """Write client ``k``'s record (as ``context.state`` keeps it, Flower's own protobuf bytes) as the node's
+    checkpoint after round ``checkpoint-round``; a record never stored here (the client has not trained yet) is
+    an empty checkpoint, which ``_load_record`` turns back into "build the initial record". Rounds after it are
+    removed first: they belong to an earlier attempt at this run (a resumed run redoes them)."""
+    import shutil
+
+    from flwr.common.serde import array_record_to_proto
+
+    from fedlora.checkpoint import list_checkpoints, write_checkpoint
+
+    rnd = int(conf["checkpoint-round"])
+    root = node_checkpoints(conf, k)
+    for path in list_checkpoints(root):  # newest first
+        if int(path.name.split("_")[-1]) <= rnd:
+            break
+        shutil.rmtree(path, ignore_errors=True)
+    files = {} if key not in context.state else {RECORD_FILE: array_record_to_proto(context.state[key]).SerializeToString()}
+    write_checkpoint(root, rnd, files, meta={"client": k}, keep=NODE_KEEP)
+    return {"ok": True}
+
+
+def _load_record(context, conf, k: int, key: str) -> dict[str, Any]:
+    """Put client ``k``'s record of the node's checkpoint after round ``checkpoint-round`` back into
+    ``context.state`` (a resumed SecAgg+ run); a one-line ``ConfigError`` when that checkpoint is missing or does
+    not verify (``fedlora.checkpoint``'s hashes)."""
+    from flwr.common.serde import array_record_from_proto
+    from flwr.proto.recorddict_pb2 import ArrayRecord as ProtoArrayRecord
+
+    from fedlora.checkpoint import checkpoint_path, read_checkpoint
+
+    rnd = int(conf["checkpoint-round"])
+    path = checkpoint_path(node_checkpoints(conf, k), rnd)
+    try:
+        ckpt = read_checkpoint(path)
+    except ValueError as e:
+        raise ConfigError(f"client {k}'s node has no intact checkpoint of round {rnd} in {str(path)!r} ({e}); a "
+                          f"SecAgg+ run resumes on the nodes that kept its clients' checkpoints") from None
+    if ckpt.meta.get("client") != k or ckpt.round != rnd:
+        raise ConfigError(f"{str(path)!r} is not client {k}'s checkpoint of round {rnd}")
+    if RECORD_FILE in ckpt.files:
+        context.state[key] = array_record_from_proto(ProtoArrayRecord.FromString(ckpt.files[RECORD_FILE]))
+    elif key in context.state:  # the client had not trained by then: its initial record again
+        del context.state[key]
+    return {"ok": True}
+
+
 def _query(msg, context):
     """``hello``, ``put-record`` and ``get-record`` of a kept record here; any other query (``deliver``, the
     initial record of a client that never trained here) builds the node (``fedlora.flower``)."""
@@ -64,6 +131,10 @@ def _query(msg, context):
     if op == "hello":
         k = partition_of(context, int(conf["fedlora-clients"]))
         return Message(RecordDict({"result": ConfigRecord({"partition-id": k})}), reply_to=msg)
+    if op in ("save-record", "load-record"):  # a SecAgg+ checkpoint, kept on this node
+        k = partition_of(context, int(conf["fedlora-clients"]))
+        result = (_save_record if op == "save-record" else _load_record)(context, conf, k, key)
+        return Message(RecordDict({"result": ConfigRecord(result)}), reply_to=msg)
     if op == "put-record":  # a resumed run: the record of its checkpoint
         partition_of(context, int(conf["fedlora-clients"]))
         context.state[key] = msg.content["record"]

@@ -16,7 +16,8 @@ client's arrays. Error bound and weights: ``fedlora.secagg``.
 
 **In ``fedlora run``** (``privacy.secagg.enabled``, ``--runtime flower``): ``SecAggExecutor`` is the run's
 ``FlowerExecutor`` with two differences: no message ever asks a node for its client's record (``records``
-refuses; no checkpoint, the run's adapters/ holds the global adapter only), and its ``train``: each round is one SecAgg+ fit — Flower's
+refuses; each node keeps its client's checkpoints itself — ``save_records`` / ``load_records`` — and the run's
+adapters/ holds the global adapter only), and its ``train``: each round is one SecAgg+ fit — Flower's
 ``SecAggPlusWorkflow`` called once per round by ``fedlora.server.Server.run_round`` (the one round protocol; no
 ``DefaultWorkflow`` loop), over a ``LegacyContext`` whose strategy hands each participant a ``FitIns`` carrying
 exactly what its ``train`` message would (the run's config, its download) and its weight as num_examples. On the
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -448,18 +450,28 @@ class SecAggExecutor(_flower_executor()):
     **The clients' records never leave their nodes** (``records_stay_on_clients``): a record holds the client's
     upload or more (its adapter, optimizer moments, a personalised method's private factors), so no message asks
     for one — ``records`` and ``restore`` raise (a future caller cannot leak silently), and no final evaluation or
-    broadcast carries them back (``final_round`` is always None: no ``with-record``). The driver then keeps no
-    checkpoint and writes the global adapter only (``fedlora.llm.driver``)."""
+    broadcast carries them back (``final_round`` is always None: no ``with-record``). The driver writes the
+    global adapter only (``fedlora.llm.driver``), and its checkpoints hold the server's side: on the simulation
+    engine each node writes its client's record as a checkpoint of its own (``save_records``: a ``save-record``
+    query naming the round, answered "ok") and takes it back on resume (``load_records``), under
+    ``node_checkpoints`` (``fedlora.llm.flower.run_simulation`` names ``<output_dir>/checkpoints/nodes``; every node
+    runs on this machine). A deployment's nodes keep none (``keeps_checkpoints``): with ``train.checkpoint_every``
+    > 0 ``connect`` refuses the run in one line."""
 
-    #: the nodes keep their clients' records: the driver never asks for them (no checkpoint, the global adapter only)
+    #: the nodes keep their clients' records: the driver never asks for them (their checkpoints are the nodes' own,
+    #: ``save_records``; the global adapter only)
     records_stay_on_clients = True
 
     def __init__(self, grid, config: Mapping[str, Any], n_clients: int, *, secagg: Mapping[str, Any],
                  weights: Callable[[], Sequence[float]], weighting: str, rounding_seed: int = 0,
-                 client_dp_clip: float | None = None, **kwargs) -> None:
+                 client_dp_clip: float | None = None, node_checkpoints: str | os.PathLike | None = None,
+                 **kwargs) -> None:
         # no final evaluation or broadcast brings a node's record back with its scores (FlowerExecutor's
         # ``with-record``): the records stay on the nodes
         kwargs["final_round"] = None
+        #: where the nodes keep their clients' checkpoints (a simulation's folder), else None (a deployment's: none)
+        self.node_checkpoints = None if node_checkpoints is None else str(node_checkpoints)
+        self._checkpoint_every = int(dict(config).get("train", {}).get("checkpoint_every", 0) or 0)
         super().__init__(grid, config, n_clients, **kwargs)
         if weighting not in ("data", "uniform"):
             raise ConfigError(f"secagg: weighting must be data or uniform, got {weighting!r}")
@@ -474,12 +486,52 @@ class SecAggExecutor(_flower_executor()):
     def records(self):
         """Refused: a SecAgg+ run never asks a node for its client's state record (class docstring)."""
         raise ConfigError("secagg: a SecAgg+ run never collects its clients' state records (each holds the client's "
-                          "own upload or more), so it keeps no checkpoint and writes the global adapter only")
+                          "own upload or more): its nodes checkpoint them (save_records), its adapters/ holds the "
+                          "global adapter only")
 
     def restore(self, records) -> None:
-        """Refused: nothing to restore from — a SecAgg+ run keeps no checkpoint (class docstring)."""
-        raise ConfigError("secagg: a SecAgg+ run cannot be resumed: its clients' state records never leave their "
-                          "nodes, so it has no checkpoint to restore them from")
+        """Refused: no record crosses the network — the nodes restore their own (``load_records``)."""
+        raise ConfigError("secagg: a SecAgg+ run's clients' state records never leave their nodes: each node "
+                          "takes its client's back from its own checkpoint (load_records)")
+
+    def connect(self) -> dict[int, int]:
+        """``FlowerExecutor.connect``; before it, when the run checkpoints (``train.checkpoint_every`` > 0) and its
+        nodes cannot keep their clients' checkpoints (``keeps_checkpoints``: a deployment), a one-line
+        ``ConfigError`` — before any training."""
+        if self._checkpoint_every and not self.keeps_checkpoints:
+            raise ConfigError(f"secagg: train.checkpoint_every {self._checkpoint_every}: on a deployment a SecAgg+ run "
+                              f"keeps no checkpoint (its clients' records never leave their nodes, which keep their "
+                              f"checkpoints only on the simulation engine: fedlora run --runtime flower) — set "
+                              f"train.checkpoint_every=0")
+        return super().connect()
+
+    @property
+    def keeps_checkpoints(self) -> bool:
+        """Whether the nodes keep their clients' checkpoints: on the simulation engine (``node_checkpoints``, a
+        folder of the server's machine, where every node runs)."""
+        return self.node_checkpoints is not None
+
+    def _checkpoint_conf(self, rounds_done: int) -> dict[str, Any]:
+        conf: dict[str, Any] = {"checkpoint-round": int(rounds_done)}
+        if self.node_checkpoints is not None:
+            conf["node-checkpoints"] = self.node_checkpoints
+        return conf
+
+    def save_records(self, rounds_done: int) -> None:
+        """Every node writes its client's record as its own checkpoint after ``rounds_done`` rounds (a
+        ``save-record`` query; the reply says only "ok"): the server's checkpoint of that round is written after
+        every node has answered, so the server's newest checkpoint always has its nodes' (they keep
+        ``fedlora.flower_client.NODE_KEEP``)."""
+        self._ask_all("save-record", **self._checkpoint_conf(rounds_done))
+
+    def load_records(self, rounds_done: int) -> None:
+        """Every node takes its client's record back from its own checkpoint after ``rounds_done`` rounds (a
+        resumed run); a node without it fails the resume with its own line."""
+        self._kept = self._scores = None
+        try:
+            self._ask_all("load-record", **self._checkpoint_conf(rounds_done))
+        except RuntimeError as e:
+            raise ConfigError(f"--resume: {e}") from None
 
     @property
     def clips_on_clients(self) -> bool:

@@ -214,7 +214,8 @@ class EvalConfig:
 class SecAggConfig:
     """Secure aggregation, SecAgg+ (Bell et al., ACM CCS 2020; docs/concepts/privacy.md): the server learns only
     the weighted mean of a round's uploads, through Flower's SecAgg+ (``fedlora run --runtime flower`` only, with
-    ``train.checkpoint_every: 0`` and at least 3 clients every round). Every participant trains on its node and
+    at least 3 clients every round; on the simulation engine each node keeps its client's checkpoints, a
+    deployment needs ``train.checkpoint_every: 0``). Every participant trains on its node and
     uploads its payload masked; the server unmasks the sum and aggregates it as one upload (methods whose
     aggregate is a weighted sum of the uploads: ``fedlora.secagg.SUM_METHODS``). Each value is quantised: a
     round's aggregate is within N·(2c + X)/Σ_k q_k of the exact one per coordinate, q_k = round(n_k/W·Q)
@@ -553,10 +554,6 @@ def check_secagg_config(cfg: RunConfig, method_cls) -> None:
     if f.client_models is not None:
         raise ConfigError("privacy.secagg: heterogeneous client models (federation.client_models) run embedded only, "
                           "and SecAgg+ needs the Flower runtime")
-    if cfg.train.checkpoint_every:
-        raise ConfigError(f"privacy.secagg: train.checkpoint_every must be 0 under SecAgg+ (a checkpoint collects every "
-                          f"client's state record, which after its round holds its own upload), got "
-                          f"{cfg.train.checkpoint_every}")
     if cfg.privacy.level == "client":  # clipped on each client, the noise added to the sum by the server
         from fedlora.methods.base import Method
 

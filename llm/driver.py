@@ -33,8 +33,12 @@ from .slots import first_line
 __all__ = ["Driver", "Report", "CHECKPOINTS", "abandon", "resume_point", "comparable", "config_differences"]
 
 CHECKPOINTS = "checkpoints"  # output_dir/checkpoints/round_<r>/ (fedlora.checkpoint), the last two kept
-#: a SecAgg+ run (privacy.secagg): why it has no checkpoint and cannot be resumed; what its adapters/ holds
-SECAGG_NO_CHECKPOINT = "a SecAgg+ run keeps no checkpoint and cannot be resumed: its clients' state never leaves them"
+#: a SecAgg+ simulation's nodes keep their clients' checkpoints under output_dir/checkpoints/nodes/ (a
+#: deployment's keep none): ``fedlora.flower_client.node_checkpoints``
+NODE_CHECKPOINTS = f"{CHECKPOINTS}/nodes"
+#: a SecAgg+ run (privacy.secagg) whose nodes keep no checkpoint: why it cannot be resumed; what its adapters/ holds
+SECAGG_NO_CHECKPOINT = ("this SecAgg+ run keeps no checkpoint and cannot be resumed: its clients' state never leaves "
+                        "their nodes, which kept none (train.checkpoint_every 0, or a deployment)")
 SECAGG_ADAPTERS = "global only (SecAgg+: each client's record stays on its node)"
 
 
@@ -110,9 +114,11 @@ class Driver:
             self._write_status("running")
         bar = self._bar = _progress(cfg.train.rounds, self.progress, initial=start)  # a resumed run's bar: at start
         self._t0 = time.perf_counter()
-        # SecAgg+ (fedlora.flower_secagg): the clients' records stay on their nodes — no checkpoint, no final records
+        # SecAgg+ (fedlora.flower_secagg): the clients' records stay on their nodes — which keep their checkpoints
+        # (when they can: keeps_checkpoints), and no final records
         private = bool(getattr(self.executor, "records_stay_on_clients", False))
-        with _deferred_signals(SECAGG_NO_CHECKPOINT if private else None) as pending:
+        checkpoints = not private or self.executor.keeps_checkpoints
+        with _deferred_signals(None if checkpoints else SECAGG_NO_CHECKPOINT) as pending:
             for rnd in range(start, cfg.train.rounds):
                 try:
                     rec = self.run_round(rnd)  # after the last round: the final global state to every client (counted)
@@ -131,7 +137,7 @@ class Driver:
                 self.history.append(rec)
                 self._append(out, rec)
                 every = cfg.train.checkpoint_every
-                if self.write and ((every and (rnd + 1) % every == 0) or (pending and not last and not private)):
+                if self.write and ((every and (rnd + 1) % every == 0) or (pending and not last and checkpoints)):
                     self.save_checkpoint(rnd + 1)
                 bar.update(1)
                 ev = rec.get("eval")
@@ -180,24 +186,35 @@ class Driver:
         st = self.server.state_dict()
         files = {"server.safetensors": save({k: v.contiguous() for k, v in st["tensors"].items()},
                                             metadata={"server": json.dumps(st["meta"])})}
-        records = self.executor.records()  # (on Flower the records live on the clients' nodes: asked for)
-        for k in range(self.run_.K_train):
-            files[f"client_{k}.safetensors"] = record_to_bytes(records[k])
+        if not self._records_on_nodes():  # (SecAgg+: each node has written its own, save_checkpoint)
+            records = self.executor.records()  # (on Flower the records live on the clients' nodes: asked for)
+            for k in range(self.run_.K_train):
+                files[f"client_{k}.safetensors"] = record_to_bytes(records[k])
         runtime = {f"method:{n}": v.contiguous() for n, v in self.method.runtime_state().items()}
         runtime["rng:torch"] = torch.get_rng_state()
         files["runtime.safetensors"] = save(runtime)
         files["rounds.jsonl"] = "".join(line + "\n" for line in self._lines).encode()
         return files
 
+    def _records_on_nodes(self) -> bool:
+        """Whether the clients' records stay on their nodes (SecAgg+), each node checkpointing its own."""
+        return bool(getattr(self.executor, "records_stay_on_clients", False))
+
     def save_checkpoint(self, rounds_done: int) -> Path:
-        """``output_dir/checkpoints/round_<r>/`` (atomic, hashed, the last two kept)."""
+        """``output_dir/checkpoints/round_<r>/`` (atomic, hashed, the last two kept). Under SecAgg+ every node
+        first writes its client's record as its own checkpoint of the round (``SecAggExecutor.save_records``);
+        the server's, written after, has none (``client_records: "nodes"`` in its meta)."""
         from fedlora.checkpoint import write_checkpoint
 
+        meta = {"config_sha256": config_digest(comparable(self.cfg.to_dict())),
+                "rounds": self.cfg.train.rounds, "method": self.method.name,
+                # the rounds' wall time so far, per part (a resumed run adds one)
+                "wall_s_parts": self._wall_parts()}
+        if self._records_on_nodes():
+            self.executor.save_records(rounds_done)
+            meta["client_records"] = "nodes"
         return write_checkpoint(Path(self.cfg.output_dir) / CHECKPOINTS, rounds_done, self.checkpoint_files(),
-                                meta={"config_sha256": config_digest(comparable(self.cfg.to_dict())),
-                                      "rounds": self.cfg.train.rounds, "method": self.method.name,
-                                      # the rounds' wall time so far, per part (a resumed run adds one)
-                                      "wall_s_parts": self._wall_parts()})
+                                meta=meta)
 
     def _restore(self, ckpt) -> tuple[int, list[dict[str, Any]]]:
         """Put the run in the state of ``ckpt`` (a verified ``fedlora.checkpoint.Checkpoint``): server,
@@ -209,8 +226,16 @@ class Driver:
 
         server = Payload.from_bytes(ckpt.files["server.safetensors"])
         self.server.load_state_dict({"tensors": dict(server.tensors), "meta": json.loads(server.meta["server"])})
-        records = {k: record_from_bytes(ckpt.files[f"client_{k}.safetensors"]) for k in range(self.run_.K_train)}
-        self.executor.restore(records)  # on Flower: every node takes its record back
+        if ckpt.meta.get("client_records") == "nodes":  # SecAgg+: each node takes its record back from its own
+            if not self._records_on_nodes():
+                from fedlora.errors import ConfigError
+
+                raise ConfigError(f"--resume: the clients' records of {str(ckpt.path)!r} are on their SecAgg+ nodes; "
+                                  f"resume it on Flower with privacy.secagg.enabled")
+            self.executor.load_records(ckpt.round)
+        else:
+            records = {k: record_from_bytes(ckpt.files[f"client_{k}.safetensors"]) for k in range(self.run_.K_train)}
+            self.executor.restore(records)  # on Flower: every node takes its record back
         runtime = load(ckpt.files["runtime.safetensors"])
         self.method.load_runtime_state({n[len("method:"):]: v for n, v in runtime.items() if n.startswith("method:")})
         torch.set_rng_state(runtime["rng:torch"])
@@ -494,10 +519,10 @@ def abandon(e: BaseException, cfg, output: OutputDir) -> None:
             from fedlora.checkpoint import list_checkpoints
 
             ckpts = list_checkpoints(out / CHECKPOINTS)
-            if _secagg(cfg):
-                note += f"; {SECAGG_NO_CHECKPOINT}"
-            elif ckpts:
+            if ckpts:
                 note += f"; `fedlora run --resume {out}` continues from its checkpoint ({ckpts[0].name})"
+            elif _secagg(cfg):
+                note += f"; {SECAGG_NO_CHECKPOINT}"
     except Exception as err:  # never hide why the run stopped
         note = f"could not mark {out} incomplete: {first_line(err)}"
     _add_note(e, note)
@@ -523,7 +548,7 @@ def resume_point(run_dir, config=None, overrides: Sequence[str] = ()):
     ``resolved.runtime``). ``config`` / ``overrides``: optional, and must then equal the run's own config
     (every field but ``output_dir``): a one-line ``ConfigError`` names the fields that differ. Also
     refused in one line: a folder that is not a run, a complete run, a run without an intact checkpoint."""
-    from fedlora.checkpoint import load_checkpoint
+    from fedlora.checkpoint import list_checkpoints, load_checkpoint
     from fedlora.errors import ConfigError
 
     from .config import RunConfig, apply_overrides, load_config, saved_config_today
@@ -534,7 +559,7 @@ def resume_point(run_dir, config=None, overrides: Sequence[str] = ()):
     saved = info["config"]
     if read_status(folder) == "complete":
         raise ConfigError(f"--resume: the run in {str(folder)!r} is complete (run.json); nothing to resume")
-    if ((saved.get("privacy") or {}).get("secagg") or {}).get("enabled"):
+    if ((saved.get("privacy") or {}).get("secagg") or {}).get("enabled") and not list_checkpoints(folder / CHECKPOINTS):
         raise ConfigError(f"--resume: the run in {str(folder)!r} ran with SecAgg+ (privacy.secagg.enabled): "
                           f"{SECAGG_NO_CHECKPOINT}; start it again")
     if config is None:

@@ -115,9 +115,12 @@ def load_run_adapter(run_dir: str | Path, client: int | None) -> tuple[dict[str,
     if not ad.is_file():
         unfinished = _unfinished(run_dir, info)
         if unfinished is not None:
-            if secagg:
+            from fedlora.checkpoint import list_checkpoints
+
+            if secagg and not list_checkpoints(run_dir / "checkpoints"):  # (llm.driver.CHECKPOINTS)
                 raise ConfigError(f"export: the run in {str(run_dir)!r} is not finished ({unfinished}): its global "
-                                  f"adapter is written when it completes, and a SecAgg+ run cannot be resumed: run it again")
+                                  f"adapter is written when it completes, and this SecAgg+ run kept no checkpoint "
+                                  f"to resume from: run it again")
             raise ConfigError(f"export: the run in {str(run_dir)!r} is not finished ({unfinished}): its clients' "
                               f"models are written when it completes; `fedlora run --resume {run_dir}` finishes "
                               f"an interrupted or failed run, then export it")

@@ -28,6 +28,7 @@ from fedlora.flower_deploy import write_app_dir as _write_app_dir
 from fedlora.methods import get_method
 
 from .config import RunConfig, load_config
+from .driver import NODE_CHECKPOINTS
 from .runtime import HETERO_EMBEDDED_ONLY, FederatedRun, slot_executor
 
 __all__ = ["NODE", "server_app", "client_app", "run_simulation", "executor_over", "write_app_dir",
@@ -60,14 +61,16 @@ def _clients(config: Mapping[str, Any]) -> int:
 flower.register_node(NODE, _node, clients=_clients)
 
 
-def executor_over(grid, cfg, *, connect: bool = True, run=None) -> FlowerExecutor:
+def executor_over(grid, cfg, *, connect: bool = True, run=None, simulation: bool = False) -> FlowerExecutor:
     """The executor of a run (``RunConfig`` ``cfg``) whose clients are the nodes of the Flower ``grid``: a
     ``FlowerExecutor`` waiting for each round's replies as long as the run's ``federation.timeout_s``. The
     last round's final broadcast (``deliver``) is also the evaluation the driver always makes next and brings
     back the nodes' records, which the run's adapters are saved from (``final_round``, ``evaluate_with_deliver``:
     one message wave for the three). ``connect=False``: the nodes' answers to ``hello`` are read by
     ``FlowerExecutor.connect`` (or the first message). With ``privacy.secagg`` on: a
-    ``fedlora.flower_secagg.SecAggExecutor`` weighing the clients as ``run`` (the ``FederatedRun``) does."""
+    ``fedlora.flower_secagg.SecAggExecutor`` weighing the clients as ``run`` (the ``FederatedRun``) does, whose
+    nodes keep their clients' checkpoints with ``simulation`` (every node on this machine) under
+    ``<output_dir>/checkpoints/nodes`` (``NODE_CHECKPOINTS``), and none on a deployment."""
     kwargs = dict(node=NODE, timeout=cfg.federation.timeout_s, final_round=cfg.train.rounds - 1,
                   evaluate_with_deliver=True, connect=connect)
     if cfg.privacy.secagg.enabled:
@@ -79,7 +82,8 @@ def executor_over(grid, cfg, *, connect: bool = True, run=None) -> FlowerExecuto
         return SecAggExecutor(grid, cfg.to_dict(), cfg.federation.clients, secagg=dataclasses.asdict(cfg.privacy.secagg),
                               weights=lambda: run.federation.client_weights, weighting=secagg_weighting(cfg.method.name),
                               rounding_seed=cfg.seed,
-                              client_dp_clip=cfg.privacy.clip_norm if cfg.privacy.level == "client" else None, **kwargs)
+                              client_dp_clip=cfg.privacy.clip_norm if cfg.privacy.level == "client" else None,
+                              node_checkpoints=Path(cfg.output_dir).resolve() / NODE_CHECKPOINTS if simulation else None, **kwargs)
     return FlowerExecutor(grid, cfg.to_dict(), cfg.federation.clients, **kwargs)
 
 
@@ -90,7 +94,7 @@ def run_simulation(run) -> dict[str, Any]:
     check_flower_config(run.cfg)
 
     def main(grid):
-        return run.run(executor=executor_over(grid, run.cfg, run=run))
+        return run.run(executor=executor_over(grid, run.cfg, run=run, simulation=True))
 
     t0 = time.perf_counter()
     summary = flower.simulate(main, run.cfg.federation.clients)  # one SuperNode per client (pooled training is refused)

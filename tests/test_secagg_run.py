@@ -393,8 +393,30 @@ def test_a_secagg_executor_never_fetches_nor_restores_a_record():
     assert ex.final_round is None and ex.records_stay_on_clients
     with pytest.raises(ConfigError, match=r"^secagg: a SecAgg\+ run never collects its clients' state records"):
         ex.records()
-    with pytest.raises(ConfigError, match=r"^secagg: a SecAgg\+ run cannot be resumed"):
+    with pytest.raises(ConfigError, match=r"^secagg: a SecAgg\+ run's clients' state records never leave their nodes"):
         ex.restore({})
+
+
+def test_a_deployments_secagg_run_that_checkpoints_is_refused_before_training():
+    """On a deployment (no folder for the nodes' checkpoints) ``train.checkpoint_every`` > 0 is refused in one line
+    when the executor connects — before the run trains; 0 is accepted."""
+    import fedlora.llm.flower  # noqa: F401  (registers the llm node)
+    from fedlora.flower_secagg import SecAggExecutor
+    from fedlora.llm.config import load_config
+
+    from _flower_inprocess import OneProcessGrid, run_as_serverapp
+
+    def executor(every, **kw):
+        cfg = load_config("tiny-smoke", [*BASE, *SECAGG, f"train.checkpoint_every={every}"])
+        return run_as_serverapp(lambda grid: SecAggExecutor(
+            grid, cfg.to_dict(), 3, node="llm", secagg=cfg.to_dict()["privacy"]["secagg"],
+            weights=lambda: [30, 40, 50], weighting="data", **kw), OneProcessGrid(3))
+
+    with pytest.raises(ConfigError, match=r"^secagg: train.checkpoint_every 2: on a deployment a SecAgg\+ run keeps "
+                                          r"no checkpoint .* set train.checkpoint_every=0$"):
+        executor(2)
+    assert not executor(0).keeps_checkpoints
+    assert executor(2, node_checkpoints="/nowhere").keeps_checkpoints  # a simulation's nodes keep theirs
 
 
 def _refused(argv, tmp_path, capsys, words):
@@ -420,8 +442,6 @@ def _refused(argv, tmp_path, capsys, words):
     (["--runtime", "flower", "--set", "privacy.secagg.enabled=true", "--set", "federation.sample_fraction=1.0",
       "--set", "train.checkpoint_every=0", "--set", "privacy.secagg.modulus_range=1000"],
      ["privacy.secagg.modulus_range", "power of 2"]),
-    (["--runtime", "flower", "--set", "privacy.secagg.enabled=true", "--set", "federation.sample_fraction=1.0"],
-     ["train.checkpoint_every must be 0", "its own upload"]),
     (["--runtime", "flower", "--set", "privacy.secagg.enabled=true", "--set", "federation.sample_fraction=1.0",
       "--set", "train.checkpoint_every=0", "--set", "privacy.level=client", "--set", "privacy.noise_multiplier=1.0",
       "--set", "privacy.clip_quantile=0.5"], ["privacy.clip_quantile", "not supported with SecAgg+"]),
@@ -823,7 +843,8 @@ def test_a_signal_stops_a_secagg_run_after_its_round_without_a_checkpoint(tmp_pa
     state = json.loads((out / "run.json").read_text())
     assert (state["status"], state["rounds_done"], state["signal"]) == ("interrupted", 2, "SIGINT")
     assert [json.loads(line)["round"] for line in (out / "rounds.jsonl").read_text().splitlines()] == [0, 1, 2]
-    why = "a SecAgg+ run keeps no checkpoint and cannot be resumed: its clients' state never leaves them"
+    from fedlora.llm.driver import SECAGG_NO_CHECKPOINT as why
+
     assert stopped.value.__notes__[-1].endswith(f"after round 2 of 3; {why}")
     assert f"SIGINT: finishing this round ({why})" in capsys.readouterr().err
     assert main(["run", "--resume", str(out), "--no-progress"]) == 2
@@ -831,7 +852,7 @@ def test_a_signal_stops_a_secagg_run_after_its_round_without_a_checkpoint(tmp_pa
     assert len(err) == 1 and "ran with SecAgg+" in err[0] and why in err[0], err
     assert main(["export", str(out), "--global", "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "is not finished" in err[0] and "cannot be resumed" in err[0], err
+    assert len(err) == 1 and "is not finished" in err[0] and "kept no checkpoint" in err[0], err
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -862,3 +883,156 @@ def test_sample_level_dp_with_secagg_is_the_embedded_private_run_within_the_boun
     errs = [float((sec["state"][n].double() - emb["state"][n].double()).abs().max()) for n in names]
     assert max(errs) <= bound, (errs, bound)
     assert max(errs) > 0  # the quantisation shows: not the embedded state to the bit
+
+
+# ---------------------------------------------------------------------------------------------------------
+# checkpoints under SecAgg+: each node keeps its own client's (simulation engine)
+def test_a_node_checkpoints_its_clients_record_and_takes_it_back(tmp_path):
+    """``save-record`` / ``load-record`` on the node (``fedlora.flower_client``): the record as the node keeps it
+    comes back to the byte; a client that never trained checkpoints "no record" (its initial one is rebuilt);
+    the newest ``NODE_KEEP`` are kept; rounds after a saved one are removed (an earlier attempt's); a missing,
+    corrupted or another client's checkpoint is a one-line error naming the client and the round."""
+    from flwr.app import Array, ArrayRecord, Context, RecordDict
+    from flwr.common.serde import array_record_to_proto
+
+    import shutil
+
+    from fedlora import flower_client as fc
+    from fedlora.checkpoint import list_checkpoints
+
+    def node():
+        return Context(run_id=1, node_id=5, node_config={"partition-id": 1, "num-partitions": 3}, state=RecordDict(),
+                       run_config={})
+
+    key, where = "fedlora-record-abc", {"node-checkpoints": str(tmp_path / "nodes")}
+    root = tmp_path / "nodes" / "client_1"
+    ctx = node()
+    assert fc._save_record(ctx, {**where, "checkpoint-round": 1}, 1, key) == {"ok": True}  # not trained yet
+    recs = {}
+    for r in (2, 3, 4):
+        rec = ArrayRecord()
+        rec["w"] = Array(np.arange(6, dtype=np.float64).reshape(2, 3) * r)
+        ctx.state[key] = recs[r] = rec
+        fc._save_record(ctx, {**where, "checkpoint-round": r}, 1, key)
+    assert [p.name for p in list_checkpoints(root)] == ["round_000004", "round_000003", "round_000002"]  # NODE_KEEP
+
+    fresh = node()
+    fc._load_record(fresh, {**where, "checkpoint-round": 3}, 1, key)
+    assert (array_record_to_proto(fresh.state[key]).SerializeToString()
+            == array_record_to_proto(recs[3]).SerializeToString())
+    with pytest.raises(ConfigError, match=r"^client 1's node has no intact checkpoint of round 1 in .*round_000001"):
+        fc._load_record(fresh, {**where, "checkpoint-round": 1}, 1, key)
+    shutil.copytree(root, tmp_path / "nodes" / "client_0")  # client 1's files where client 0's belong
+    with pytest.raises(ConfigError, match=r"is not client 0's checkpoint of round 3$"):
+        fc._load_record(fresh, {**where, "checkpoint-round": 3}, 0, key)
+
+    # a resumed run redoing round 3: round 4 (of the attempt that stopped) goes; round 3 is replaced
+    ctx.state[key] = recs[2]
+    fc._save_record(ctx, {**where, "checkpoint-round": 3}, 1, key)
+    assert [p.name for p in list_checkpoints(root)] == ["round_000003", "round_000002"]
+    fc._load_record(fresh, {**where, "checkpoint-round": 3}, 1, key)
+    assert np.array_equal(fresh.state[key]["w"].numpy(), recs[2]["w"].numpy())
+
+    # a client that had not trained by then: its record is dropped, so the node builds the initial one again
+    ctx2 = node()
+    fc._save_record(ctx2, {**where, "checkpoint-round": 1}, 2, key)
+    fresh.state[key] = recs[4]
+    fc._load_record(fresh, {**where, "checkpoint-round": 1}, 2, key)
+    assert key not in fresh.state
+
+    (root / "round_000002" / fc.RECORD_FILE).write_bytes(b"truncated")
+    with pytest.raises(ConfigError, match=r"round 2 .*record\.pb does not match its hash"):
+        fc._load_record(fresh, {**where, "checkpoint-round": 2}, 1, key)
+    with pytest.raises(ConfigError, match=r"^this SecAgg\+ run's nodes keep no checkpoint"):
+        fc._save_record(ctx, {"checkpoint-round": 5}, 1, key)
+
+
+def _simulated_secagg(grid, cfg=None, *, resume=None):
+    """``cfg`` (or the interrupted run in folder ``resume``) as ``fedlora run --runtime flower`` runs it — the
+    executor of the simulation engine (its nodes keep their clients' checkpoints) — over ``grid`` in one process."""
+    from _flower_inprocess import run_as_serverapp
+
+    from fedlora.llm.flower import executor_over
+    from fedlora.llm.runs import resume as resume_run
+    from fedlora.llm.runtime import FederatedRun
+
+    def main_(grid):
+        run = resume_run(resume) if resume is not None else FederatedRun(cfg, runtime="flower")
+        return run.run(executor=executor_over(grid, run.cfg, run=run, simulation=True))
+
+    return run_as_serverapp(main_, grid)
+
+
+@pytest.mark.long  # three SecAgg+ runs of tiny-smoke in one process, no Ray (≈ 30 s)
+def test_a_stopped_secagg_run_resumes_from_its_nodes_checkpoints_to_the_uninterrupted_run(tmp_path, monkeypatch, capsys):
+    """SecAgg+ on the simulation engine with ``train.checkpoint_every: 1``, SIGINT in round 2 of 3: the round finishes
+    and is checkpointed — the server's checkpoint holds no client record (``client_records: "nodes"``), each node
+    wrote its own client's under ``checkpoints/nodes`` (the record it keeps, to the byte), and no message carried a
+    record. Resumed on NEW nodes (nothing in their state: each must take its record from its checkpoint) and with
+    the folder named another way, the run ends as the uninterrupted one: every round record and the global adapter,
+    bit for bit."""
+    import os
+    import signal
+
+    from flwr.common.serde import array_record_to_proto, context_from_proto
+    from flwr.proto.message_pb2 import Context as ProtoContext
+    from safetensors.torch import load_file
+
+    from fedlora import flower_client
+    from fedlora.checkpoint import load_checkpoint, read_checkpoint
+    from fedlora.errors import Interrupted
+    from fedlora.flower_client import state_key
+    from fedlora.llm.config import load_config
+
+    def cfg(out):
+        return load_config("tiny-smoke", [*SECAGG, "federation.sample_fraction=1.0", "train.rounds=3",
+                                          "train.checkpoint_every=1", f"output_dir={out}"])
+
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    _simulated_secagg(_grid(), cfg(ref))
+
+    train_handler = flower_client.NODE_HANDLERS["train"]
+
+    def sigint_in_round_2(msg, context):
+        conf = msg.content["config"]
+        if int(conf["client"]) == 0 and int(conf["round"]) == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # the driver's handler: finish the round, checkpoint, stop
+        return train_handler(msg, context)
+
+    grid = _grid()
+    old_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    old_mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    try:
+        with monkeypatch.context() as mp:
+            mp.setitem(flower_client.NODE_HANDLERS, "train", sigint_in_round_2)
+            with pytest.raises(Interrupted) as stopped:
+                _simulated_secagg(grid, cfg(out))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        signal.signal(signal.SIGINT, old_handler)
+    _assert_no_record_left_its_node(grid)
+    assert stopped.value.__notes__[-1].endswith(f"`fedlora run --resume {out}` continues from its checkpoint "
+                                                f"(round_000002)")
+    ckpt = load_checkpoint(out / "checkpoints")
+    assert ckpt.round == 2 and ckpt.meta["client_records"] == "nodes"
+    assert sorted(ckpt.files) == ["rounds.jsonl", "runtime.safetensors", "server.safetensors"]
+    key = state_key(json.dumps(cfg(out).to_dict(), sort_keys=True))  # where each node keeps its client's record
+    for node, k in grid.partition.items():  # each node's checkpoint is the record it keeps, to the byte
+        mine = read_checkpoint(out / "checkpoints" / "nodes" / f"client_{k}" / "round_000002")
+        state = context_from_proto(ProtoContext.FromString(grid.state[node])).state[key]
+        assert mine.files[flower_client.RECORD_FILE] == array_record_to_proto(state).SerializeToString()
+
+    fresh = _grid()  # new nodes: nothing in their state
+    monkeypatch.chdir(tmp_path)  # the folder spelled another way (relative): the nodes still find their checkpoints
+    _simulated_secagg(fresh, resume="run")
+    _assert_no_record_left_its_node(fresh)
+    rounds = [_no_wall(json.loads(line)) for line in (out / "rounds.jsonl").read_text().splitlines()]
+    assert rounds == [_no_wall(json.loads(line)) for line in (ref / "rounds.jsonl").read_text().splitlines()]
+    assert len(rounds) == 4
+    a, b = load_file(out / "adapters" / "global.safetensors"), load_file(ref / "adapters" / "global.safetensors")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
+    assert json.loads((out / "run.json").read_text())["status"] == "complete"
+
+
+def _no_wall(rec):
+    return {k: v for k, v in rec.items() if k not in ("wall_s", "wall_s_parts")}
