@@ -551,6 +551,29 @@ def _quiet_engine():
             h.removeFilter(drop)
 
 
+@contextlib.contextmanager
+def _engine_leaves_signals():
+    """While the simulation engine starts Ray: Ray leaves this process's SIGTERM handling alone — its driver would
+    install a Python handler that exits (``ray._private.utils.set_sigterm_handler``) and a native one that aborts
+    (absl's failure signal handler; ``RAY_DISABLE_FAILURE_SIGNAL_HANDLER``) — so that SIGTERM, like SIGINT, reaches
+    ``fedlora.signals.relay_signals`` (a scheduler's SIGTERM then finishes and checkpoints the round). Ray's
+    processes are still stopped when the engine ends (``ray.shutdown``) or the process exits (Ray's atexit)."""
+    saved_env = os.environ.get("RAY_DISABLE_FAILURE_SIGNAL_HANDLER")
+    os.environ["RAY_DISABLE_FAILURE_SIGNAL_HANDLER"] = "1"
+    import ray._private.utils as ray_utils
+
+    saved_set = ray_utils.set_sigterm_handler
+    ray_utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        ray_utils.set_sigterm_handler = saved_set
+        if saved_env is None:
+            os.environ.pop("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", None)
+        else:
+            os.environ["RAY_DISABLE_FAILURE_SIGNAL_HANDLER"] = saved_env
+
+
 def simulate(main, n_clients: int):
     """Run ``main(grid)`` as the ServerApp of Flower's simulation engine (Ray) with ``n_clients`` SuperNodes
     running ``client_app``; ``main``'s return value (its exception is raised here: the engine swallows it)."""
@@ -568,8 +591,12 @@ def simulate(main, n_clients: int):
         except BaseException as e:  # re-raised below
             box["error"] = e
 
+    from .signals import relay_signals
+
     cpus = max(1, min(n_clients, os.cpu_count() or 1))
-    with _quiet_engine():
+    # the ServerApp runs in a thread of the engine and signals come to this one: relayed to the round loop
+    # (fedlora.signals), so that Ctrl-C finishes and checkpoints the round instead of stopping the engine under it
+    with _quiet_engine(), _engine_leaves_signals(), relay_signals():
         flwr_run_simulation(server_app=sapp, client_app=client_app, num_supernodes=n_clients, backend_name="ray",
                             backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
                                             "init_args": {"num_cpus": cpus, "include_dashboard": False,

@@ -11,7 +11,6 @@ means, the global model's scores, the summary, the figure, the adapters — is t
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import time
@@ -25,6 +24,7 @@ from fedlora.io import OutputDir, claim_output_dir, write_bytes_atomic, write_js
 from fedlora.privacy.plan import BudgetExhausted
 from fedlora.payload import Payload
 from fedlora.server import ClientExecutor
+from fedlora.signals import deferred_signals
 from fedlora.state import record_nbytes
 
 from .runfolder import GLOBAL_ADAPTER, MERGED_UPDATE, RUN_WRITES, config_digest, config_digests
@@ -118,7 +118,7 @@ class Driver:
         # (when they can: keeps_checkpoints), and no final records
         private = bool(getattr(self.executor, "records_stay_on_clients", False))
         checkpoints = not private or self.executor.keeps_checkpoints
-        with _deferred_signals(None if checkpoints else SECAGG_NO_CHECKPOINT) as pending:
+        with deferred_signals(None if checkpoints else SECAGG_NO_CHECKPOINT) as pending:
             for rnd in range(start, cfg.train.rounds):
                 try:
                     rec = self.run_round(rnd)  # after the last round: the final global state to every client (counted)
@@ -422,49 +422,6 @@ def config_differences(a: Mapping[str, Any], b: Mapping[str, Any], prefix: str =
         elif va != vb:
             out.append(f"{name} ({json.dumps(va)} → {json.dumps(vb)})")
     return out
-
-
-@contextlib.contextmanager
-def _deferred_signals(no_checkpoint: str | None = None):
-    """During the rounds, the first SIGINT/SIGTERM lets the round finish and be checkpointed (the list
-    yielded holds the signal; the loop raises ``Interrupted`` after it); a second stops at once.
-    ``no_checkpoint``: the run keeps none (SecAgg+), and the line printed says why instead."""
-    import signal
-    import sys
-    import threading
-
-    from fedlora.errors import Interrupted
-
-    pending: list[int] = []
-    if threading.current_thread() is not threading.main_thread():
-        yield pending
-        return
-    sigs = (signal.SIGINT, signal.SIGTERM)
-
-    def handler(signum: int, frame) -> None:
-        if pending:
-            for s_ in sigs:
-                signal.signal(s_, signal.SIG_IGN)
-            raise Interrupted(signum)
-        pending.append(signum)
-        from tqdm.auto import tqdm
-
-        # on its own line: tqdm.write clears a progress bar's line first and draws the bar again below
-        what = "to checkpoint it" if no_checkpoint is None else f"({no_checkpoint})"
-        tqdm.write(f"fedlora: {signal.Signals(signum).name}: finishing this round {what} "
-                   f"(send it again to stop now)", file=sys.stderr)
-        sys.stderr.flush()
-
-    old = {s_: signal.getsignal(s_) for s_ in sigs}
-    for s_, h in old.items():
-        if h is not signal.SIG_IGN:
-            signal.signal(s_, handler)
-    try:
-        yield pending
-    finally:
-        for s_, h in old.items():
-            if signal.getsignal(s_) is not signal.SIG_IGN or h is signal.SIG_IGN:
-                signal.signal(s_, h if h is not None else signal.SIG_DFL)
 
 
 def _rounds_done(path: Path) -> int:

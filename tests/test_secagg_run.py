@@ -1036,3 +1036,57 @@ def test_a_stopped_secagg_run_resumes_from_its_nodes_checkpoints_to_the_uninterr
 
 def _no_wall(rec):
     return {k: v for k, v in rec.items() if k not in ("wall_s", "wall_s_parts")}
+
+
+@pytest.mark.long  # a `fedlora run --runtime flower` subprocess stopped by SIGTERM, resumed on Ray (≈ 90 s)
+def test_sigterm_on_the_simulation_engine_finishes_the_round_checkpoints_it_and_the_run_resumes(tmp_path, capsys):
+    """What a scheduler does to a job: SIGTERM to `fedlora run --runtime flower` with SecAgg+ — whose ServerApp
+    runs in a thread of Flower's engine, and whose Ray would exit or abort on SIGTERM — once round 1 is
+    checkpointed. The round in progress finishes and is checkpointed (the server's and every node's), the command
+    exits 143 with run.json ``interrupted``; `fedlora run --resume` on Ray ends as the uninterrupted run."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from fedlora.checkpoint import list_checkpoints, load_checkpoint, read_checkpoint
+    from fedlora.llm.config import load_config
+
+    overrides = [*SECAGG, "federation.sample_fraction=1.0", "train.rounds=4"]
+    out = tmp_path / "stopped"
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    argv = [sys.executable, "-m", "fedlora", "run", "tiny-smoke", "--runtime", "flower", "--no-progress",
+            "--out", str(out), *[a for o in overrides for a in ("--set", o)]]
+    proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / "checkpoints" / "round_000001" / "manifest.json").is_file():
+            assert proc.poll() is None, f"the run ended before round 1: {proc.stderr.read()[-2000:]}"
+            assert time.monotonic() < deadline, "round 1 was not checkpointed within 240 s"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)  # the process only, as a scheduler's stop reaches a job's main process
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "fedlora: SIGTERM: finishing this round to checkpoint it" in err
+    state = json.loads((out / "run.json").read_text())
+    assert (state["status"], state["signal"]) == ("interrupted", "SIGTERM") and 1 <= state["rounds_done"] < 4
+    done = state["rounds_done"]
+    assert load_checkpoint(out / "checkpoints").round == done  # the round the signal came in: checkpointed
+    for k in range(3):
+        assert read_checkpoint(out / "checkpoints" / "nodes" / f"client_{k}" / f"round_{done:06d}").round == done
+    assert [p.name for p in list_checkpoints(out / "checkpoints")][0] == f"round_{done:06d}"
+
+    assert main(["run", "--resume", str(out), "--no-progress"]) == 0, capsys.readouterr().err
+    ref = tmp_path / "uninterrupted"
+    _simulated_secagg(_grid(), load_config("tiny-smoke", [*overrides, f"output_dir={ref}"]))
+    rounds = [_no_wall(json.loads(line)) for line in (out / "rounds.jsonl").read_text().splitlines()]
+    assert rounds == [_no_wall(json.loads(line)) for line in (ref / "rounds.jsonl").read_text().splitlines()]
+    assert len(rounds) == 5
