@@ -27,10 +27,18 @@ _relay: dict | None = None
 
 
 def _install(state: dict) -> dict:
-    """The handler of ``state`` (``pending``: the signals so far; ``what``: the line's reason) for SIGINT and
-    SIGTERM, except where the process ignores one (a background job's SIGINT); returns the old handlers."""
+    """The handler of ``state`` (``pending``: the signals so far; ``what``: the line's reason; ``loops``: with a
+    relay, how many round loops take its signals now) for SIGINT and SIGTERM, except where the process ignores
+    one (a background job's SIGINT); returns the old handlers. A relay with no round loop taking its signals (the
+    engine starting, the testbed's Flower runs) is not in the way: the signal does what it did without it."""
+    old: dict = {}
 
     def handler(signum: int, frame) -> None:
+        if state.get("loops") == 0 and not state["pending"]:
+            before = old.get(signum)
+            if callable(before):
+                return before(signum, frame)
+            raise Interrupted(signum)  # the default action: stop now
         if state["pending"]:
             for s_ in _SIGNALS:
                 signal.signal(s_, signal.SIG_IGN)
@@ -43,7 +51,7 @@ def _install(state: dict) -> dict:
                    f"(send it again to stop now)", file=sys.stderr)
         sys.stderr.flush()
 
-    old = {s_: signal.getsignal(s_) for s_ in _SIGNALS}
+    old.update({s_: signal.getsignal(s_) for s_ in _SIGNALS})
     for s_, h in old.items():
         if h is not signal.SIG_IGN:
             signal.signal(s_, handler)
@@ -72,9 +80,11 @@ def deferred_signals(no_checkpoint: str | None = None) -> Iterator[list[int]]:
             return
         relay = _relay
         relay["what"] = _reason(no_checkpoint)
+        relay["loops"] += 1
         try:
             yield relay["pending"]
         finally:
+            relay["loops"] -= 1
             relay["what"] = _reason(None)
         return
     state = {"pending": [], "what": _reason(no_checkpoint)}
@@ -88,12 +98,13 @@ def deferred_signals(no_checkpoint: str | None = None) -> Iterator[list[int]]:
 @contextlib.contextmanager
 def relay_signals() -> Iterator[None]:
     """In the main thread, while another thread runs the rounds (Flower's simulation engine): the first
-    SIGINT/SIGTERM is recorded for that thread's ``deferred_signals``, a second raises ``Interrupted`` here at once."""
+    SIGINT/SIGTERM is recorded for that thread's ``deferred_signals``, a second raises ``Interrupted`` here at once.
+    While no round loop is inside ``deferred_signals`` a signal does what it did before (the handler there was)."""
     global _relay
     if threading.current_thread() is not threading.main_thread():  # no signal comes here: nothing to relay
         yield
         return
-    state = {"pending": [], "what": _reason(None)}
+    state = {"pending": [], "what": _reason(None), "loops": 0}
     old = _install(state)
     _relay = state
     try:

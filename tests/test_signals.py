@@ -92,3 +92,17 @@ def test_a_round_loop_in_the_main_thread_defers_the_first_signal_itself(sigint_a
         assert pending == [signal.SIGINT]
         with pytest.raises(Interrupted):
             _signal_self(signal.SIGINT)
+
+
+def test_the_relay_without_a_round_loop_taking_signals_leaves_them_as_they_were(sigint_as_a_terminal_has_it):
+    """Before a round loop enters ``deferred_signals`` (the engine starting) or in a Flower run without one (the
+    testbed's): Ctrl-C interrupts at once, as without the relay — never recorded for a loop that is not there."""
+    with relay_signals():
+        with pytest.raises(KeyboardInterrupt) as stopped:
+            _signal_self(signal.SIGINT)
+        assert not isinstance(stopped.value, Interrupted)  # the handler that was there: Python's own
+        t, go, seen = _loop_in_a_thread()  # a loop now takes them: the next one is deferred
+        _signal_self(signal.SIGINT)
+        go.set()
+        t.join(10)
+    assert seen["pending"] == [signal.SIGINT]
