@@ -434,6 +434,14 @@ def _flower_executor():
     return FlowerExecutor
 
 
+def deployment_checkpoints_refused(every: int) -> str:
+    """Why a deployment's SecAgg+ run with ``train.checkpoint_every`` = ``every`` > 0 is refused (one line): its
+    nodes keep no checkpoint there (``SecAggExecutor.keeps_checkpoints``)."""
+    return (f"secagg: train.checkpoint_every {every}: on a deployment a SecAgg+ run keeps no checkpoint (its clients' "
+            f"records never leave their nodes, which keep their checkpoints only on the simulation engine: fedlora run "
+            f"--runtime flower) — set train.checkpoint_every=0")
+
+
 class SecAggExecutor(_flower_executor()):
     """``fedlora.flower.FlowerExecutor`` whose rounds are SecAgg+ fits (module docstring): ``train`` returns the
     participants' uploads only as their weighted mean (``fedlora.server.SUMMED``). ``secagg``: the run's
@@ -499,10 +507,7 @@ class SecAggExecutor(_flower_executor()):
         nodes cannot keep their clients' checkpoints (``keeps_checkpoints``: a deployment), a one-line
         ``ConfigError`` — before any training."""
         if self._checkpoint_every and not self.keeps_checkpoints:
-            raise ConfigError(f"secagg: train.checkpoint_every {self._checkpoint_every}: on a deployment a SecAgg+ run "
-                              f"keeps no checkpoint (its clients' records never leave their nodes, which keep their "
-                              f"checkpoints only on the simulation engine: fedlora run --runtime flower) — set "
-                              f"train.checkpoint_every=0")
+            raise ConfigError(deployment_checkpoints_refused(self._checkpoint_every))
         return super().connect()
 
     @property

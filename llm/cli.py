@@ -321,7 +321,7 @@ def _cmd_flower(args: argparse.Namespace) -> int:
         if cfg is not None:
             from .flower import check_flower_config
 
-            check_flower_config(cfg)
+            check_flower_config(cfg, deployment=True)
         folder = fd.claim_app_dir(args.out, overwrite=args.overwrite)  # a project's pyproject.toml never replaced
         out = folder.path
         try:
@@ -376,7 +376,7 @@ def _flower_local(args: argparse.Namespace) -> int:
     from .flower import check_flower_config
     from .runfolder import RUN_WRITES
 
-    check_flower_config(cfg)  # a method or config Flower cannot run is refused before anything is said or started
+    check_flower_config(cfg, deployment=True)  # what a deployment cannot run: refused before anything is said or started
     # checked here (nothing cleared yet), claimed again by the ServerApp — the folder must be usable before
     # anything starts
     folder = claim_output_dir(cfg.output_dir, "--out" if args.out is not None else "output_dir", writes=RUN_WRITES,

@@ -38,12 +38,17 @@ __all__ = ["NODE", "server_app", "client_app", "run_simulation", "executor_over"
 NODE = "llm"
 
 
-def check_flower_config(cfg) -> None:
+def check_flower_config(cfg, *, deployment: bool = False) -> None:
     """A ``RunConfig`` the Flower runtime can run: its method (``check_flower_method``) and one base model
-    per run — heterogeneous client models (``federation.client_models``) run embedded only."""
+    per run — heterogeneous client models (``federation.client_models``) run embedded only. ``deployment``: on a
+    deployment, where a SecAgg+ run keeps no checkpoint, ``train.checkpoint_every`` must then be 0."""
     check_flower_method(get_method(cfg.method.name))
     if cfg.federation.client_models is not None:
         raise ConfigError(HETERO_EMBEDDED_ONLY)
+    if deployment and cfg.privacy.secagg.enabled and cfg.train.checkpoint_every:
+        from fedlora.flower_secagg import deployment_checkpoints_refused
+
+        raise ConfigError(deployment_checkpoints_refused(cfg.train.checkpoint_every))
 
 
 def _node(config: Mapping[str, Any]):
@@ -117,7 +122,7 @@ def _deployment_main(grid, context) -> None:
     cfg = RunConfig.from_dict(json.loads(text)) if text else load_config(path)
     if str(rc.get("out", "")):
         cfg = RunConfig.from_dict({**cfg.to_dict(), "output_dir": str(rc["out"])})
-    check_flower_config(cfg)
+    check_flower_config(cfg, deployment=True)
     # the nodes are asked which partition they hold first: each answers from a new process (seconds of
     # SuperNode poll and start-up) while this one builds the run (seconds of imports and model); a node's
     # bad answer is raised before the run claims its folder

@@ -53,7 +53,7 @@ def run_local(cfg, out: str | os.PathLike, *, overwrite: bool = False, tls: bool
     forked from a warm process (``fedlora.flower_warm``); False: flwr's SuperExec, an interpreter per message."""
     from .flower import check_flower_config  # imports torch: only for a run
 
-    check_flower_config(cfg)
+    check_flower_config(cfg, deployment=True)
     tmp = work is None
     work = Path(tempfile.mkdtemp(prefix="fedlora-flower-")) if tmp else Path(work)
     ok = False

@@ -271,6 +271,23 @@ def test_flower_local_refuses_the_method_before_starting_anything(tmp_path, caps
     assert "flora is not supported on Flower" in err and not out.exists()
 
 
+@pytest.mark.parametrize("command", [["flower", "local"], ["flower", "app"]])
+def test_a_deployments_secagg_run_with_checkpoints_is_refused_before_anything_starts(command, tmp_path, capsys):
+    """On a deployment a SecAgg+ run keeps no checkpoint (its nodes would keep them; only the simulation engine
+    has them): the default train.checkpoint_every 1 is refused in one line before any process starts or any
+    file is written; 0 goes on (here: `flower app` writes the app)."""
+    secagg = ["tiny-smoke", "--set", "privacy.secagg.enabled=true", "--set", "federation.sample_fraction=1.0"]
+    out = tmp_path / "out"
+    assert main([*command, *secagg, "--out", str(out)]) == 2
+    o, err = capsys.readouterr()
+    assert "starting" not in o and err.count("\n") == 1 and not out.exists()
+    assert "train.checkpoint_every 1: on a deployment a SecAgg+ run keeps no checkpoint" in err
+    assert "set train.checkpoint_every=0" in err
+    if command == ["flower", "app"]:
+        assert main([*command, *secagg, "--set", "train.checkpoint_every=0", "--out", str(out)]) == 0
+        assert (out / "run.toml").is_file()
+
+
 # --- the Flower simulation's noise ------------------------------------------------------------------
 def test_the_simulation_engine_drops_flowers_banner_and_rays_tip_only():
     pytest.importorskip("flwr")
