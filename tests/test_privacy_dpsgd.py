@@ -206,13 +206,16 @@ def test_observe_sees_each_slots_examples_before_clipping_and_changes_nothing():
         torch.testing.assert_close(got[n], plain[n], rtol=0, atol=0, msg=n)
 
 
-def test_private_perfedavg_releases_its_inner_and_meta_gradients_each_on_its_own_batch_and_noise():
-    """Per-FedAvg (first-order) under sample-level DP, by hand from a loop over single examples: release 0 is DP-SGD's
-    gradient at x on the "batch" draw with "noise"; x̃ = x − α·that; release 1 is DP-SGD's gradient AT x̃ on the
-    independent "batch.1" draw with "noise.1"; the SGD step moves x by −β·(release 1)."""
+@pytest.mark.parametrize("variant", ["first-order", "hessian-free"])
+def test_private_perfedavg_releases_its_inner_and_meta_gradients_each_on_its_own_batch_and_noise(variant):
+    """Per-FedAvg under sample-level DP, by hand from a loop over single examples: release 0 is DP-SGD's gradient at
+    x on the "batch" draw with "noise"; x̃ = x − α·that; release 1 is DP-SGD's gradient h AT x̃ on the independent
+    "batch.1" draw with "noise.1"; the SGD step moves x by −β·h — for the hessian-free variant by −β·(h − α·d̃), d̃
+    release 2: on the "batch.2" draw, each example's [∇ℓᵢ(x + δh) − ∇ℓᵢ(x − δh)]/(2δ) clipped to C as one vector,
+    summed, "noise.2" added, / q·n_k."""
     from torch.func import functional_call
 
-    S, n, q, alpha, beta = 2, 12, 0.4, 0.3, 0.2
+    S, n, q, alpha, beta, delta = 2, 12, 0.4, 0.3, 0.2, 0.05
     clients = [4, 7]
     model = _tiny(S, seed=2)
     gx = torch.Generator().manual_seed(8)
@@ -220,7 +223,8 @@ def test_private_perfedavg_releases_its_inner_and_meta_gradients_each_on_its_own
             for k in clients}
     sdp = SampleDP(clip_norm=0.4, noise_multiplier=0.7, sampling_rate=q, seed=5)
     sdp.set_client_sizes({k: n for k in clients})
-    method = get_method("perfedavg")(rank=2, lr=beta, inner_lr=alpha, optimizer="sgd")
+    method = get_method("perfedavg")(rank=2, lr=beta, inner_lr=alpha, optimizer="sgd", variant=variant, delta=delta)
+    assert method.sample_dp_releases == (2 if variant == "first-order" else 3)
     method.bind(model, clients)
     method.set_sample_dp(sdp)
     names = method.x_names
@@ -261,6 +265,21 @@ def test_private_perfedavg_releases_its_inner_and_meta_gradients_each_on_its_own
             _params(model)[n_].copy_(x0[n_] - alpha * inner[n_])  # x̃
     xb, yb, mask, b = batch_of(r1)
     meta = _by_hand(_loop_grads(model, xb, yb, S, b), names, mask, S, b, sdp, clients, kind="noise.1")
+    if variant == "hessian-free":
+        r2 = rows_of("batch.2")
+        assert any(not torch.equal(a, c) for a, c in zip(r1, r2))
+        xb, yb, mask, b = batch_of(r2)
+        sides = []
+        for sign in (1.0, -1.0):
+            with torch.no_grad():
+                for n_ in names:
+                    _params(model)[n_].copy_(x0[n_] + sign * delta * meta[n_])
+            sides.append(_loop_grads(model, xb, yb, S, b))
+        per = {n_: (sides[0][n_] - sides[1][n_]) / (2 * delta) for n_ in names}
+        norms = torch.stack([sum(per[n_][p, i].pow(2).sum() for n_ in names).sqrt() for p in range(S) for i in range(b)])
+        assert (norms[mask.bool()] > 0.4).any()  # the clip acts on the differences
+        hvp = _by_hand(per, names, mask, S, b, sdp, clients, kind="noise.2")
+        meta = {n_: meta[n_] - alpha * hvp[n_] for n_ in names}
     with torch.no_grad():
         for n_ in names:
             _params(model)[n_].copy_(x0[n_])
@@ -374,11 +393,10 @@ def test_refusals_name_the_reason_and_the_supported_list_is_the_documented_one()
     supported = {n for n in available_methods() if get_method(n).sample_dp_refusal is None}
     assert supported == SUPPORTED
     assert get_method("pf2lora").sample_dp_refusal.startswith("second-order")
-    hf = get_method("perfedavg")(variant="hessian-free")  # Per-FedAvg: its first-order variant only
-    with pytest.raises(ConfigError, match=r"^perfedavg: sample-level DP is not supported: variant 'hessian-free'"):
-        hf.set_sample_dp(SampleDP(1.0, 1.0, 0.1))
-    assert get_method("perfedavg").sample_dp_refusal_for({"variant": "hessian-free"}) == hf.sample_dp_refusal
-    assert get_method("perfedavg").sample_dp_refusal_for({}) is None
+    hf = get_method("perfedavg")(variant="hessian-free")  # Per-FedAvg: both variants, 2 or 3 releases a step
+    hf.set_sample_dp(SampleDP(1.0, 1.0, 0.1))
+    assert get_method("perfedavg").sample_dp_refusal_for({"variant": "hessian-free"}) is None
+    assert [get_method("perfedavg").sample_dp_releases_for(o) for o in ({}, {"variant": "hessian-free"})] == [2, 3]
     method = get_method("pf2lora")()
     with pytest.raises(ConfigError, match=r"^pf2lora: sample-level DP is not supported: second-order") as e:
         method.set_sample_dp(SampleDP(1.0, 1.0, 0.1))

@@ -57,7 +57,7 @@ def test_a_dry_run_gives_the_sample_level_plan_the_run_resolves_and_refuses_a_bu
 
 def test_private_perfedavg_and_feddpa_plan_their_releases_per_local_step():
     """A run's plan (no model): Per-FedAvg's rounds spend 2 × its local steps per client, σ is calibrated for as many,
-    config.json says so; the hessian-free variant is refused by the config check, before anything is loaded."""
+    config.json says so; its hessian-free variant 3 × (the Hessian-vector term a third release); FedDPA-T 2, -F 1."""
     from fedlora.llm.config import load_config
     from fedlora.llm.privacy import describe_plan, privacy_plan
     from fedlora.privacy.accounting import noise_multiplier_for
@@ -79,8 +79,10 @@ def test_private_perfedavg_and_feddpa_plan_their_releases_per_local_step():
                            3, sizes, steps)  # σ given: the calibration above is Per-FedAvg's, seconds per plan
         assert dpa.releases_per_step == releases
         assert dpa.participation([1], 3) == {"1": (dpa.sample_rates[1], 1.0, releases * steps[1])}
-    with pytest.raises(ConfigError, match="sample-level DP does not apply to perfedavg: variant 'hessian-free'"):
-        load_config("tiny-smoke", ["method.name=perfedavg", "method.options.variant=hessian-free", *sets])
+    hf = privacy_plan(load_config("tiny-smoke", ["method.name=perfedavg", "method.options.variant=hessian-free", *sets,
+                                                 "privacy.target_epsilon=null", "privacy.noise_multiplier=1.0"]),
+                      3, sizes, steps)
+    assert hf.releases_per_step == 3 and hf.participation([2], 3) == {"2": (hf.sample_rates[2], 1.0, 3 * steps[2])}
 
 
 def test_centralized_is_private_on_the_pooled_data_as_one_data_set(tmp_path):

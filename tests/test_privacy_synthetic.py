@@ -71,6 +71,31 @@ def test_first_order_pf2lora_noiseless_unclipped_full_batch_dp_equals_ordinary_t
             torch.testing.assert_close(b[k], a[k], rtol=1e-9, atol=1e-11)
 
 
+def test_hessian_free_perfedavg_noiseless_unclipped_full_batch_dp_equals_ordinary_training():
+    """Per-FedAvg's hessian-free variant: q = 1, σ = 0 and an unclipping C give its ordinary run — the third release's
+    per-example differences [∇ℓᵢ(x + δh) − ∇ℓᵢ(x − δh)]/(2δ), summed, are the full batch's finite-difference HVP; a
+    small C changes the run (the differences are clipped)."""
+    data = _data(seeds=(0,))
+    spec = method_spec("perfedavg", 2, K, {"variant": "hessian-free", "delta": 1e-2, "optimizer": "sgd"})
+    kw = dict(lr=0.05, rounds=2, local_steps=2, options=spec.options, adapter=spec.adapter, lr_arg=spec.lr_arg,
+              keep_records=True)
+    plain = run_method("perfedavg", data, **kw)
+    first = run_method("perfedavg", data, **{**kw, "options": {**spec.options, "variant": "first-order"}})
+    dp = run_method("perfedavg", data, privacy=TestbedPrivacy(math.inf, 1e-5, clip_norm=1e6, batch_size=10_000), **kw)
+    for a, b, f in zip(_factors(plain), _factors(dp), _factors(first)):
+        assert a.keys() == b.keys() and a
+        assert any(not torch.allclose(a[k], f[k], rtol=1e-9, atol=1e-11) for k in a)  # the HVP term matters here
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], rtol=1e-9, atol=1e-11)
+    # with noise: three releases per local step — σ calibrated for, and ε counting, 3 × the steps
+    noisy = run_method("perfedavg", data, privacy=PRIV, **kw)
+    sizes, acc = data.client_sizes, PrivacyAccountant()
+    for i in range(K):
+        acc.record(str(i), min(1.0, 8 / sizes[i]), PRIV.noise_multiplier(sizes, 3 * 2 * 2), 3 * 2 * 2)
+    assert noisy.history[-1]["privacy"]["epsilon_by_client"] == acc.epsilons(1e-5)
+    assert noisy.history[-1]["privacy"]["epsilon"] == pytest.approx(4.0, abs=1e-4)
+
+
 @pytest.mark.parametrize("name", SWEEP_METHODS)
 def test_private_steps_train_the_methods_factors(name):
     """With noise and Poisson batches every supported method's trained factors move from the broadcast init; FFA-LoRA

@@ -34,9 +34,17 @@ Privacy", CCS 2016, Alg. 1) on its own Poisson batch, with its own noise:
 
 Each release is the subsampled Gaussian mechanism of one DP-SGD step at x or at a point already released, so a
 local step composes two of them (``sample_dp_releases`` = 2: the accountant counts 2 × local steps, and σ is
-calibrated for as many). The hessian-free variant is refused: its Hessian-vector term is a difference of two
-gradients on D″ at x ± δg, whose per-example sensitivity per-sample clipping of each side does not bound as one
-release. The personalisation step at evaluation uses the client's data locally and is not a release.
+calibrated for as many). The hessian-free variant adds a third release, its Hessian-vector term on its own
+Poisson batch D″, with the released h as the direction (post-processing):
+
+    dᵢ = [∇ℓᵢ(x + δh) − ∇ℓᵢ(x − δh)] / (2δ)                        each example's finite-difference HVP
+    d̃  = (Σ_{i∈D″} clip_C dᵢ + N(0, σ²C²)) / (q·n_k)                 release 2
+    h ← h − α d̃
+
+Clipping each example's DIFFERENCE dᵢ (not each side: the two sides' gradients cancel in dᵢ, and their clips would
+not bound it as one release) makes dᵢ one per-example function with sensitivity C — a DP-SGD release like the
+others (``sample_dp_releases_for`` = 3 for this variant). The personalisation step at evaluation uses the client's
+data locally and is not a release.
 """
 from __future__ import annotations
 
@@ -53,9 +61,6 @@ from .base import AveragedFactors, Objective, Sampler, register
 __all__ = ["PerFedAvgLoRA"]
 
 VARIANTS = ("first-order", "hessian-free")
-#: why sample-level DP refuses the hessian-free variant (the first-order one is private: module doc)
-HF_REFUSAL = ("variant 'hessian-free': its Hessian-vector term is a difference of two gradients at x ± δg on one "
-              "batch, which per-example clipping of each does not bound as one release; use variant 'first-order'")
 
 
 def _grad(loss: torch.Tensor, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -78,9 +83,10 @@ class PerFedAvgLoRA(AveragedFactors):
     """
 
     name = "perfedavg"
-    sample_dp_refusal = None  # first-order: two DP-SGD releases per step (module doc); hessian-free: HF_REFUSAL
-    sample_dp_note = ("first-order variant: its inner and meta gradients are each a DP-SGD release, 2 per local "
-                      "step, both counted; hessian-free refused")
+    sample_dp_refusal = None  # DP-SGD releases per step: 2 (first-order), 3 (hessian-free); module doc
+    sample_dp_note = ("its inner and meta gradients are each a DP-SGD release, 2 per local step (first-order), and "
+                      "the hessian-free variant's Hessian-vector term a third, each example's difference clipped; "
+                      "all counted")
     sample_dp_releases = 2
     lora_upload = ("lora_A", "lora_B")  # its server averages the uploads: PEFT adapters aggregate with it
     personalised = True  # one SGD step on the client's own data (personalised_params)
@@ -101,12 +107,13 @@ class PerFedAvgLoRA(AveragedFactors):
             raise ConfigError(f"perfedavg: weight_decay must be ≥ 0, got {weight_decay!r}")
         self.rank, self.lr, self.inner_lr = rank, float(lr), float(inner_lr)
         self.variant, self.delta = variant, float(delta)
-        self.sample_dp_refusal = type(self).sample_dp_refusal_for({"variant": variant})
+        self.sample_dp_releases = type(self).sample_dp_releases_for({"variant": variant})
         self.optimizer, self.weight_decay = optimizer, float(weight_decay)
 
     @classmethod
-    def sample_dp_refusal_for(cls, options: Mapping[str, Any]) -> str | None:
-        return HF_REFUSAL if options.get("variant", "first-order") == "hessian-free" else None
+    def sample_dp_releases_for(cls, options: Mapping[str, Any]) -> int:
+        """2 DP-SGD releases per local step (inner and meta gradients), 3 for the hessian-free variant (module doc)."""
+        return 3 if options.get("variant", "first-order") == "hessian-free" else 2
 
     def step_sizes(self) -> dict:
         """β of the meta step (the optimizer's) and α of the one-step personalisation (plain SGD)."""
@@ -159,18 +166,45 @@ class PerFedAvgLoRA(AveragedFactors):
             got = self.private_grads(lambda: objective(xs, batch), self.x_names)
         return [got[n] for n in self.x_names]
 
+    def _private_hvp(self, objective: Objective, x: Sequence[torch.Tensor], g: Sequence[torch.Tensor],
+                     batch: Any) -> list[torch.Tensor]:
+        """The hessian-free variant's private Hessian-vector term d̃ (module doc): each example's finite difference
+        [∇ℓᵢ(x + δg) − ∇ℓᵢ(x − δg)]/(2δ) on ``batch``, clipped to C as one per-example vector, summed, noised,
+        / q·n_k (``fedlora.privacy.dpsgd.privatise``); aligned with ``x_names``."""
+        from ..privacy.dpsgd import per_example_gradients, privatise
+
+        d = self.delta
+
+        def at(sign: float) -> dict[str, torch.Tensor]:
+            with torch.enable_grad():
+                xs = dict(zip(self.x_names, ((xi + sign * d * gi).detach().requires_grad_(True)
+                                             for xi, gi in zip(x, g))))
+                return per_example_gradients(self.model, lambda: objective(xs, batch), self.x_names,
+                                             len(self.replica_clients))
+
+        plus, minus = at(1.0), at(-1.0)
+        got = privatise(self.sample_dp, {n: (plus[n] - minus[n]) / (2 * d) for n in self.x_names},
+                        self.replica_clients)
+        return [got[n] for n in self.x_names]
+
     def private_meta_direction(self, objective: Objective, sample: Sampler) -> list[torch.Tensor]:
-        """First-order h under sample-level DP (module doc): release 0 the inner gradient on D, release 1 the
-        gradient at x̃ on an independent D′ (``SampleDP.release`` keys each one's batch and noise apart)."""
+        """h under sample-level DP (module doc): release 0 the inner gradient on D, release 1 the gradient at x̃ on
+        an independent D′, and for the hessian-free variant release 2 the Hessian-vector term on D″ along the
+        released h (``SampleDP.release`` keys each one's batch and noise apart)."""
         sdp = self.sample_dp
         x = [self.params[n].detach() for n in self.x_names]
         a = self.inner_lr * self.lr_factor
         sdp.release(0)
-        g_in = self._private_grad(objective, x, sample())                   # g̃_in on D
-        x_tilde = [xi - a * gi for xi, gi in zip(x, g_in)]
-        sdp.release(1)
         try:
-            return self._private_grad(objective, x_tilde, sample())          # h on D′ at x̃
+            g_in = self._private_grad(objective, x, sample())                # g̃_in on D
+            x_tilde = [xi - a * gi for xi, gi in zip(x, g_in)]
+            sdp.release(1)
+            h = self._private_grad(objective, x_tilde, sample())             # h on D′ at x̃
+            if self.variant == "first-order":
+                return h
+            sdp.release(2)
+            dv = self._private_hvp(objective, x, h, sample())                # d̃ on D″, along the released h
+            return [hi - a * di for hi, di in zip(h, dv)]
         finally:
             sdp.release(0)
 

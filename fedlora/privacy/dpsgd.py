@@ -40,8 +40,8 @@ from fedlora.seeds import DP_SAMPLE, seed_of
 
 from .clipping import check_clip_norm, clip_per_sample, gaussian_noise_like, per_sample_lora_grads
 
-__all__ = ["SampleDP", "Capture", "capture", "per_sample_grads", "privatise", "private_gradients",
-           "private_weight_gradients", "DP_MASK"]
+__all__ = ["SampleDP", "Capture", "capture", "per_sample_grads", "per_example_gradients", "privatise",
+           "private_gradients", "private_weight_gradients", "DP_MASK"]
 
 #: the batch entry (S·b,) of 1.0 for a real row and 0.0 for a padded one (the slot executor's Poisson batches)
 DP_MASK = "dp_mask"
@@ -374,9 +374,17 @@ def private_gradients(sdp: SampleDP, model: nn.Module, losses_fn: Callable[[], t
     Returns:
         the private gradients, in the parameters' dtypes.
     """
-    live, outs = _output_grads(model, losses_fn, len(clients))
-    per = per_sample_grads(live, outs, names, model, len(clients))
+    per = per_example_gradients(model, losses_fn, names, len(clients))
     return privatise(sdp, transform(per) if transform is not None else per, clients)
+
+
+def per_example_gradients(model: nn.Module, losses_fn: Callable[[], torch.Tensor], names: Sequence[str],
+                          slots: int) -> dict[str, torch.Tensor]:
+    """The per-example gradients of ``names`` (name → (S, n, *shape)) of the losses ``losses_fn`` gives (as for
+    ``private_gradients``), before any clipping — for a release of a per-example function of them (Per-FedAvg's
+    private Hessian-vector term: the difference of two points' gradients, ``privatise``d as one)."""
+    live, outs = _output_grads(model, losses_fn, slots)
+    return per_sample_grads(live, outs, names, model, slots)
 
 
 def private_weight_gradients(sdp: SampleDP, model: nn.Module, losses_fn: Callable[[], torch.Tensor],
