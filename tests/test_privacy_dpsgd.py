@@ -392,13 +392,13 @@ def test_bad_settings_are_one_line(kw, match):
 def test_refusals_name_the_reason_and_the_supported_list_is_the_documented_one():
     supported = {n for n in available_methods() if get_method(n).sample_dp_refusal is None}
     assert supported == SUPPORTED
-    assert get_method("pf2lora").sample_dp_refusal.startswith("second-order")
+    assert get_method("pf2lora").sample_dp_refusal.startswith("hypergradient 'exact'")
     hf = get_method("perfedavg")(variant="hessian-free")  # Per-FedAvg: both variants, 2 or 3 releases a step
     hf.set_sample_dp(SampleDP(1.0, 1.0, 0.1))
     assert get_method("perfedavg").sample_dp_refusal_for({"variant": "hessian-free"}) is None
     assert [get_method("perfedavg").sample_dp_releases_for(o) for o in ({}, {"variant": "hessian-free"})] == [2, 3]
     method = get_method("pf2lora")()
-    with pytest.raises(ConfigError, match=r"^pf2lora: sample-level DP is not supported: second-order") as e:
+    with pytest.raises(ConfigError, match=r"^pf2lora: sample-level DP is not supported: hypergradient 'exact'") as e:
         method.set_sample_dp(SampleDP(1.0, 1.0, 0.1))
     assert "\n" not in str(e.value)
     method.set_sample_dp(None)  # off is always allowed
@@ -497,11 +497,11 @@ class _TwoReleases:
     cross-entropy of a functional call of ``model``; ``per_example``: each example's gradient by its own backward."""
 
     S, b = 2, 4
-    MASKS = {0: [1, 1, 0, 1, 1, 1, 1, 0], 1: [1, 0, 1, 1, 1, 1, 1, 1]}
+    MASKS = {0: [1, 1, 0, 1, 1, 1, 1, 0], 1: [1, 0, 1, 1, 1, 1, 1, 1], 2: [1, 1, 1, 0, 1, 0, 1, 1]}
 
     def __init__(self, model, sdp):
         self.model, self.sdp, self.drawn = model, sdp, []
-        self.batches = {p: (*_data(self.S, self.b, seed=3 + p), torch.tensor(self.MASKS[p], dtype=F64)) for p in (0, 1)}
+        self.batches = {p: (*_data(self.S, self.b, seed=3 + p), torch.tensor(m, dtype=F64)) for p, m in self.MASKS.items()}
 
     def sample(self):
         self.drawn.append((self.sdp.round, self.sdp.step, self.sdp.part))
@@ -673,10 +673,9 @@ def test_private_first_order_pf2lora_releases_its_lower_and_upper_gradients_on_t
     sdp.set_client_sizes({0: 10, 1: 10})
     m.set_sample_dp(sdp)
     assert m.sample_dp_releases == 2
-    for mode in ("exact", "finite-difference"):
-        with pytest.raises(ConfigError, match=r"^pf2lora: sample-level DP is not supported: second-order.*"
-                                              r"hypergradient: none"):
-            PF2LoRA(hypergradient=mode).set_sample_dp(sdp)
+    with pytest.raises(ConfigError, match=r"^pf2lora: sample-level DP is not supported: hypergradient 'exact'.*"
+                                          r"hypergradient: finite-difference or none trains privately"):
+        PF2LoRA(hypergradient="exact").set_sample_dp(sdp)
     t = _TwoReleases(model, sdp)
     start = {n: t_.detach().clone() for n, t_ in m.params.items()}
     assert any(n.endswith("lora_C") for n in m.y_names) and any(n.endswith("lora_A") for n in m.x_names)
@@ -691,6 +690,52 @@ def test_private_first_order_pf2lora_releases_its_lower_and_upper_gradients_on_t
         for n in names:
             assert want[n].abs().max() > 1e-4, n
             torch.testing.assert_close(m.params[n].detach(), start[n] - lr * want[n], rtol=1e-9, atol=1e-12, msg=n)
+
+
+def test_private_finite_difference_pf2lora_releases_the_mixed_term_as_each_examples_clipped_difference():
+    """PF2LoRA with hypergradient "finite-difference" under DP (SGD), three releases on their own batches: y⁺ = y −
+    α·g̃_y (release 0); g̃_x and ṽ one joint release at (x, y⁺) (release 1); the mixed term from each example's
+    [∇_x ℓᵢ(x, y + δṽ) − ∇_x ℓᵢ(x, y − δṽ)]/(2δ), δ = fd_eps/‖ṽ‖ per client, clipped as one, summed, noised
+    (release 2); x steps along g̃_x − α·d̃ — equal to loops over single examples done by hand."""
+    from fedlora.methods.pf2lora import PF2LoRA
+
+    lr_x, lr_y, eps = 0.1, 0.2, 0.05
+    model = _tiny(2, r=2, client_rank=1)
+    m = PF2LoRA(rank=2, client_rank=1, hypergradient="finite-difference", fd_eps=eps, upper_optimizer="sgd",
+                upper_lr=lr_x, lower_lr=lr_y)
+    m.bind(model, [0, 1], n_clients=2)
+    sdp = SampleDP(0.5, 0.7, 0.4, seed=17)
+    sdp.set_client_sizes({0: 10, 1: 10})
+    m.set_sample_dp(sdp)
+    assert m.sample_dp_releases == 3 == PF2LoRA.sample_dp_releases_for({"hypergradient": "finite-difference"})
+    t = _TwoReleases(model, sdp)
+    xs, ys = m.x_names, m.y_names
+    start = {n: t_.detach().clone() for n, t_ in m.params.items()}
+    sdp.at(0, 0)
+    g_y = t.by_hand(t.per_example(start, ys, 0), ys, 0)
+    y_plus = {n: start[n] - lr_y * g_y[n] for n in ys}
+    sdp.release(1)
+    joint = t.by_hand(t.per_example({**start, **y_plus}, [*xs, *ys], 1), [*xs, *ys], 1)
+    norm = torch.stack([sum(joint[n][p].pow(2).sum() for n in ys) for p in range(2)]).sqrt()
+    delta = eps / norm
+    sdp.release(2)
+
+    def slotwise(d, t_):  # a slot's scalar over its slice
+        return d.view(-1, *[1] * (t_.dim() - 1))
+
+    sides = [t.per_example({**start, **{n: start[n] + sign * slotwise(delta, start[n]) * joint[n] for n in ys}}, xs, 2)
+             for sign in (1.0, -1.0)]
+    per = {n: (sides[0][n] - sides[1][n]) / (2 * slotwise(delta, sides[0][n])) for n in xs}
+    mixed = t.by_hand(per, xs, 2)
+    sdp.at(0, 0)
+    m.local_step(t.objective, t.sample)
+    assert t.drawn == [(0, 0, 0), (0, 0, 1), (0, 0, 2)]
+    for n in ys:
+        torch.testing.assert_close(m.params[n].detach(), y_plus[n], rtol=1e-9, atol=1e-12, msg=n)
+    for n in xs:
+        assert (lr_y * mixed[n]).abs().max() > 1e-6, n  # the mixed term moves x here
+        torch.testing.assert_close(m.params[n].detach(), start[n] - lr_x * (joint[n] - lr_y * mixed[n]),
+                                   rtol=1e-9, atol=1e-12, msg=n)
 
 
 def test_private_feddpa_releases_each_phase_on_its_own_batch_and_noise():
@@ -992,7 +1037,7 @@ def test_padded_rows_and_masks_in_the_executors_batches(smoke):
 
 def test_sample_dp_with_a_refused_method_is_one_line():
     ex = _prepared("pf2lora")
-    with pytest.raises(ConfigError, match=r"pf2lora: sample-level DP is not supported: second-order") as e:
+    with pytest.raises(ConfigError, match=r"pf2lora: sample-level DP is not supported: hypergradient 'exact'") as e:
         ex.set_sample_dp(SampleDP(1.0, 1.0, 0.1))
     assert "\n" not in str(e.value)
 

@@ -56,11 +56,13 @@ def test_noiseless_unclipped_full_batch_dp_equals_ordinary_training(name, task):
     assert any(not torch.allclose(c[k], a[k]) for c, a in zip(_factors(clipped), _factors(plain)) for k in a)
 
 
-def test_first_order_pf2lora_noiseless_unclipped_full_batch_dp_equals_ordinary_training():
-    """PF2LoRA with hypergradient "none": q = 1, σ = 0 and an unclipping C give its ordinary first-order run (both
-    releases then see every row: the lower step's and the upper step's gradients are the full-batch ones)."""
+@pytest.mark.parametrize("mode", ["none", "finite-difference"])
+def test_pf2lora_noiseless_unclipped_full_batch_dp_equals_ordinary_training(mode):
+    """PF2LoRA with hypergradient "none" or "finite-difference": q = 1, σ = 0 and an unclipping C give its ordinary
+    run (every release then sees every row: the lower step's, the upper step's and the mixed term's gradients are
+    the full-batch ones; the per-example finite differences sum to the batch's)."""
     data = _data(seeds=(0,))
-    spec = method_spec("pf2lora", 2, K, {"hypergradient": "none", "upper_optimizer": "sgd"})
+    spec = method_spec("pf2lora", 2, K, {"hypergradient": mode, "upper_optimizer": "sgd"})
     kw = dict(lr=0.05, rounds=2, local_steps=2, options=spec.options, adapter=spec.adapter, lr_arg=spec.lr_arg,
               keep_records=True)
     plain = run_method("pf2lora", data, **kw)
@@ -167,7 +169,7 @@ def test_same_seed_bit_identical_other_seed_differs_federations_independent():
 def test_refusals_in_one_line():
     data = _data(seeds=(0,))
     spec = method_spec("pf2lora", 2, K, None)
-    with pytest.raises(ConfigError, match="pf2lora: sample-level DP is not supported: second-order"):
+    with pytest.raises(ConfigError, match="pf2lora: sample-level DP is not supported: hypergradient 'exact'"):
         run_method("pf2lora", data, lr=0.05, rounds=1, local_steps=1, options=spec.options, adapter=spec.adapter,
                    lr_arg=spec.lr_arg, privacy=TestbedPrivacy(3.0))
     with pytest.raises(ConfigError, match=r"^centralized: sample-level DP on the testbed: .*fedlora run pools the rows"):

@@ -13,9 +13,18 @@ Optimizer moments and AdamW step counts are per client (``fedlora.optim.StackedA
 Sample-level DP (our variant; the paper has no private runs): with ``hypergradient="none"`` (first-order: the upper
 direction is ∇_x F(x, y; ξ), no mixed term) a local step takes two gradients at (x, y), each a DP-SGD release (Abadi
 et al., CCS 2016, Alg. 1) on its own Poisson batch and noise — the lower g̃_y on the step's "batch"/"noise" streams,
-the upper g̃_x on "batch.1"/"noise.1" (``SampleDP.release``) — 2 releases per local step, both counted. The
-hypergradient modes are refused: their mixed term −α∇²_{xy}F·v differentiates through the lower level's gradient
-on a whole batch, which per-example clipping does not bound.
+the upper g̃_x on "batch.1"/"noise.1" (``SampleDP.release``) — 2 releases per local step, both counted. With
+``hypergradient="finite-difference"`` eq. (4) becomes three releases, each on its own Poisson batch:
+
+    g̃_y      = DP-SGD ∇_y F(x, y; π)                       release 0;  y⁺ = y − α g̃_y
+    (g̃_x, ṽ) = DP-SGD ∇_{(x,y)} F(x, y⁺; ξ), clipped jointly  release 1 (ξ̃ = ξ)
+    d̃        = DP-SGD of each example's [∇_x ℓᵢ(x, y + δṽ) − ∇_x ℓᵢ(x, y − δṽ)]/(2δ),  δ = fd_eps/‖ṽ‖ per client,
+               the difference clipped as one vector              release 2 (ζ: its own batch, not π's)
+    h        = g̃_x − α d̃
+
+ṽ and δ are post-processing of release 1, so release 2 is one per-example function with sensitivity C. The
+``exact`` mode is refused: its mixed term is a double backward through the batch's gradient, with no per-example
+form here.
 """
 from __future__ import annotations
 
@@ -37,12 +46,14 @@ __all__ = ["PF2LoRA"]
 @register
 class PF2LoRA(AveragedFactors):
     name = "pf2lora"
-    #: the default (hypergradient "exact") is second-order; ``hypergradient: none`` has the private path (module doc)
-    sample_dp_refusal = ("second-order: its upper step differentiates through the lower level's gradient (the "
-                         "hypergradient), which per-example clipping does not bound; hypergradient: none (first-order) "
+    #: the default (hypergradient "exact") is a double backward; ``finite-difference`` and ``none`` have private
+    #: paths (module doc)
+    sample_dp_refusal = ("hypergradient 'exact': its mixed term differentiates through the batch's gradient (a double "
+                         "backward), which has no per-example form here; hypergradient: finite-difference or none "
                          "trains privately")
-    sample_dp_note = ("hypergradient: none (first-order): its lower and upper gradients are each a DP-SGD release, 2 "
-                      "per local step, both counted; the hypergradient modes are refused")
+    sample_dp_note = ("hypergradient: none — its lower and upper gradients are each a DP-SGD release, 2 per local "
+                      "step; finite-difference — 3, the mixed term's per-example finite difference clipped as one; "
+                      "all counted; exact refused")
     sample_dp_releases = 2
     personalised = True  # the client adapter C_k, D_k
     needs_client_adapter = True
@@ -78,11 +89,17 @@ class PF2LoRA(AveragedFactors):
         self.upper_lr, self.lower_lr = upper_lr, lower_lr
         self.upper_optimizer, self.weight_decay = upper_optimizer, weight_decay
         self.hypergradient, self.batches, self.fd_eps = hypergradient, batches, fd_eps
+        self.sample_dp_releases = type(self).sample_dp_releases_for({"hypergradient": hypergradient})
         self.sample_dp_refusal = type(self).sample_dp_refusal_for({"hypergradient": hypergradient})
 
     @classmethod
     def sample_dp_refusal_for(cls, options) -> str | None:
-        return None if options.get("hypergradient", "exact") == "none" else cls.sample_dp_refusal
+        return cls.sample_dp_refusal if options.get("hypergradient", "exact") == "exact" else None
+
+    @classmethod
+    def sample_dp_releases_for(cls, options) -> int:
+        """2 DP-SGD releases per local step (``none``), 3 with the finite-difference hypergradient (module doc)."""
+        return 3 if options.get("hypergradient", "exact") == "finite-difference" else 2
 
     def step_sizes(self) -> dict:
         """The upper level's (common adapter, AdamW/SGD) and the lower level's α (client adapter, SGD)."""
@@ -142,22 +159,64 @@ class PF2LoRA(AveragedFactors):
             self.sched.step()
 
     def _private_local_step(self, objective: Objective, sample: Sampler) -> None:
-        """``hypergradient: none`` under sample-level DP (module doc): y ← y − α·g̃_y on release 0's batch, x along
-        g̃_x on release 1's, both taken at the step's (x, y) as ``bilevel_direction``'s "none" mode takes them."""
+        """A local step under sample-level DP (module doc). ``none``: y ← y − α·g̃_y on release 0's batch, x along
+        g̃_x on release 1's, both taken at the step's (x, y) as ``bilevel_direction``'s "none" mode takes them.
+        ``finite-difference``: g̃_x and ṽ at (x, y⁺) on release 1's batch, the mixed term on release 2's."""
+        alpha = self.lower_lr * self.lr_factor
         inner = sample()  # the runtime positioned this step's draws: release 0
         g_y = self.private_grads(lambda: objective(self.params, inner), self.y_names)
-        self.sample_dp.release(1)
-        outer = sample()
-        g_x = self.private_grads(lambda: objective(self.params, outer), self.x_names)
+        y = {n: self.params[n].detach().clone() for n in self.y_names}
+        try:
+            self.sample_dp.release(1)
+            outer = sample()
+            if self.hypergradient == "none":
+                g_x = self.private_grads(lambda: objective(self.params, outer), self.x_names)
+                h = [g_x[n] for n in self.x_names]
+            else:
+                y_plus = {n: y[n] - alpha * g_y[n] for n in self.y_names}
+                with torch.enable_grad():
+                    at = {n: self.params[n] for n in self.x_names} | {
+                        n: t.requires_grad_(True) for n, t in y_plus.items()}
+                    got = self.private_grads(lambda: objective(at, outer), [*self.x_names, *self.y_names])
+                self.sample_dp.release(2)
+                mixed = self._private_mixed_term(objective, y, {n: got[n] for n in self.y_names}, sample())
+                h = [got[n] - alpha * m for n, m in zip(self.x_names, mixed)]
+        finally:
+            self.sample_dp.release(0)
         with torch.no_grad():
             for n in self.y_names:
-                self.params[n].sub_(self.lower_lr * self.lr_factor * g_y[n])
-        for n in self.x_names:
-            self.params[n].grad = g_x[n]
+                self.params[n].copy_(y[n] - alpha * g_y[n])
+        for n, g in zip(self.x_names, h):
+            self.params[n].grad = g
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         if self.sched is not None:
             self.sched.step()
+
+    def _private_mixed_term(self, objective: Objective, y: dict, v: dict, batch) -> list[torch.Tensor]:
+        """Release 2 of a private finite-difference step: per slot δ = fd_eps/‖ṽ‖ (0 where ṽ = 0, as
+        ``bilevel_direction``), each example's [∇_x ℓᵢ(x, y + δṽ) − ∇_x ℓᵢ(x, y − δṽ)]/(2δ) clipped as one vector,
+        summed, noised, / q·n_k (``fedlora.privacy.dpsgd.privatise``); aligned with ``x_names``."""
+        from ..privacy.dpsgd import per_example_gradients, privatise
+
+        S = len(self.replica_clients)
+        sq = sum((t.double() ** 2).reshape(S, -1).sum(1) for t in v.values())
+        delta = torch.where(sq > 0, self.fd_eps / sq.sqrt().clamp_min(1e-300), torch.zeros_like(sq))
+        inv = torch.where(delta > 0, 1 / (2 * delta).clamp_min(1e-300), torch.zeros_like(delta))
+
+        def per(t, d):  # a slot's scalar broadcast over its slice
+            return d.to(t.dtype).reshape(-1, *([1] * (t.dim() - 1)))
+
+        def grads(sign: float) -> dict[str, torch.Tensor]:
+            with torch.enable_grad():
+                at = {n: self.params[n] for n in self.x_names} | {
+                    n: (y[n] + sign * per(v[n], delta) * v[n]).detach() for n in self.y_names}
+                return per_example_gradients(self.model, lambda: objective(at, batch), self.x_names, S)
+
+        plus, minus = grads(1.0), grads(-1.0)
+        got = privatise(self.sample_dp, {n: (plus[n] - minus[n]) * per(plus[n], inv) for n in self.x_names},
+                        self.replica_clients)
+        return [got[n] for n in self.x_names]
 
     def upload(self, replica: int) -> Payload:
         # Only the common adapter leaves the client (Alg. 1 line 8); y_k stays local.
