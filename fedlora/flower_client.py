@@ -122,8 +122,9 @@ def _load_record(context, conf, k: int, key: str) -> dict[str, Any]:
 
 
 def _query(msg, context):
-    """``hello``, ``put-record`` and ``get-record`` of a kept record here; any other query (``deliver``, the
-    initial record of a client that never trained here) builds the node (``fedlora.flower``)."""
+    """``hello``, ``put-record``, ``get-record`` of a kept record and a SecAgg+ run's ``save-record`` /
+    ``load-record`` here; any other query (``deliver``, the initial record of a client that never trained here)
+    builds the node (``fedlora.flower``)."""
     from flwr.app import ConfigRecord, Message, RecordDict
 
     conf = msg.content["config"]
