@@ -15,14 +15,17 @@ from fedlora.signals import deferred_signals, relay_signals
 
 @pytest.fixture
 def sigint_as_a_terminal_has_it():
-    """SIGINT handled by Python and delivered (an earlier test may have left SIG_IGN or a blocked mask)."""
+    """SIGINT handled by Python and delivered (an earlier test may have left SIG_IGN or a blocked mask); both
+    signals' handlers put back afterwards (a second signal leaves them ignored, as a stopping run wants)."""
+    old_term = signal.getsignal(signal.SIGTERM)
     old_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
-    old_mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    old_mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         signal.signal(signal.SIGINT, old_handler)
+        signal.signal(signal.SIGTERM, old_term if old_term is not None else signal.SIG_DFL)
 
 
 def _signal_self(sig) -> None:
