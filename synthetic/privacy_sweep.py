@@ -24,10 +24,52 @@ from .data import make_heterogeneous_clients
 from .privacy import TestbedPrivacy
 from .runner import build_run, run_method, stack_federations
 
-__all__ = ["select_step_size", "sweep", "SWEEP_METHODS", "sweep_markdown", "plot_sweep", "per_example_grad_norms"]
+__all__ = ["select_step_size", "sweep", "SWEEP_METHODS", "sweep_markdown", "plot_sweep", "per_example_grad_norms",
+           "method_entry"]
 
 #: the methods of the sweep, in table order
 SWEEP_METHODS = ("fedavg", "ffa", "rolora", "fedsvd", "fedsb")
+
+
+def _option_value(text: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def _sgd(name: str) -> dict[str, Any]:
+    """Plain SGD for the sweep's steps (its grid is SGD's): the method's ``optimizer`` option, PF2LoRA's upper one;
+    Fed-SB keeps its own."""
+    from fedlora.methods.base import method_parameters
+
+    if name == "fedsb":
+        return {}
+    params = method_parameters(name)
+    return {key: "sgd" for key in ("optimizer", "upper_optimizer") if key in params}
+
+
+def method_entry(entry: str) -> tuple[str, dict[str, Any]]:
+    """A sweep entry ``NAME`` or ``NAME:KEY=VALUE[:KEY=VALUE…]`` (a method with constructor options, e.g.
+    ``perfedavg:variant=hessian-free``) → (name, options). Its table row is labelled with the entry itself; a key the
+    method's constructor does not take is a one-line ``ConfigError``."""
+    from fedlora.methods.base import method_parameters
+
+    name, *pairs = [t.strip() for t in entry.split(":")]
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or not key.strip() or not value.strip():
+            raise ConfigError(f"method entry {entry!r}: options are KEY=VALUE after the name, e.g. "
+                              f"perfedavg:variant=hessian-free")
+        options[key.strip()] = _option_value(value.strip())
+    unknown = sorted(set(options) - set(method_parameters(name)))
+    if unknown:
+        raise ConfigError(f"method entry {entry!r}: {name} takes no option {', '.join(unknown)} (it takes "
+                          f"{', '.join(method_parameters(name))})")
+    return name, options
 
 
 def per_example_grad_norms(data, rank: int = 4) -> torch.Tensor:
@@ -91,8 +133,9 @@ def sweep(*, methods: Sequence[str] = SWEEP_METHODS, epsilons: Sequence[float] =
     data = stack_federations(task, feds, [int(s) for s in seeds], d_out, val_fraction=0.2)
     t0 = time.perf_counter()
     rows = []
-    for name in methods:
-        spec = method_spec(name, rank, clients, {"optimizer": "sgd"} if name != "fedsb" else None)
+    for entry in methods:  # a name, or a name with options (method_entry): the row is labelled with the entry
+        name, extra = method_entry(entry)
+        spec = method_spec(name, rank, clients, {**_sgd(name), **extra} or None)
         releases = get_method(name).sample_dp_releases_for(dict(spec.options or {}))
         grid = [lr * (ffa_grid_factor if name == "ffa" else 1.0) for lr in lr_grid]
         for eps in epsilons:
@@ -104,7 +147,7 @@ def sweep(*, methods: Sequence[str] = SWEEP_METHODS, epsilons: Sequence[float] =
                                          privacy=priv)
             lr = select_step_size({lr: _mean(r.final["val_loss"]) for lr, r in results.items()})
             best = results[lr]
-            row = {"method": name, "epsilon": float(eps), "lr": lr, "grid": {lr_: _mean(r.final["val_loss"])
+            row = {"method": entry, "epsilon": float(eps), "lr": lr, "grid": {lr_: _mean(r.final["val_loss"])
                                                                               for lr_, r in results.items()},
                    "grid_test": {lr_: _mean(r.final["test_loss"]) for lr_, r in results.items()},  # reported only
                    # σ for every DP-SGD release the run makes: its local steps × the method's releases per step
@@ -117,7 +160,7 @@ def sweep(*, methods: Sequence[str] = SWEEP_METHODS, epsilons: Sequence[float] =
             metric = best.final["test_accuracy" if "test_accuracy" in best.final else "test_loss"]
             row["test_by_seed"] = [_mean(metric[g * clients:(g + 1) * clients]) for g in range(len(seeds))]
             rows.append(row)
-            log(f"[privacy-sweep] {name} ε={eps:g}: lr {lr:g}, val {row['val_loss']:.4f}, test {row['test_loss']:.4f}"
+            log(f"[privacy-sweep] {entry} ε={eps:g}: lr {lr:g}, val {row['val_loss']:.4f}, test {row['test_loss']:.4f}"
                 + (f", acc {row['test_accuracy']:.3f}" if "test_accuracy" in row else ""))
     config = {"methods": list(methods), "epsilons": [float(e) for e in epsilons], "delta": delta,
               "clip_norm": clip_norm, "batch_size": batch_size, "seeds": [int(s) for s in seeds],

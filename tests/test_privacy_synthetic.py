@@ -224,6 +224,17 @@ def test_the_sweeps_sigma_is_the_runs_for_a_two_release_method():
                                         f"fedavg: 3: {rows['fedavg']['sigma']:.3f}.")  # each method's σ, not one
 
 
+def test_a_sweep_entry_with_options_runs_that_variant_and_counts_its_releases():
+    """``perfedavg:variant=hessian-free`` in the sweep: the row is labelled with the entry, its σ is calibrated for 3
+    releases per step (the first-order entry's for 2: smaller), and its numbers are the hessian-free run's."""
+    res = sweep(methods=("perfedavg", "perfedavg:variant=hessian-free:delta=0.01"), epsilons=(3.0,), seeds=(0,),
+                lr_grid=(0.1,), clients=K, n_train=40, rounds=2, local_steps=2, log=lambda *_: None)
+    fo, hf = res["rows"]
+    assert (fo["method"], hf["method"]) == ("perfedavg", "perfedavg:variant=hessian-free:delta=0.01")
+    assert hf["sigma"] > fo["sigma"] and hf["eps_spent"] == pytest.approx(3.0, abs=1e-3)
+    assert hf["test_loss"] != fo["test_loss"]
+
+
 def test_the_sweep_scripts_methods_are_the_testbeds_private_ones(capsys):
     """synthetic/results/privacy_sweep.py --methods all: every method whose local step is private on the testbed
     (Centralized, private in fedlora run only, and the refused ones left out); a bad name is one line."""
@@ -237,7 +248,11 @@ def test_the_sweep_scripts_methods_are_the_testbeds_private_ones(capsys):
     assert set(every) | {"centralized", "pf2lora"} == set(available_methods())
     assert all(get_method(m).sample_dp_refusal is None for m in every)
     assert mod.parse_methods("fedavg, h2tune") == ("fedavg", "h2tune")
-    for bad in ("fedavg,pf2lora", "centralized", "fedavg,fedavg", ""):
+    # an entry with constructor options: private with them (PF2LoRA's finite-difference mode), labelled as given
+    assert mod.parse_methods("pf2lora:hypergradient=finite-difference,perfedavg:variant=hessian-free:delta=0.01") == \
+        ("pf2lora:hypergradient=finite-difference", "perfedavg:variant=hessian-free:delta=0.01")
+    for bad in ("fedavg,pf2lora", "pf2lora:hypergradient=exact", "fedavg:no_such_option=1", "fedavg:rank",
+                "centralized", "fedavg,fedavg", ""):
         with pytest.raises(SystemExit):
             mod.main(["--methods", bad, "--out-dir", "unused"])
         err = capsys.readouterr().err

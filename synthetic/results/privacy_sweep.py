@@ -3,6 +3,7 @@ synthetic testbed"). Run from the repository root:
 
     python synthetic/results/privacy_sweep.py [--out-dir runs/privacy-sweep] [--clip-norm 1] [--rounds 20]
     python synthetic/results/privacy_sweep.py --methods all --out-dir runs/privacy-sweep-all   # every private method
+    python synthetic/results/privacy_sweep.py --methods perfedavg,perfedavg:variant=hessian-free   # with options
 
 FedAvg-LoRA, FFA-LoRA, RoLoRA, FedSVD and Fed-SB (``--methods``: others, or ``all`` — every method with sample-level
 DP on the testbed) at ε ∈ {∞, 6, 3, 1}, δ = 1e-5, 2 seeds stacked in each run, the
@@ -19,7 +20,7 @@ import math
 from fedlora.errors import ConfigError
 from fedlora.io import check_output_dir
 from fedlora.methods import available_methods, get_method
-from fedlora.synthetic.privacy_sweep import SWEEP_METHODS, plot_sweep, sweep, sweep_markdown
+from fedlora.synthetic.privacy_sweep import SWEEP_METHODS, method_entry, plot_sweep, sweep, sweep_markdown
 
 #: the methods with sample-level DP on the testbed: every one without a refusal, but Centralized (fedlora run only)
 TESTBED_PRIVATE = tuple(m for m in available_methods()
@@ -27,22 +28,35 @@ TESTBED_PRIVATE = tuple(m for m in available_methods()
 
 
 def parse_methods(text: str) -> tuple[str, ...]:
-    """``--methods``: comma-separated names or ``all`` (``TESTBED_PRIVATE``); one line naming what is allowed else."""
+    """``--methods``: comma-separated entries — a name, or a name with constructor options
+    (``perfedavg:variant=hessian-free``, ``method_entry``) — or ``all`` (``TESTBED_PRIVATE``, default options); one
+    line naming what is allowed else. An entry must train privately on the testbed with its options (PF2LoRA with
+    ``:hypergradient=finite-difference`` or ``none``)."""
     if text.strip() == "all":
         return TESTBED_PRIVATE
-    names = tuple(m.strip() for m in text.split(",") if m.strip())
-    bad = [m for m in names if m not in TESTBED_PRIVATE]
-    if not names or bad or len(set(names)) != len(names):
-        raise ConfigError(f"--methods: {', '.join(bad) or text!r} — give distinct names among "
-                          f"{', '.join(TESTBED_PRIVATE)}, or all")
-    return names
+    entries = tuple(m.strip() for m in text.split(",") if m.strip())
+    bad = []
+    for entry in entries:
+        try:
+            name, options = method_entry(entry)
+        except ConfigError as e:
+            raise ConfigError(f"--methods: {e}") from None
+        cls = get_method(name)
+        if cls.pooled_data or cls.sample_dp_refusal_for(options) is not None:
+            bad.append(entry)
+    if not entries or bad or len(set(entries)) != len(entries):
+        raise ConfigError(f"--methods: {', '.join(bad) or text!r} — give distinct entries among "
+                          f"{', '.join(TESTBED_PRIVATE)} (a name, or NAME:KEY=VALUE with its options, e.g. "
+                          f"pf2lora:hypergradient=finite-difference), or all")
+    return entries
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--out-dir", default="runs/privacy-sweep")
     ap.add_argument("--methods", default=",".join(SWEEP_METHODS),
-                    help="comma-separated, or all: every method with sample-level DP on the testbed")
+                    help="comma-separated, or all: every method with sample-level DP on the testbed; an entry may "
+                         "carry constructor options, NAME:KEY=VALUE (e.g. pf2lora:hypergradient=finite-difference)")
     ap.add_argument("--clip-norm", type=float, default=1.0)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=20)
