@@ -116,7 +116,7 @@ class Driver:
         self._t0 = time.perf_counter()
         # SecAgg+ (fedlora.flower_secagg): the clients' records stay on their nodes — which keep their checkpoints
         # (when they can: keeps_checkpoints), and no final records
-        private = bool(getattr(self.executor, "records_stay_on_clients", False))
+        private = self._records_on_nodes()
         checkpoints = not private or self.executor.keeps_checkpoints
         with deferred_signals(None if checkpoints else SECAGG_NO_CHECKPOINT) as pending:
             for rnd in range(start, cfg.train.rounds):

@@ -491,7 +491,7 @@ def test_per_sample_grads_of_a_trilora_middle_equal_a_loop_float64():
 
 
 class _TwoReleases:
-    """What a unit test of a two-release private step needs (S = 2 slots of b = 4 rows, float64): each release's
+    """What a unit test of a multi-release private step needs (S = 2 slots of b = 4 rows, float64; releases 0–2): each release's
     Poisson batch (x, y, mask), some rows padding; ``sample`` returns the batch of the release ``sdp`` is positioned
     at and records (round, step, release) of each draw in ``drawn``; ``objective``: per slot the SUM of its real rows'
     cross-entropy of a functional call of ``model``; ``per_example``: each example's gradient by its own backward."""

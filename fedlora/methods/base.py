@@ -333,6 +333,15 @@ class Method(abc.ABC):
 
         return private_gradients(self.sample_dp, self.model, losses, names, self.replica_clients, transform=transform)
 
+    def private_difference(self, plus: Callable[[], torch.Tensor], minus: Callable[[], torch.Tensor],
+                           names: Sequence[str], scale: "float | torch.Tensor") -> dict[str, torch.Tensor]:
+        """DP-SGD's release of a finite difference of the parameters ``names``' gradients (a Hessian-vector term):
+        each example's (∇ℓᵢ at ``plus()``'s point − at ``minus()``'s)·``scale`` (a number or one per replica) clipped as
+        one vector, summed, noised, / q·n_k (``fedlora.privacy.dpsgd.private_difference``); name → (G, *shape)."""
+        from ..privacy.dpsgd import private_difference
+
+        return private_difference(self.sample_dp, self.model, plus, minus, names, self.replica_clients, scale)
+
     def setup(self, model: nn.Module, replica_clients: Sequence[int], n_clients: int | None = None) -> None:
         """Bind to ``model`` and put the protocol's initial state on every replica: ``bind`` then
         ``init_state``. ``replica_clients[i]`` is the client index k of replica i.

@@ -169,22 +169,16 @@ class PerFedAvgLoRA(AveragedFactors):
     def _private_hvp(self, objective: Objective, x: Sequence[torch.Tensor], g: Sequence[torch.Tensor],
                      batch: Any) -> list[torch.Tensor]:
         """The hessian-free variant's private Hessian-vector term d̃ (module doc): each example's finite difference
-        [∇ℓᵢ(x + δg) − ∇ℓᵢ(x − δg)]/(2δ) on ``batch``, clipped to C as one per-example vector, summed, noised,
-        / q·n_k (``fedlora.privacy.dpsgd.privatise``); aligned with ``x_names``."""
-        from ..privacy.dpsgd import per_example_gradients, privatise
-
+        [∇ℓᵢ(x + δg) − ∇ℓᵢ(x − δg)]/(2δ) on ``batch`` as one release (``Method.private_difference``); aligned with
+        ``x_names``."""
         d = self.delta
 
-        def at(sign: float) -> dict[str, torch.Tensor]:
-            with torch.enable_grad():
-                xs = dict(zip(self.x_names, ((xi + sign * d * gi).detach().requires_grad_(True)
-                                             for xi, gi in zip(x, g))))
-                return per_example_gradients(self.model, lambda: objective(xs, batch), self.x_names,
-                                             len(self.replica_clients))
+        def losses(sign: float):
+            xs = dict(zip(self.x_names, ((xi + sign * d * gi).detach().requires_grad_(True) for xi, gi in zip(x, g))))
+            return lambda: objective(xs, batch)
 
-        plus, minus = at(1.0), at(-1.0)
-        got = privatise(self.sample_dp, {n: (plus[n] - minus[n]) / (2 * d) for n in self.x_names},
-                        self.replica_clients)
+        with torch.enable_grad():
+            got = self.private_difference(losses(1.0), losses(-1.0), self.x_names, 1 / (2 * d))
         return [got[n] for n in self.x_names]
 
     def private_meta_direction(self, objective: Objective, sample: Sampler) -> list[torch.Tensor]:

@@ -195,27 +195,21 @@ class PF2LoRA(AveragedFactors):
 
     def _private_mixed_term(self, objective: Objective, y: dict, v: dict, batch) -> list[torch.Tensor]:
         """Release 2 of a private finite-difference step: per slot δ = fd_eps/‖ṽ‖ (0 where ṽ = 0, as
-        ``bilevel_direction``), each example's [∇_x ℓᵢ(x, y + δṽ) − ∇_x ℓᵢ(x, y − δṽ)]/(2δ) clipped as one vector,
-        summed, noised, / q·n_k (``fedlora.privacy.dpsgd.privatise``); aligned with ``x_names``."""
-        from ..privacy.dpsgd import per_example_gradients, privatise
-
+        ``bilevel_direction``), each example's [∇_x ℓᵢ(x, y + δṽ) − ∇_x ℓᵢ(x, y − δṽ)]/(2δ) as one release
+        (``Method.private_difference``); aligned with ``x_names``."""
         S = len(self.replica_clients)
         sq = sum((t.double() ** 2).reshape(S, -1).sum(1) for t in v.values())
         delta = torch.where(sq > 0, self.fd_eps / sq.sqrt().clamp_min(1e-300), torch.zeros_like(sq))
-        inv = torch.where(delta > 0, 1 / (2 * delta).clamp_min(1e-300), torch.zeros_like(delta))
+        inv = torch.where(delta > 0, 1 / (2 * delta).clamp_min(1e-300), torch.zeros_like(delta))  # ṽ = 0 ⇒ term 0
 
-        def per(t, d):  # a slot's scalar broadcast over its slice
-            return d.to(t.dtype).reshape(-1, *([1] * (t.dim() - 1)))
+        def losses(sign: float):
+            at = {n: self.params[n] for n in self.x_names} | {
+                n: (y[n] + sign * delta.to(v[n].dtype).reshape(-1, *([1] * (v[n].dim() - 1))) * v[n]).detach()
+                for n in self.y_names}
+            return lambda: objective(at, batch)
 
-        def grads(sign: float) -> dict[str, torch.Tensor]:
-            with torch.enable_grad():
-                at = {n: self.params[n] for n in self.x_names} | {
-                    n: (y[n] + sign * per(v[n], delta) * v[n]).detach() for n in self.y_names}
-                return per_example_gradients(self.model, lambda: objective(at, batch), self.x_names, S)
-
-        plus, minus = grads(1.0), grads(-1.0)
-        got = privatise(self.sample_dp, {n: (plus[n] - minus[n]) * per(plus[n], inv) for n in self.x_names},
-                        self.replica_clients)
+        with torch.enable_grad():
+            got = self.private_difference(losses(1.0), losses(-1.0), self.x_names, inv)
         return [got[n] for n in self.x_names]
 
     def upload(self, replica: int) -> Payload:

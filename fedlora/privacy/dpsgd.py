@@ -41,7 +41,7 @@ from fedlora.seeds import DP_SAMPLE, seed_of
 from .clipping import check_clip_norm, clip_per_sample, gaussian_noise_like, per_sample_lora_grads
 
 __all__ = ["SampleDP", "Capture", "capture", "per_sample_grads", "per_example_gradients", "privatise",
-           "private_gradients", "private_weight_gradients", "DP_MASK"]
+           "private_gradients", "private_difference", "private_weight_gradients", "DP_MASK"]
 
 #: the batch entry (S·b,) of 1.0 for a real row and 0.0 for a padded one (the slot executor's Poisson batches)
 DP_MASK = "dp_mask"
@@ -381,10 +381,28 @@ def private_gradients(sdp: SampleDP, model: nn.Module, losses_fn: Callable[[], t
 def per_example_gradients(model: nn.Module, losses_fn: Callable[[], torch.Tensor], names: Sequence[str],
                           slots: int) -> dict[str, torch.Tensor]:
     """The per-example gradients of ``names`` (name → (S, n, *shape)) of the losses ``losses_fn`` gives (as for
-    ``private_gradients``), before any clipping — for a release of a per-example function of them (Per-FedAvg's
-    private Hessian-vector term: the difference of two points' gradients, ``privatise``d as one)."""
+    ``private_gradients``), before any clipping."""
     live, outs = _output_grads(model, losses_fn, slots)
     return per_sample_grads(live, outs, names, model, slots)
+
+
+def private_difference(sdp: SampleDP, model: nn.Module, plus_fn: Callable[[], torch.Tensor],
+                       minus_fn: Callable[[], torch.Tensor], names: Sequence[str], clients: Sequence[int],
+                       scale: float | torch.Tensor) -> dict[str, torch.Tensor]:
+    """One DP-SGD release of a finite difference: each example's (∇ℓᵢ⁺ − ∇ℓᵢ⁻)·scale — ``plus_fn`` / ``minus_fn`` the
+    losses at the two points, on ONE batch — clipped to C as one vector, summed, noised, / q·n_k (``privatise``).
+    ``scale``: a number, or one per slot (S,) (e.g. 1/(2δ) with a client's own δ). Clipping the difference, not each
+    side, bounds the example's contribution by C (the sides' gradients largely cancel in it). Per-FedAvg's
+    hessian-free term and PF2LoRA's finite-difference mixed term. Returns name → (S, *shape)."""
+    slots = len(clients)
+    plus = per_example_gradients(model, plus_fn, names, slots)
+    minus = per_example_gradients(model, minus_fn, names, slots)
+    scale = torch.as_tensor(scale, dtype=torch.float64).expand(slots)
+
+    def per_slot(t: torch.Tensor) -> torch.Tensor:  # (S,) over (S, n, *shape)
+        return scale.to(t.dtype).reshape(-1, *([1] * (t.dim() - 1)))
+
+    return privatise(sdp, {n: (plus[n] - minus[n]) * per_slot(plus[n]) for n in names}, clients)
 
 
 def private_weight_gradients(sdp: SampleDP, model: nn.Module, losses_fn: Callable[[], torch.Tensor],
