@@ -55,6 +55,7 @@ import os
 import warnings
 
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 
 from .base_gemm import Chooser, m_bucket, requested_base_gemm, shape_key
@@ -101,6 +102,14 @@ def _mode(backend: str | None) -> str:
     return mode
 
 
+def _has_tangent(x: torch.Tensor, tensors) -> bool:
+    """Whether forward-mode AD carries a tangent on any operand (PF2LoRA's private exact mixed term): the kernels'
+    ``autograd.Function`` has no jvp, and the reference's torch ops propagate tangents through forward and backward."""
+    if fwAD._current_level < 0:  # no dual level open: the hot path's one integer compare
+        return False
+    return any(t is not None and fwAD.unpack_dual(t).tangent is not None for t in (x, *tensors))
+
+
 def _auto_ok(x: torch.Tensor, tensors) -> bool:
     if not (HAS_TRITON and x.is_cuda) or torch.is_autocast_enabled():
         return False
@@ -120,7 +129,7 @@ def _auto_ok(x: torch.Tensor, tensors) -> bool:
 
 def _use_triton(x: torch.Tensor, backend: str | None = None, tensors=()) -> bool:
     mode = _mode(backend)
-    if mode == "reference":
+    if mode == "reference" or _has_tangent(x, tensors):  # a tangent: the reference, even where 'triton' is forced
         return False
     if mode == "triton":
         return True

@@ -54,7 +54,7 @@ def _sgd(name: str) -> dict[str, Any]:
 def method_entry(entry: str) -> tuple[str, dict[str, Any]]:
     """A sweep entry ``NAME`` or ``NAME:KEY=VALUE[:KEY=VALUE…]`` (a method with constructor options, e.g.
     ``perfedavg:variant=hessian-free``) → (name, options). Its table row is labelled with the entry itself; a key the
-    method's constructor does not take is a one-line ``ConfigError``."""
+    method's constructor does not take, or a value it refuses, is a one-line ``ConfigError``."""
     from fedlora.methods.base import method_parameters
 
     name, *pairs = [t.strip() for t in entry.split(":")]
@@ -69,6 +69,10 @@ def method_entry(entry: str) -> tuple[str, dict[str, Any]]:
     if unknown:
         raise ConfigError(f"method entry {entry!r}: {name} takes no option {', '.join(unknown)} (it takes "
                           f"{', '.join(method_parameters(name))})")
+    try:  # a bad value (pf2lora:hypergradient=nope) is this line's, before any run, not a failure mid-sweep
+        get_method(name)(**options)
+    except ConfigError as e:
+        raise ConfigError(f"method entry {entry!r}: {e}") from None
     return name, options
 
 

@@ -107,7 +107,10 @@ def test_verdict_compares_the_drops_from_each_methods_own_no_dp_accuracy():
             "ε = 3: not yet — FedAvg-LoRA's and FFA-LoRA's runs at ε = 3 and at ε = ∞ have not all finished"]
 
 
-def test_bad_sweep_settings_are_one_line_before_any_run(tmp_path, capsys):
+def test_bad_sweep_settings_are_one_line_before_any_run(tmp_path, capsys, monkeypatch):
+    from fedlora.methods.pf2lora import PF2LoRA
+
+    monkeypatch.setattr(PF2LoRA, "sample_dp_refusal", "no private path (this test's)")  # every method has one
     mod = _script()
     out = tmp_path / "sweep"
     for extra, match in ((["--epsilons", "inf,0"], "ε must be > 0"), (["--epsilons", "3,3"], "--epsilons: a value is listed twice"),

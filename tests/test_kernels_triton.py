@@ -265,6 +265,36 @@ def test_cpu_default_is_reference():
     assert kernels.backend_for(x, backend="triton") == "triton"
 
 
+def test_a_forward_mode_tangent_runs_on_the_reference_op():
+    """PF2LoRA's private exact mixed term runs forward-mode AD through the layers (forward and backward): the
+    kernels' autograd.Function has no jvp, so an operand carrying a tangent goes to the reference op, whose torch
+    ops propagate it — even where 'triton' is forced. The tangent of the output and of the factors' gradients equal
+    the reference's (and a directional finite difference)."""
+    import torch.autograd.forward_ad as fwAD
+
+    gen = torch.Generator().manual_seed(5)
+    x, w, bb, a, b, c, d = (t.detach().double() for t in _make(8, 8, 5, 3, 2, gen=gen))  # float64: a tight check
+    tc, td = (torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in (c, d))
+    assert kernels.backend_for(x, w, bb, a, b, c, d, backend="triton") == "triton"  # no dual level open
+
+    def run(c_, d_, backend):
+        a_ = a.clone().requires_grad_(True)  # the gradient of a factor without a tangent, as PF2LoRA's x
+        y = lora_linear(x, w, bb, a_, b, 0.5, c_, d_, 2.0, backend=backend)
+        return y, torch.autograd.grad((y * y).sum(), a_)[0]
+
+    with fwAD.dual_level():
+        cd, dd = fwAD.make_dual(c, tc), fwAD.make_dual(d, td)
+        assert kernels.backend_for(x, w, bb, a, b, cd, dd, backend="triton") == "reference"
+        assert kernels.backend_for(x, w, bb, a, b, c, d, backend="triton") == "triton"  # no operand carries one
+        y, ga = run(cd, dd, "triton")
+        ty, tga = fwAD.unpack_dual(y).tangent, fwAD.unpack_dual(ga).tangent
+    h = 1e-5
+    (yp, gp), (ym, gm) = run(c + h * tc, d + h * td, "reference"), run(c - h * tc, d - h * td, "reference")
+    assert ty is not None and tga is not None and tga.abs().max() > 1e-3
+    torch.testing.assert_close(ty, (yp - ym) / (2 * h), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(tga, (gp - gm) / (2 * h), rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("case,match", [
     ("rank", "exceeds"), ("dtype", "dtype"), ("shape", "B must be"), ("mask", "rank_mask"),
     ("middle", "middle"), ("offsets", "seg_offsets"), ("fp64", "float32"), ("backend", "FEDLORA_KERNELS"),

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedlora.errors import ConfigError
-from fedlora.methods.base import available_methods, get_method
+from fedlora.methods.base import Method, available_methods, get_method
 from fedlora.privacy import dpsgd
 from fedlora.methods.h2tune import output_kl
 from fedlora.privacy.dpsgd import DP_MASK, SampleDP, capture, per_sample_grads, private_gradients
@@ -20,7 +20,7 @@ from fedlora.seeds import DP_SAMPLE, seed_of
 F64 = torch.float64
 #: the methods whose local step takes private gradients (docs/concepts/privacy.md, "Sample-level DP-SGD")
 SUPPORTED = {"fedavg", "ffa", "rolora", "fedsvd", "fedsb", "fedsa", "fedex", "flora", "frlora", "lora-fair", "local",
-             "perfedavg", "flexlora", "hetlora", "feddpa", "h2tune", "centralized", "lora-a2"}
+             "perfedavg", "flexlora", "hetlora", "feddpa", "h2tune", "centralized", "lora-a2", "pf2lora"}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -389,16 +389,23 @@ def test_bad_settings_are_one_line(kw, match):
     assert "\n" not in str(e.value)
 
 
-def test_refusals_name_the_reason_and_the_supported_list_is_the_documented_one():
+def test_refusals_name_the_reason_and_the_supported_list_is_the_documented_one(monkeypatch):
+    from fedlora.methods.pf2lora import PF2LoRA
+
     supported = {n for n in available_methods() if get_method(n).sample_dp_refusal is None}
     assert supported == SUPPORTED
-    assert get_method("pf2lora").sample_dp_refusal.startswith("hypergradient 'exact'")
     hf = get_method("perfedavg")(variant="hessian-free")  # Per-FedAvg: both variants, 2 or 3 releases a step
     hf.set_sample_dp(SampleDP(1.0, 1.0, 0.1))
     assert get_method("perfedavg").sample_dp_refusal_for({"variant": "hessian-free"}) is None
     assert [get_method("perfedavg").sample_dp_releases_for(o) for o in ({}, {"variant": "hessian-free"})] == [2, 3]
-    method = get_method("pf2lora")()
-    with pytest.raises(ConfigError, match=r"^pf2lora: sample-level DP is not supported: hypergradient 'exact'") as e:
+    modes = ({}, {"hypergradient": "exact"}, {"hypergradient": "finite-difference"}, {"hypergradient": "none"})
+    assert [PF2LoRA.sample_dp_releases_for(o) for o in modes] == [3, 3, 3, 2]  # PF2LoRA: every mode, the default too
+    assert all(PF2LoRA.sample_dp_refusal_for(o) is None for o in modes)
+    # a method without a private path (the base's default refusal, or its own reason) is refused in one line
+    assert "FactorLoRA.train_step" in Method.sample_dp_refusal
+    monkeypatch.setattr(PF2LoRA, "sample_dp_refusal", Method.sample_dp_refusal)
+    method = PF2LoRA()
+    with pytest.raises(ConfigError, match=r"^pf2lora: sample-level DP is not supported: its local step is its own") as e:
         method.set_sample_dp(SampleDP(1.0, 1.0, 0.1))
     assert "\n" not in str(e.value)
     method.set_sample_dp(None)  # off is always allowed
@@ -662,7 +669,7 @@ def test_private_lora_a2_selects_ranks_from_its_released_probe_and_trains_masked
 def test_private_first_order_pf2lora_releases_its_lower_and_upper_gradients_on_their_own_batches():
     """PF2LoRA with hypergradient "none" under DP (SGD): the client adapter y = (C, D) steps by release 0's clipped,
     noised gradient, the common adapter x = (A, B) by release 1's, both taken at the step's (x, y) — equal to loops
-    over single examples, clipped, noised and divided by hand; the hypergradient modes stay refused in one line."""
+    over single examples, clipped, noised and divided by hand."""
     from fedlora.methods.pf2lora import PF2LoRA
 
     lr_x, lr_y = 0.1, 0.2
@@ -673,9 +680,6 @@ def test_private_first_order_pf2lora_releases_its_lower_and_upper_gradients_on_t
     sdp.set_client_sizes({0: 10, 1: 10})
     m.set_sample_dp(sdp)
     assert m.sample_dp_releases == 2
-    with pytest.raises(ConfigError, match=r"^pf2lora: sample-level DP is not supported: hypergradient 'exact'.*"
-                                          r"hypergradient: finite-difference or none trains privately"):
-        PF2LoRA(hypergradient="exact").set_sample_dp(sdp)
     t = _TwoReleases(model, sdp)
     start = {n: t_.detach().clone() for n, t_ in m.params.items()}
     assert any(n.endswith("lora_C") for n in m.y_names) and any(n.endswith("lora_A") for n in m.x_names)
@@ -690,6 +694,67 @@ def test_private_first_order_pf2lora_releases_its_lower_and_upper_gradients_on_t
         for n in names:
             assert want[n].abs().max() > 1e-4, n
             torch.testing.assert_close(m.params[n].detach(), start[n] - lr * want[n], rtol=1e-9, atol=1e-12, msg=n)
+
+
+def test_private_exact_pf2lora_releases_each_examples_hessian_vector_product():
+    """PF2LoRA's default hypergradient "exact" under DP (SGD), three releases on their own batches: y⁺ = y − α·g̃_y
+    (release 0); g̃_x and ṽ one joint release at (x, y⁺) (release 1); the mixed term from each example's
+    ∇²_{xy}ℓᵢ(x, y)·ṽ — here by a double backward of ⟨∇_y ℓᵢ, ṽ⟩ per example, not the forward mode the step uses —
+    clipped as one, summed, noised (release 2); x steps along g̃_x − α·d̃. And the finite-difference mode's release 2
+    tends to it as fd_eps → 0 (same streams)."""
+    from fedlora.methods.pf2lora import PF2LoRA
+
+    lr_x, lr_y = 0.1, 0.2
+    model = _tiny(2, r=2, client_rank=1)
+    m = PF2LoRA(rank=2, client_rank=1, upper_optimizer="sgd", upper_lr=lr_x, lower_lr=lr_y)
+    assert m.hypergradient == "exact" and m.needs_second_order
+    m.bind(model, [0, 1], n_clients=2)
+    sdp = SampleDP(0.5, 0.7, 0.4, seed=17)
+    sdp.set_client_sizes({0: 10, 1: 10})
+    m.set_sample_dp(sdp)
+    assert m.sample_dp_releases == 3 == PF2LoRA.sample_dp_releases_for({})
+    t = _TwoReleases(model, sdp)
+    xs, ys = m.x_names, m.y_names
+    start = {n: t_.detach().clone() for n, t_ in m.params.items()}
+    sdp.at(0, 0)
+    g_y = t.by_hand(t.per_example(start, ys, 0), ys, 0)
+    y_plus = {n: start[n] - lr_y * g_y[n] for n in ys}
+    sdp.release(1)
+    joint = t.by_hand(t.per_example({**start, **y_plus}, [*xs, *ys], 1), [*xs, *ys], 1)
+    sdp.release(2)
+
+    def hvp_loss(leaves, one):  # ⟨∇_y ℓ(x, y), ṽ⟩ of the examples in ``one``, differentiable in x (the leaves)
+        y_leaves = {n: start[n].clone().requires_grad_(True) for n in ys}
+        loss = t.objective({**start, **leaves, **y_leaves}, (*t.batches[2][:2], one)).sum()
+        grads = torch.autograd.grad(loss, list(y_leaves.values()), create_graph=True)
+        return sum((g * joint[n]).sum() for n, g in zip(ys, grads))
+
+    per = t.per_example(start, xs, 2, loss=hvp_loss)
+    mixed = t.by_hand(per, xs, 2)
+    sdp.at(0, 0)
+    m.local_step(t.objective, t.sample)
+    assert t.drawn == [(0, 0, 0), (0, 0, 1), (0, 0, 2)]
+    for n in ys:
+        torch.testing.assert_close(m.params[n].detach(), y_plus[n], rtol=1e-9, atol=1e-12, msg=n)
+    for n in xs:
+        assert (lr_y * per[n]).abs().max() > 1e-4, n  # the mixed term moves x here
+        torch.testing.assert_close(m.params[n].detach(), start[n] - lr_x * (joint[n] - lr_y * mixed[n]),
+                                   rtol=1e-9, atol=1e-12, msg=n)
+    # the finite-difference mode's step from the same start and streams approaches it: O(fd_eps²)
+    gaps = []
+    for eps in (1e-2, 1e-3):
+        with torch.no_grad():
+            for n, v in start.items():
+                m.params[n].copy_(v)
+        fd = PF2LoRA(rank=2, client_rank=1, hypergradient="finite-difference", fd_eps=eps, upper_optimizer="sgd",
+                     upper_lr=lr_x, lower_lr=lr_y)
+        fd.bind(model, [0, 1], n_clients=2)
+        fd.set_sample_dp(sdp)
+        sdp.at(0, 0)
+        fd.local_step(t.objective, t.sample)
+        gaps.append(max((fd.params[n].detach() - (start[n] - lr_x * (joint[n] - lr_y * mixed[n]))).abs().max().item()
+                        for n in xs))
+    assert 0 < gaps[1] < gaps[0] / 50, gaps
 
 
 def test_private_finite_difference_pf2lora_releases_the_mixed_term_as_each_examples_clipped_difference():
@@ -990,8 +1055,11 @@ def test_every_supported_method_trains_its_factors(method, monkeypatch):
     monkeypatch.setattr(dpsgd, "private_gradients", spy)
     # H²Tune's Φ starts at 1 and its first steps move it by ~lr·|R_init|·|B|, below even float64's resolution at 1
     # with its default lr (the same without DP): float64 and a large step make the move visible. LoRA-A² trains the
-    # r_k·N ranks it selects over all N modules (a module may get none): a budget of every rank trains every module
+    # r_k·N ranks it selects over all N modules (a module may get none): a budget of every rank trains every module.
+    # PF2LoRA's client adapter starts with D = 0, so C first moves in step 2, by ~α²·|g_D|·|g_C|: below float32's
+    # resolution here even at α = 1 — float64 and a large α
     sets = {"h2tune": ["model.dtype=float64", "method.lr=1.0"],
+            "pf2lora": ["model.dtype=float64", "method.options.lower_lr=1.0"],
             "lora-a2": ["method.rank=4", "method.options.rank=4"]}.get(method, [])
     ex = _prepared(method, *sets)
     before = _records(ex)
@@ -1035,10 +1103,18 @@ def test_padded_rows_and_masks_in_the_executors_batches(smoke):
     ex.set_sample_dp(None)
 
 
-def test_sample_dp_with_a_refused_method_is_one_line():
+def test_sample_dp_with_a_refused_method_is_one_line(monkeypatch):
+    from fedlora.llm.config import load_config
+    from fedlora.methods.pf2lora import PF2LoRA
+
     ex = _prepared("pf2lora")
-    with pytest.raises(ConfigError, match=r"pf2lora: sample-level DP is not supported: hypergradient 'exact'") as e:
+    monkeypatch.setattr(PF2LoRA, "sample_dp_refusal", "no private path (this test's)")
+    with pytest.raises(ConfigError, match=r"^pf2lora: sample-level DP is not supported: no private path") as e:
         ex.set_sample_dp(SampleDP(1.0, 1.0, 0.1))
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"^privacy.level: sample-level DP does not apply to pf2lora: no private path") \
+            as e:  # the run's config check, before anything loads
+        load_config("tiny-smoke", ["method.name=pf2lora", "privacy.level=sample", "privacy.target_epsilon=3"])
     assert "\n" not in str(e.value)
 
 

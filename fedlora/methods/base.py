@@ -342,6 +342,14 @@ class Method(abc.ABC):
 
         return private_difference(self.sample_dp, self.model, plus, minus, names, self.replica_clients, scale)
 
+    def private_directional(self, losses: Callable[[], torch.Tensor], names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """DP-SGD's release of each example's Hessian-vector product: inside a forward-mode dual level, ``losses()``
+        at parameters made dual (tangent v), each example's d/dε ∇ℓᵢ of ``names`` clipped as one vector, summed,
+        noised, / q·n_k (``fedlora.privacy.dpsgd.private_directional``); name → (G, *shape)."""
+        from ..privacy.dpsgd import private_directional
+
+        return private_directional(self.sample_dp, self.model, losses, names, self.replica_clients)
+
     def setup(self, model: nn.Module, replica_clients: Sequence[int], n_clients: int | None = None) -> None:
         """Bind to ``model`` and put the protocol's initial state on every replica: ``bind`` then
         ``init_state``. ``replica_clients[i]`` is the client index k of replica i.

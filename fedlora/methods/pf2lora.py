@@ -14,17 +14,20 @@ Sample-level DP (our variant; the paper has no private runs): with ``hypergradie
 direction is ∇_x F(x, y; ξ), no mixed term) a local step takes two gradients at (x, y), each a DP-SGD release (Abadi
 et al., CCS 2016, Alg. 1) on its own Poisson batch and noise — the lower g̃_y on the step's "batch"/"noise" streams,
 the upper g̃_x on "batch.1"/"noise.1" (``SampleDP.release``) — 2 releases per local step, both counted. With
-``hypergradient="finite-difference"`` eq. (4) becomes three releases, each on its own Poisson batch:
+``hypergradient="exact"`` or ``"finite-difference"`` eq. (4) becomes three releases, each on its own Poisson batch:
 
     g̃_y      = DP-SGD ∇_y F(x, y; π)                       release 0;  y⁺ = y − α g̃_y
     (g̃_x, ṽ) = DP-SGD ∇_{(x,y)} F(x, y⁺; ξ), clipped jointly  release 1 (ξ̃ = ξ)
-    d̃        = DP-SGD of each example's [∇_x ℓᵢ(x, y + δṽ) − ∇_x ℓᵢ(x, y − δṽ)]/(2δ),  δ = fd_eps/‖ṽ‖ per client,
-               the difference clipped as one vector              release 2 (ζ: its own batch, not π's)
+    d̃        = DP-SGD of each example's mixed term, clipped as one vector   release 2 (ζ: its own batch, not π's)
+               exact:              ∇²_{xy} ℓᵢ(x, y)·ṽ = d/dε ∇_x ℓᵢ(x, y + εṽ) at ε = 0 (forward mode over the
+                                   per-example gradient: ``Method.private_directional``)
+               finite-difference:  [∇_x ℓᵢ(x, y + δṽ) − ∇_x ℓᵢ(x, y − δṽ)]/(2δ),  δ = fd_eps/‖ṽ‖ per client
     h        = g̃_x − α d̃
 
-ṽ and δ are post-processing of release 1, so release 2 is one per-example function with sensitivity C. The
-``exact`` mode is refused: its mixed term is a double backward through the batch's gradient, with no per-example
-form here.
+ṽ (and δ) are post-processing of release 1, so release 2 is one per-example function with sensitivity C. Without DP
+the exact mode differentiates through the unrolled step y⁺(x) (one double backward); the private exact mode cannot,
+since y⁺ holds the released g̃_y, which x does not move — its mixed term is eq. (4)'s at (x, y), as the
+finite-difference mode's.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ import math
 from typing import Sequence
 
 import torch
+import torch.autograd.forward_ad as fwAD
 
 from ..aggregation import fedavg_factors
 from ..errors import ConfigError
@@ -46,15 +50,11 @@ __all__ = ["PF2LoRA"]
 @register
 class PF2LoRA(AveragedFactors):
     name = "pf2lora"
-    #: the default (hypergradient "exact") is a double backward; ``finite-difference`` and ``none`` have private
-    #: paths (module doc)
-    sample_dp_refusal = ("hypergradient 'exact': its mixed term differentiates through the batch's gradient (a double "
-                         "backward), which has no per-example form here; hypergradient: finite-difference or none "
-                         "trains privately")
+    sample_dp_refusal = None  # every hypergradient mode has a private path (module doc)
     sample_dp_note = ("hypergradient: none — its lower and upper gradients are each a DP-SGD release, 2 per local "
-                      "step; finite-difference — 3, the mixed term's per-example finite difference clipped as one; "
-                      "all counted; exact refused")
-    sample_dp_releases = 2
+                      "step; exact (forward mode over each example's gradient) and finite-difference — 3, the "
+                      "mixed term a release of its own, each example's clipped as one vector; all counted")
+    sample_dp_releases = 3
     personalised = True  # the client adapter C_k, D_k
     needs_client_adapter = True
     lr_option, optimizer_option = "upper_lr", "upper_optimizer"
@@ -90,16 +90,11 @@ class PF2LoRA(AveragedFactors):
         self.upper_optimizer, self.weight_decay = upper_optimizer, weight_decay
         self.hypergradient, self.batches, self.fd_eps = hypergradient, batches, fd_eps
         self.sample_dp_releases = type(self).sample_dp_releases_for({"hypergradient": hypergradient})
-        self.sample_dp_refusal = type(self).sample_dp_refusal_for({"hypergradient": hypergradient})
-
-    @classmethod
-    def sample_dp_refusal_for(cls, options) -> str | None:
-        return cls.sample_dp_refusal if options.get("hypergradient", "exact") == "exact" else None
 
     @classmethod
     def sample_dp_releases_for(cls, options) -> int:
-        """2 DP-SGD releases per local step (``none``), 3 with the finite-difference hypergradient (module doc)."""
-        return 3 if options.get("hypergradient", "exact") == "finite-difference" else 2
+        """2 DP-SGD releases per local step (``none``), 3 with a mixed term (``exact``, ``finite-difference``)."""
+        return 2 if options.get("hypergradient", "exact") == "none" else 3
 
     def step_sizes(self) -> dict:
         """The upper level's (common adapter, AdamW/SGD) and the lower level's α (client adapter, SGD)."""
@@ -161,7 +156,7 @@ class PF2LoRA(AveragedFactors):
     def _private_local_step(self, objective: Objective, sample: Sampler) -> None:
         """A local step under sample-level DP (module doc). ``none``: y ← y − α·g̃_y on release 0's batch, x along
         g̃_x on release 1's, both taken at the step's (x, y) as ``bilevel_direction``'s "none" mode takes them.
-        ``finite-difference``: g̃_x and ṽ at (x, y⁺) on release 1's batch, the mixed term on release 2's."""
+        ``exact``/``finite-difference``: g̃_x and ṽ at (x, y⁺) on release 1's batch, the mixed term on release 2's."""
         alpha = self.lower_lr * self.lr_factor
         inner = sample()  # the runtime positioned this step's draws: release 0
         g_y = self.private_grads(lambda: objective(self.params, inner), self.y_names)
@@ -194,9 +189,16 @@ class PF2LoRA(AveragedFactors):
             self.sched.step()
 
     def _private_mixed_term(self, objective: Objective, y: dict, v: dict, batch) -> list[torch.Tensor]:
-        """Release 2 of a private finite-difference step: per slot δ = fd_eps/‖ṽ‖ (0 where ṽ = 0, as
-        ``bilevel_direction``), each example's [∇_x ℓᵢ(x, y + δṽ) − ∇_x ℓᵢ(x, y − δṽ)]/(2δ) as one release
-        (``Method.private_difference``); aligned with ``x_names``."""
+        """Release 2 of a private step with a mixed term, aligned with ``x_names``. ``exact``: each example's
+        ∇²_{xy}ℓᵢ(x, y)·ṽ, the tangent of its ∇_x ℓᵢ at y made dual along ṽ (``Method.private_directional``).
+        ``finite-difference``: per slot δ = fd_eps/‖ṽ‖ (0 where ṽ = 0, as ``bilevel_direction``), each example's
+        [∇_x ℓᵢ(x, y + δṽ) − ∇_x ℓᵢ(x, y − δṽ)]/(2δ) (``Method.private_difference``). Either as one release."""
+        if self.hypergradient == "exact":
+            with fwAD.dual_level(), torch.enable_grad():
+                at = {n: self.params[n] for n in self.x_names} | {
+                    n: fwAD.make_dual(y[n], v[n].detach().to(y[n].dtype)) for n in self.y_names}
+                got = self.private_directional(lambda: objective(at, batch), self.x_names)
+            return [got[n] for n in self.x_names]
         S = len(self.replica_clients)
         sq = sum((t.double() ** 2).reshape(S, -1).sum(1) for t in v.values())
         delta = torch.where(sq > 0, self.fd_eps / sq.sqrt().clamp_min(1e-300), torch.zeros_like(sq))

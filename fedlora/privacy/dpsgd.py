@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch import nn
 
 from fedlora.adapter import Capture, LoRALinear  # Capture: what a layer records of its forward (re-exported here)
@@ -40,8 +41,9 @@ from fedlora.seeds import DP_SAMPLE, seed_of
 
 from .clipping import check_clip_norm, clip_per_sample, gaussian_noise_like, per_sample_lora_grads
 
-__all__ = ["SampleDP", "Capture", "capture", "per_sample_grads", "per_example_gradients", "privatise",
-           "private_gradients", "private_difference", "private_weight_gradients", "DP_MASK"]
+__all__ = ["SampleDP", "Capture", "capture", "per_sample_grads", "per_example_gradients", "per_example_directional",
+           "privatise", "private_gradients", "private_difference", "private_directional", "private_weight_gradients",
+           "DP_MASK"]
 
 #: the batch entry (S·b,) of 1.0 for a real row and 0.0 for a padded one (the slot executor's Poisson batches)
 DP_MASK = "dp_mask"
@@ -235,12 +237,21 @@ def _module_prefixes(model: nn.Module) -> dict[int, str]:
     return {id(m): (n + "." if n else "") for n, m in model.named_modules()}
 
 
+def _keep_tangent(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without its autograd graph but with its forward-mode tangent, if it has one (``detach`` drops both)."""
+    primal, tangent = fwAD.unpack_dual(t)
+    return primal.detach() if tangent is None else fwAD.make_dual(primal.detach(), tangent.detach())
+
+
 def per_sample_grads(records: Sequence[Capture], grads_out: Sequence[torch.Tensor | None], names: Sequence[str],
-                     model: nn.Module, slots: int) -> dict[str, torch.Tensor]:
+                     model: nn.Module, slots: int, keep_tangents: bool = False) -> dict[str, torch.Tensor]:
     """Per-example gradients of the parameters ``names``: name → (S, n, *shape) from the captured forwards and the
     gradients ``grads_out`` of the SUMMED loss with respect to each capture's output (None: the output was not
     used). A parameter reached by several forwards (a shared layer) gets the sum. A name no capture covers is a
-    one-line ``ConfigError``."""
+    one-line ``ConfigError``. ``keep_tangents``: inside a forward-mode dual level the captured inputs and factors
+    keep their tangents, so each result's tangent is the derivative of that example's gradient along them
+    (``per_example_directional``)."""
+    detach = _keep_tangent if keep_tangents else torch.Tensor.detach
     prefixes = _module_prefixes(model)
     wanted = set(names)
     out: dict[str, torch.Tensor] = {}
@@ -254,9 +265,9 @@ def per_sample_grads(records: Sequence[Capture], grads_out: Sequence[torch.Tenso
             raise ConfigError("sample-level DP: a captured layer is not part of the model being trained")
         if g is None:
             g = torch.zeros_like(rec.y)
-        x, gy = rec.per_example(rec.x.detach(), slots), rec.per_example(g, slots)
+        x, gy = rec.per_example(detach(rec.x), slots), rec.per_example(g, slots)
         if rec.A is not None and rec.R is not None:  # TriLoRA (H²Tune): ΔW = s·B·M·A, M = I + (Φ ⊙ Ω^sup) ⊙ R
-            for name, t in _per_sample_middle(rec, x, gy, pre, wanted, slots).items():
+            for name, t in _per_sample_middle(rec, x, gy, pre, wanted, slots, detach).items():
                 add(name, t)
         elif rec.A is not None:  # a LoRA layer: its adapter (A, B) and, where it has one, its client adapter (C, D)
             for down, up, D_, U_, scale in (("lora_A", "lora_B", rec.A, rec.B, rec.module.scale),
@@ -264,7 +275,7 @@ def per_sample_grads(records: Sequence[Capture], grads_out: Sequence[torch.Tenso
                 d_name, u_name = pre + down, pre + up
                 if D_ is None or not (d_name in wanted or u_name in wanted):
                     continue
-                D_, U_ = D_.detach(), U_.detach()
+                D_, U_ = detach(D_), detach(U_)
                 if D_.dim() == 2:
                     D_, U_ = D_.unsqueeze(0), U_.unsqueeze(0)
                 dds, dus = zip(*(per_sample_lora_grads(x[p], gy[p], D_[p], U_[p], scale) for p in range(slots)))
@@ -285,8 +296,8 @@ def per_sample_grads(records: Sequence[Capture], grads_out: Sequence[torch.Tenso
     return out
 
 
-def _per_sample_middle(rec: Capture, x: torch.Tensor, gy: torch.Tensor, pre: str, wanted: set, slots: int
-                       ) -> dict[str, torch.Tensor]:
+def _per_sample_middle(rec: Capture, x: torch.Tensor, gy: torch.Tensor, pre: str, wanted: set, slots: int,
+                       detach: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.detach) -> dict[str, torch.Tensor]:
     """Per-example gradients of a TriLoRA layer y = x W₀ᵀ + s·x Aᵀ Mᵀ Bᵀ, M = I + (Φ ⊙ Ω^sup) ⊙ R ([H²Tune] eq. 3;
     Ω^sup the layer's ``middle_mask``): A's and B's are LoRA's with B·M and M·A in place of B and A
     (``per_sample_lora_grads``), and dMᵢ = s·Σₜ (gₜB)ᵀ(xₜAᵀ) (r × r, from the same rank-r products) gives
@@ -295,7 +306,7 @@ def _per_sample_middle(rec: Capture, x: torch.Tensor, gy: torch.Tensor, pre: str
     names = {leaf: pre + leaf for leaf in ("lora_A", "lora_B", "lora_R", "lora_Phi")}
     if not wanted & set(names.values()):
         return {}
-    A, B, R, Phi = (t.detach() for t in (rec.A, rec.B, rec.R, rec.Phi))
+    A, B, R, Phi = (detach(t) for t in (rec.A, rec.B, rec.R, rec.Phi))
     mask = rec.module.middle_mask.to(R.dtype)
     if A.dim() == 2:
         A, B, R, Phi = A.unsqueeze(0), B.unsqueeze(0), R.unsqueeze(0), Phi.unsqueeze(0)
@@ -384,6 +395,32 @@ def per_example_gradients(model: nn.Module, losses_fn: Callable[[], torch.Tensor
     ``private_gradients``), before any clipping."""
     live, outs = _output_grads(model, losses_fn, slots)
     return per_sample_grads(live, outs, names, model, slots)
+
+
+def per_example_directional(model: nn.Module, losses_fn: Callable[[], torch.Tensor], names: Sequence[str],
+                            slots: int) -> dict[str, torch.Tensor]:
+    """Each example's gradient of ``names`` differentiated along the tangents its forward carries: name → (S, n,
+    *shape) = d/dε ∇ℓᵢ(θ + εv) at ε = 0 — the per-example Hessian-vector product ∇²ℓᵢ·v, of which PF2LoRA's exact
+    mixed term ∇²_{xy}ℓᵢ·ṽ is one block. Forward mode over the reverse pass: call it inside
+    ``torch.autograd.forward_ad.dual_level()`` with ``losses_fn`` running at parameters made dual (primal θ, tangent
+    v); the layers' captured inputs, the output gradients and hence the per-example formulas carry the derivative
+    (the adapter layers run their reference torch ops under a tangent: ``fedlora.kernels``). An example's gradient
+    that does not move along v gives zeros."""
+    live, outs = _output_grads(model, losses_fn, slots)
+    per = per_sample_grads(live, outs, names, model, slots, keep_tangents=True)
+    out = {}
+    for n, t in per.items():
+        primal, tangent = fwAD.unpack_dual(t)
+        out[n] = torch.zeros_like(primal) if tangent is None else tangent
+    return out
+
+
+def private_directional(sdp: SampleDP, model: nn.Module, losses_fn: Callable[[], torch.Tensor],
+                        names: Sequence[str], clients: Sequence[int]) -> dict[str, torch.Tensor]:
+    """One DP-SGD release of each example's Hessian-vector product (``per_example_directional``: inside a dual
+    level, ``losses_fn`` at dual parameters), clipped to C as one vector, summed, noised, / q·n_k (``privatise``).
+    PF2LoRA's exact mixed term. Returns name → (S, *shape)."""
+    return privatise(sdp, per_example_directional(model, losses_fn, names, len(clients)), clients)
 
 
 def private_difference(sdp: SampleDP, model: nn.Module, plus_fn: Callable[[], torch.Tensor],

@@ -30,8 +30,7 @@ TESTBED_PRIVATE = tuple(m for m in available_methods()
 def parse_methods(text: str) -> tuple[str, ...]:
     """``--methods``: comma-separated entries — a name, or a name with constructor options
     (``perfedavg:variant=hessian-free``, ``method_entry``) — or ``all`` (``TESTBED_PRIVATE``, default options); one
-    line naming what is allowed else. An entry must train privately on the testbed with its options (PF2LoRA with
-    ``:hypergradient=finite-difference`` or ``none``)."""
+    line naming what is allowed else. An entry must train privately on the testbed with its options."""
     if text.strip() == "all":
         return TESTBED_PRIVATE
     entries = tuple(m.strip() for m in text.split(",") if m.strip())
