@@ -114,7 +114,7 @@ class FederatedRun:
         # model -----------------------------------------------------------------------------
         mc = cfg.model
         self._base_model()
-        if self.method.needs_second_order:  # fused SDPA kernels have no double backward (CPU flash)
+        if self.method.needs_second_order:  # fused SDPA (CPU flash) has no double backward nor forward-mode AD
             _eager_attention(self.model)
         self.dtype = torch_dtype(mc.dtype)
         self.enc_train = self.task.encode(self.train_data, self.tokenizer, mc.max_length)

@@ -102,7 +102,7 @@ class PF2LoRA(AveragedFactors):
 
     @property
     def needs_second_order(self) -> bool:
-        return self.hypergradient == "exact"  # eq. (4)'s mixed term by double backward
+        return self.hypergradient == "exact"  # eq. (4)'s mixed term: double backward (forward mode under DP)
 
     def adapter_kwargs(self) -> dict:
         """Common adapter of rank r, client adapter of rank r̃ (defaults r = 8, r̃ = 2: docs/design.md §4.9)."""
