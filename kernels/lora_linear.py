@@ -816,7 +816,7 @@ def lora_linear_multi(x, weight, bias, a, b, c, d, seg_offsets, scale=1.0, clien
     x_rows = torch.empty((M, d_in), device="meta")  # shape checks only: no copy of a strided X
     check_lora_shapes(x_rows, weight, bias, a, b, None, None)
     check_lora_shapes(x_rows.unsqueeze(0).expand(K, -1, -1), weight, bias, c, d, None, None)
-    use_triton = _use_triton(x, backend)
+    use_triton = _use_triton(x, backend) and not _has_tangent(x, (weight, bias, a, b, c, d))  # as lora_linear
     on_device = (use_triton and isinstance(seg_offsets, torch.Tensor) and seg_offsets.device == x.device)
     offsets = None if on_device else _check_offsets(seg_offsets, M, K)
     if client_rank_mask is not None and client_rank_mask.dim() == 2 and client_rank_mask.shape[0] != K:

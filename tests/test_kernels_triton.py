@@ -293,6 +293,18 @@ def test_a_forward_mode_tangent_runs_on_the_reference_op():
     assert ty is not None and tga is not None and tga.abs().max() > 1e-3
     torch.testing.assert_close(ty, (yp - ym) / (2 * h), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(tga, (gp - gm) / (2 * h), rtol=1e-6, atol=1e-7)
+    # the multi-client op: client k's (C, D) on its rows, the tangent on client 1's only
+    cs, ds = torch.stack([c, 2 * c]), torch.stack([d, -d])
+    tcs, tds = torch.stack([torch.zeros_like(tc), tc]), torch.stack([torch.zeros_like(td), td])
+
+    def multi(c_, d_, backend):
+        return lora_linear_multi(x, w, bb, a, b, c_, d_, [0, 3, 8], 0.5, 2.0, backend=backend)
+
+    with fwAD.dual_level():
+        tm = fwAD.unpack_dual(multi(fwAD.make_dual(cs, tcs), fwAD.make_dual(ds, tds), "triton")).tangent
+    fd = (multi(cs + h * tcs, ds + h * tds, "reference") - multi(cs - h * tcs, ds - h * tds, "reference")) / (2 * h)
+    assert tm is not None and tm[3:].abs().max() > 1e-3 and not tm[:3].any()
+    torch.testing.assert_close(tm, fd, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("case,match", [
