@@ -1179,7 +1179,13 @@ def _tiny_task_run(config, *sets):
     return FederatedRun(cfg, write=False).prepare().slots
 
 
-@pytest.mark.parametrize("config,sets", [("e2e-pf2lora", []), ("squad-pf2lora", ["data.task=squad"])])
+#: PF2LoRA in its default exact mode: forward-mode AD through GPT-2 (eager attention); float64 and a large α as in
+#: test_every_supported_method_trains_its_factors, so that C's first move is visible
+_PF2LORA_EXACT = ["method.name=pf2lora", "model.dtype=float64", "method.options.lower_lr=1.0"]
+
+
+@pytest.mark.parametrize("config,sets", [("e2e-pf2lora", []), ("squad-pf2lora", ["data.task=squad"]),
+                                         ("e2e-pf2lora", _PF2LORA_EXACT)])
 def test_generation_and_qa_train_privately(config, sets):
     """σ = 0: two private steps move every LoRA factor of both clients (the clipped gradients alone)."""
     ex = _tiny_task_run(config, *sets)
