@@ -696,6 +696,50 @@ def test_private_first_order_pf2lora_releases_its_lower_and_upper_gradients_on_t
             torch.testing.assert_close(m.params[n].detach(), start[n] - lr * want[n], rtol=1e-9, atol=1e-12, msg=n)
 
 
+class _PrivatePF2LoRA:
+    """A private PF2LoRA local step with a mixed term (SGD, the tiny model, S = 2) and its first two releases by hand:
+    ``y_plus`` = y − α·g̃_y (release 0), ``joint`` = g̃_x and ṽ at (x, y⁺) (release 1); ``sdp`` is left at release 2.
+    ``check(mixed)``: the step gives y⁺ and x − lr·(g̃_x − α·mixed), each release drawn once, in order."""
+
+    lr_x, lr_y = 0.1, 0.2
+
+    def __init__(self, **options):
+        from fedlora.methods.pf2lora import PF2LoRA
+
+        self.model = _tiny(2, r=2, client_rank=1)
+        self.m = m = PF2LoRA(rank=2, client_rank=1, upper_optimizer="sgd", upper_lr=self.lr_x, lower_lr=self.lr_y,
+                             **options)
+        m.bind(self.model, [0, 1], n_clients=2)
+        self.sdp = sdp = SampleDP(0.5, 0.7, 0.4, seed=17)
+        sdp.set_client_sizes({0: 10, 1: 10})
+        m.set_sample_dp(sdp)
+        assert m.sample_dp_releases == 3 == PF2LoRA.sample_dp_releases_for(options)
+        self.t = t = _TwoReleases(self.model, sdp)
+        self.xs, self.ys = xs, ys = m.x_names, m.y_names
+        self.start = start = {n: t_.detach().clone() for n, t_ in m.params.items()}
+        sdp.at(0, 0)
+        g_y = t.by_hand(t.per_example(start, ys, 0), ys, 0)
+        self.y_plus = {n: start[n] - self.lr_y * g_y[n] for n in ys}
+        sdp.release(1)
+        self.joint = t.by_hand(t.per_example({**start, **self.y_plus}, [*xs, *ys], 1), [*xs, *ys], 1)
+        sdp.release(2)
+
+    def want_x(self, mixed):
+        return {n: self.start[n] - self.lr_x * (self.joint[n] - self.lr_y * mixed[n]) for n in self.xs}
+
+    def check(self, mixed):
+        m, t = self.m, self.t
+        self.sdp.at(0, 0)
+        m.local_step(t.objective, t.sample)
+        assert t.drawn == [(0, 0, 0), (0, 0, 1), (0, 0, 2)]
+        for n in self.ys:
+            torch.testing.assert_close(m.params[n].detach(), self.y_plus[n], rtol=1e-9, atol=1e-12, msg=n)
+        want = self.want_x(mixed)
+        for n in self.xs:
+            assert (self.lr_y * mixed[n]).abs().max() > 1e-6, n  # the mixed term moves x here
+            torch.testing.assert_close(m.params[n].detach(), want[n], rtol=1e-9, atol=1e-12, msg=n)
+
+
 def test_private_exact_pf2lora_releases_each_examples_hessian_vector_product():
     """PF2LoRA's default hypergradient "exact" under DP (SGD), three releases on their own batches: y⁺ = y − α·g̃_y
     (release 0); g̃_x and ṽ one joint release at (x, y⁺) (release 1); the mixed term from each example's
@@ -704,56 +748,33 @@ def test_private_exact_pf2lora_releases_each_examples_hessian_vector_product():
     tends to it as fd_eps → 0 (same streams)."""
     from fedlora.methods.pf2lora import PF2LoRA
 
-    lr_x, lr_y = 0.1, 0.2
-    model = _tiny(2, r=2, client_rank=1)
-    m = PF2LoRA(rank=2, client_rank=1, upper_optimizer="sgd", upper_lr=lr_x, lower_lr=lr_y)
-    assert m.hypergradient == "exact" and m.needs_second_order
-    m.bind(model, [0, 1], n_clients=2)
-    sdp = SampleDP(0.5, 0.7, 0.4, seed=17)
-    sdp.set_client_sizes({0: 10, 1: 10})
-    m.set_sample_dp(sdp)
-    assert m.sample_dp_releases == 3 == PF2LoRA.sample_dp_releases_for({})
-    t = _TwoReleases(model, sdp)
-    xs, ys = m.x_names, m.y_names
-    start = {n: t_.detach().clone() for n, t_ in m.params.items()}
-    sdp.at(0, 0)
-    g_y = t.by_hand(t.per_example(start, ys, 0), ys, 0)
-    y_plus = {n: start[n] - lr_y * g_y[n] for n in ys}
-    sdp.release(1)
-    joint = t.by_hand(t.per_example({**start, **y_plus}, [*xs, *ys], 1), [*xs, *ys], 1)
-    sdp.release(2)
+    s = _PrivatePF2LoRA()
+    assert s.m.hypergradient == "exact" and s.m.needs_second_order
+    t, start, ys = s.t, s.start, s.ys
 
     def hvp_loss(leaves, one):  # ⟨∇_y ℓ(x, y), ṽ⟩ of the examples in ``one``, differentiable in x (the leaves)
         y_leaves = {n: start[n].clone().requires_grad_(True) for n in ys}
         loss = t.objective({**start, **leaves, **y_leaves}, (*t.batches[2][:2], one)).sum()
         grads = torch.autograd.grad(loss, list(y_leaves.values()), create_graph=True)
-        return sum((g * joint[n]).sum() for n, g in zip(ys, grads))
+        return sum((g * s.joint[n]).sum() for n, g in zip(ys, grads))
 
-    per = t.per_example(start, xs, 2, loss=hvp_loss)
-    mixed = t.by_hand(per, xs, 2)
-    sdp.at(0, 0)
-    m.local_step(t.objective, t.sample)
-    assert t.drawn == [(0, 0, 0), (0, 0, 1), (0, 0, 2)]
-    for n in ys:
-        torch.testing.assert_close(m.params[n].detach(), y_plus[n], rtol=1e-9, atol=1e-12, msg=n)
-    for n in xs:
-        assert (lr_y * per[n]).abs().max() > 1e-4, n  # the mixed term moves x here
-        torch.testing.assert_close(m.params[n].detach(), start[n] - lr_x * (joint[n] - lr_y * mixed[n]),
-                                   rtol=1e-9, atol=1e-12, msg=n)
+    per = t.per_example(start, s.xs, 2, loss=hvp_loss)
+    assert all((s.lr_y * per[n]).abs().max() > 1e-4 for n in s.xs)
+    mixed = t.by_hand(per, s.xs, 2)
+    s.check(mixed)
     # the finite-difference mode's step from the same start and streams approaches it: O(fd_eps²)
-    gaps = []
+    gaps, want = [], s.want_x(mixed)
     for eps in (1e-2, 1e-3):
         with torch.no_grad():
             for n, v in start.items():
-                m.params[n].copy_(v)
+                s.m.params[n].copy_(v)
         fd = PF2LoRA(rank=2, client_rank=1, hypergradient="finite-difference", fd_eps=eps, upper_optimizer="sgd",
-                     upper_lr=lr_x, lower_lr=lr_y)
-        fd.bind(model, [0, 1], n_clients=2)
-        fd.set_sample_dp(sdp)
-        sdp.at(0, 0)
+                     upper_lr=s.lr_x, lower_lr=s.lr_y)
+        fd.bind(s.model, [0, 1], n_clients=2)
+        fd.set_sample_dp(s.sdp)
+        s.sdp.at(0, 0)
         fd.local_step(t.objective, t.sample)
-        gaps.append(max((fd.params[n].detach() - (start[n] - lr_x * (joint[n] - lr_y * mixed[n]))).abs().max().item()
-                        for n in xs))
+        gaps.append(max((fd.params[n].detach() - want[n]).abs().max().item() for n in s.xs))
     assert 0 < gaps[1] < gaps[0] / 50, gaps
 
 
@@ -762,28 +783,10 @@ def test_private_finite_difference_pf2lora_releases_the_mixed_term_as_each_examp
     α·g̃_y (release 0); g̃_x and ṽ one joint release at (x, y⁺) (release 1); the mixed term from each example's
     [∇_x ℓᵢ(x, y + δṽ) − ∇_x ℓᵢ(x, y − δṽ)]/(2δ), δ = fd_eps/‖ṽ‖ per client, clipped as one, summed, noised
     (release 2); x steps along g̃_x − α·d̃ — equal to loops over single examples done by hand."""
-    from fedlora.methods.pf2lora import PF2LoRA
-
-    lr_x, lr_y, eps = 0.1, 0.2, 0.05
-    model = _tiny(2, r=2, client_rank=1)
-    m = PF2LoRA(rank=2, client_rank=1, hypergradient="finite-difference", fd_eps=eps, upper_optimizer="sgd",
-                upper_lr=lr_x, lower_lr=lr_y)
-    m.bind(model, [0, 1], n_clients=2)
-    sdp = SampleDP(0.5, 0.7, 0.4, seed=17)
-    sdp.set_client_sizes({0: 10, 1: 10})
-    m.set_sample_dp(sdp)
-    assert m.sample_dp_releases == 3 == PF2LoRA.sample_dp_releases_for({"hypergradient": "finite-difference"})
-    t = _TwoReleases(model, sdp)
-    xs, ys = m.x_names, m.y_names
-    start = {n: t_.detach().clone() for n, t_ in m.params.items()}
-    sdp.at(0, 0)
-    g_y = t.by_hand(t.per_example(start, ys, 0), ys, 0)
-    y_plus = {n: start[n] - lr_y * g_y[n] for n in ys}
-    sdp.release(1)
-    joint = t.by_hand(t.per_example({**start, **y_plus}, [*xs, *ys], 1), [*xs, *ys], 1)
-    norm = torch.stack([sum(joint[n][p].pow(2).sum() for n in ys) for p in range(2)]).sqrt()
-    delta = eps / norm
-    sdp.release(2)
+    eps = 0.05
+    s = _PrivatePF2LoRA(hypergradient="finite-difference", fd_eps=eps)
+    t, start, ys, xs, joint = s.t, s.start, s.ys, s.xs, s.joint
+    delta = eps / torch.stack([sum(joint[n][p].pow(2).sum() for n in ys) for p in range(2)]).sqrt()
 
     def slotwise(d, t_):  # a slot's scalar over its slice
         return d.view(-1, *[1] * (t_.dim() - 1))
@@ -791,16 +794,7 @@ def test_private_finite_difference_pf2lora_releases_the_mixed_term_as_each_examp
     sides = [t.per_example({**start, **{n: start[n] + sign * slotwise(delta, start[n]) * joint[n] for n in ys}}, xs, 2)
              for sign in (1.0, -1.0)]
     per = {n: (sides[0][n] - sides[1][n]) / (2 * slotwise(delta, sides[0][n])) for n in xs}
-    mixed = t.by_hand(per, xs, 2)
-    sdp.at(0, 0)
-    m.local_step(t.objective, t.sample)
-    assert t.drawn == [(0, 0, 0), (0, 0, 1), (0, 0, 2)]
-    for n in ys:
-        torch.testing.assert_close(m.params[n].detach(), y_plus[n], rtol=1e-9, atol=1e-12, msg=n)
-    for n in xs:
-        assert (lr_y * mixed[n]).abs().max() > 1e-6, n  # the mixed term moves x here
-        torch.testing.assert_close(m.params[n].detach(), start[n] - lr_x * (joint[n] - lr_y * mixed[n]),
-                                   rtol=1e-9, atol=1e-12, msg=n)
+    s.check(t.by_hand(per, xs, 2))
 
 
 def test_private_feddpa_releases_each_phase_on_its_own_batch_and_noise():
