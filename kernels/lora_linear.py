@@ -105,8 +105,8 @@ def _mode(backend: str | None) -> str:
 def _has_tangent(x: torch.Tensor, tensors) -> bool:
     """Whether forward-mode AD carries a tangent on any operand (PF2LoRA's private exact mixed term): the kernels'
     ``autograd.Function`` has no jvp, and the reference's torch ops propagate tangents through forward and backward."""
-    if fwAD._current_level < 0:  # no dual level open: the hot path's one integer compare
-        return False
+    if getattr(fwAD, "_current_level", 0) < 0:  # no dual level open: the hot path's one compare (a torch without
+        return False                              # this private counter: every call checks its operands)
     return any(t is not None and fwAD.unpack_dual(t).tangent is not None for t in (x, *tensors))
 
 
