@@ -10,7 +10,6 @@ from fedlora.errors import ConfigError
 from fedlora.llm.privacy import describe_plan
 from fedlora.methods import available_methods, get_method
 
-REFUSED = [m for m in available_methods() if get_method(m).sample_dp_refusal is not None]
 DP = ["method.name=ffa", "privacy.level=sample", "privacy.noise_multiplier=1.1", "privacy.clip_norm=0.5",
       "privacy.delta=1e-5", "train.rounds=3"]
 
@@ -191,14 +190,19 @@ def test_sample_level_dp_over_flower_gives_the_embedded_runs_records(sample_run,
     assert_same_adapters(adapters(sample_run), adapters(out))
 
 
-@pytest.mark.parametrize("method", REFUSED)
-def test_a_method_without_a_private_local_step_is_refused_in_one_line(method):
+def test_a_method_without_a_private_local_step_is_refused_in_one_line(monkeypatch):
+    """Every registered method has a private local step now (PF2LoRA's exact mode was the last refused); a method
+    without one — the base class's default refusal, a plugin's — is refused by the run's config in one line."""
     from fedlora.llm.config import RunConfig
+    from fedlora.methods.base import Method
+    from fedlora.methods.pf2lora import PF2LoRA
 
+    assert [m for m in available_methods() if get_method(m).sample_dp_refusal is not None] == []
+    monkeypatch.setattr(PF2LoRA, "sample_dp_refusal", Method.sample_dp_refusal)
     with pytest.raises(ConfigError) as e:
-        RunConfig.from_dict({"method": {"name": method}, "privacy": {"level": "sample", "noise_multiplier": 1.0}})
-    assert "\n" not in str(e.value) and method in str(e.value)
-    assert get_method(method).sample_dp_refusal in str(e.value)
+        RunConfig.from_dict({"method": {"name": "pf2lora"}, "privacy": {"level": "sample", "noise_multiplier": 1.0}})
+    assert "\n" not in str(e.value) and "pf2lora" in str(e.value)
+    assert Method.sample_dp_refusal in str(e.value)
 
 
 def test_the_plan_derives_sigma_for_the_worst_client_and_refuses_a_budget_the_first_round_exceeds():
